@@ -1,0 +1,37 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from comfyui_host import SKIP_MESSAGE, ComfyUIServer  # noqa: E402
+
+
+# --- real ComfyUI end-to-end host (tests/comfyui_host.py) -------------------------------------------
+@pytest.fixture(scope="session")
+def comfyui_dir():
+    """The ComfyUI checkout named by COMFYUI_DIR; skips the test when it is unset."""
+    path = os.environ.get("COMFYUI_DIR")
+    if not path:
+        pytest.skip(SKIP_MESSAGE)
+    if not os.path.isfile(os.path.join(path, "main.py")):
+        pytest.fail(f"COMFYUI_DIR={path} has no main.py; .ci/install-comfyui.sh makes a ComfyUI tree")
+    return path
+
+
+@pytest.fixture(scope="session")
+def comfyui_models_dir(tmp_path_factory):
+    """The server's ``diffusers`` model folder: save tiny pipelines here (save_pretrained directories)."""
+    return tmp_path_factory.mktemp("comfyui-diffusers-models")
+
+
+@pytest.fixture(scope="session")
+def comfyui_server(comfyui_dir, comfyui_models_dir):
+    """One real ComfyUI server (CPU) with this pack linked in, shared by the session; stopped at the end."""
+    server = ComfyUIServer(comfyui_dir, diffusers_dir=comfyui_models_dir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
