@@ -1,0 +1,168 @@
+"""Process lifecycle: start the torchrun group, find its ranks, read their logs, tear it all down.
+
+The group lives in a private run directory (0700): the control socket, the token, one log per rank and
+one pid file per rank. torchrun starts each rank in a session of its own, so teardown signals the
+agent's process group and every rank's pid; nothing it started is left running.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from .arena import SHM_DIR, remove_segments
+from .spec import BackendSpec
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHM_PREFIX = "pd"
+
+
+@dataclasses.dataclass
+class LaunchedGroup:
+    spec: BackendSpec
+    proc: subprocess.Popen
+    run_dir: str
+    token: str
+    shm_prefix: str
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.run_dir, "control.sock")
+
+    def worker_pids(self) -> dict[int, int]:
+        """Rank → pid for the ranks of this machine that have started."""
+        pids = {}
+        for path in glob.glob(os.path.join(self.run_dir, "rank*.pid")):
+            rank = int(re.search(r"rank(\d+)\.pid$", path).group(1))
+            try:
+                with open(path) as f:
+                    pids[rank] = int(f.read().strip())
+            except (OSError, ValueError):
+                pass
+        return pids
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        try:
+            with open(os.path.join(self.run_dir, name), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def traceback_of(self, rank: int) -> str:
+        return self.log_tail(f"rank{rank}.traceback", lines=200)
+
+    def failed_rank(self) -> int | None:
+        """The rank that failed first: one that left a traceback, else torchrun's "Root Cause"."""
+        ranks = sorted(int(m.group(1)) for p in glob.glob(os.path.join(self.run_dir, "rank*.traceback"))
+                       if (m := re.search(r"rank(\d+)\.traceback$", p)))
+        if ranks:
+            return ranks[0]
+        launcher_log = self.log_tail("launcher.log", lines=400)
+        root = launcher_log.rfind("Root Cause")
+        if root >= 0 and (m := re.search(r"rank\s*:\s*(\d+)", launcher_log[root:])):
+            return int(m.group(1))
+        return None
+
+
+def process_alive(pid: int) -> bool:
+    """True for a running process; False for a gone or zombie one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def sweep_stale_segments() -> list[str]:
+    """Remove arena segments left by clients that no longer run (named ``pd-<client pid>-...``)."""
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}-*-*")):
+        m = re.match(rf"{SHM_PREFIX}-(\d+)-", os.path.basename(path))
+        if m and not process_alive(int(m.group(1))):
+            removed += remove_segments(os.path.basename(path))
+    return removed
+
+
+def torchrun_command(spec: BackendSpec) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.ranks),
+           "--max-restarts", "0", "--monitor-interval", "0.2"]
+    if spec.nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint]
+    return cmd + ["-m", "parallel_runtime.worker"]
+
+
+def launch(spec: BackendSpec) -> LaunchedGroup:
+    """Start the group in a fresh private run directory. Returns at once; the ranks come up on their own."""
+    sweep_stale_segments()
+    run_dir = tempfile.mkdtemp(prefix="comfy-parallel-")  # mode 0700
+    token = secrets.token_hex(32)
+    fd = os.open(os.path.join(run_dir, "token"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update({
+        "COMFY_PARALLEL_RUN_DIR": run_dir,
+        "COMFY_PARALLEL_CLIENT_PID": str(os.getpid()),
+        "COMFY_PARALLEL_DEVICE": spec.device,
+        "COMFY_PARALLEL_SHM_PREFIX": shm_prefix,
+        "PYTHONUNBUFFERED": "1",
+    })
+    log = open(os.path.join(run_dir, "launcher.log"), "ab")
+    try:
+        proc = subprocess.Popen(torchrun_command(spec), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
+    finally:
+        log.close()
+    return LaunchedGroup(spec=spec, proc=proc, run_dir=run_dir, token=token, shm_prefix=shm_prefix)
+
+
+def _signal_all(group: LaunchedGroup, sig: int) -> None:
+    try:
+        os.killpg(group.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in group.worker_pids().values():
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def wait_exit(group: LaunchedGroup, timeout: float) -> bool:
+    """Wait until the agent and every rank have exited; False if some are still running at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        agent_done = group.proc.poll() is not None
+        if agent_done and not any(process_alive(p) for p in group.worker_pids().values()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def terminate(group: LaunchedGroup, grace: float = 5.0, keep_run_dir: bool = False) -> None:
+    """Stop every process of the group (SIGTERM, then SIGKILL after ``grace``) and remove its segments."""
+    if not wait_exit(group, 0):
+        _signal_all(group, signal.SIGTERM)
+        if not wait_exit(group, grace):
+            _signal_all(group, signal.SIGKILL)
+            wait_exit(group, 5.0)
+    try:
+        group.proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        pass
+    remove_segments(group.shm_prefix)
+    if not keep_run_dir:
+        shutil.rmtree(group.run_dir, ignore_errors=True)

@@ -1,0 +1,66 @@
+"""What a backend is: the frozen description that keys a running backend."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+DEVICES = ("cpu", "cuda")
+MEMORY_POLICIES = ("staged", "resident")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """A backend's launch configuration. Two equal specs share one running backend.
+
+    ``ranks`` is the number of ranks on this machine (torchrun's ``--nproc-per-node``); with ``nnodes`` > 1
+    the other machines run the same backend command with their own ``node_rank`` and the shared
+    ``rdzv_endpoint``, and rank 0 (which owns the shared memory) stays on this machine.
+    """
+
+    ranks: int = 2
+    device: str = "cpu"
+    memory_policy: str = "staged"
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ValueError(f"ranks must be a whole number ≥ 1, got {self.ranks!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES} (resolve 'auto' first), got {self.device!r}")
+        if self.memory_policy not in MEMORY_POLICIES:
+            raise ValueError(f"memory_policy must be one of {MEMORY_POLICIES}, got {self.memory_policy!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..nnodes-1, got node_rank={self.node_rank} nnodes={self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("a backend over several machines needs rdzv_endpoint (host:port of machine 0)")
+        if self.nnodes > 1 and self.node_rank != 0:
+            raise ValueError("this machine runs rank 0 (it owns the shared memory), so its node_rank must be 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks * self.nnodes
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_spec(device: str = "auto", ranks: int = 0, memory_policy: str = "staged") -> BackendSpec:
+    """The backend nodes use when no ParallelBackend node is wired in.
+
+    ``auto`` means CUDA when a GPU is visible, else CPU; ``ranks`` 0 means one rank per visible GPU, or 2 CPU
+    ranks. ``COMFY_PARALLEL_DEVICE`` and ``COMFY_PARALLEL_RANKS`` override the defaults, not explicit values.
+    """
+    if device == "auto":
+        device = os.environ.get("COMFY_PARALLEL_DEVICE", "auto")
+    if not ranks:
+        ranks = int(os.environ.get("COMFY_PARALLEL_RANKS", "0") or 0)
+    if device == "auto":
+        device = "cuda" if cuda_device_count() > 0 else "cpu"
+    if not ranks:
+        ranks = cuda_device_count() if device == "cuda" else 2
+    return BackendSpec(ranks=ranks, device=device, memory_policy=memory_policy)

@@ -1,0 +1,3 @@
+from .rank import main
+
+main()

@@ -1,0 +1,91 @@
+"""The op registry and the context an op runs in.
+
+An op is a function ``fn(ctx, args, tensors) -> (result, out_tensors)`` registered by name. SPMD ops run
+on every rank (CP/TP/DP work, collectives inside); rank-0 ops run on rank 0 alone (device_map placement
+across several GPUs in one process) while the other ranks wait for the next op. ``result`` must be
+JSON-serialisable; each rank's result is returned to the client (``per_rank``), rank 0's tensors too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+OpFn = Callable[["OpContext", dict, dict[str, torch.Tensor]], tuple[Any, dict[str, torch.Tensor]]]
+
+
+class OpError(Exception):
+    """A failure an op reports on purpose (bad arguments, missing file); the backend stays usable."""
+
+
+class OpCancelled(Exception):
+    """Raised on every rank at the same step boundary once the client asked to cancel."""
+
+    def __init__(self, step: int):
+        super().__init__(f"cancelled at step {step}")
+        self.step = step
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str
+    fn: OpFn
+    spmd: bool
+
+
+_REGISTRY: dict[str, Op] = {}
+
+
+def op(name: str, *, spmd: bool) -> Callable[[OpFn], OpFn]:
+    """Register ``fn`` as the op ``name``."""
+
+    def register(fn: OpFn) -> OpFn:
+        if name in _REGISTRY:
+            raise ValueError(f"op {name!r} registered twice")
+        _REGISTRY[name] = Op(name, fn, spmd)
+        return fn
+
+    return register
+
+
+def get_op(name: str) -> Op:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise OpError(f"unknown op {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+class OpContext:
+    """What an op may use: where it runs, progress reporting and the agreed cancel check."""
+
+    def __init__(self, *, rank: int, world_size: int, local_rank: int, device: torch.device, spmd: bool,
+                 cancel_event: threading.Event, send_progress: Callable[[int, int, str | None], None] | None,
+                 state: dict):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.spmd = spmd
+        self.state = state  # per-rank state that outlives one op (resident models, ...)
+        self._cancel_event = cancel_event
+        self._send_progress = send_progress
+
+    def progress(self, step: int, total: int, text: str | None = None) -> None:
+        """Report progress to the client (rank 0 only; other ranks' calls are no-ops)."""
+        if self._send_progress is not None:
+            self._send_progress(step, total, text)
+
+    def check_cancel(self, step: int) -> None:
+        """Raise OpCancelled if the client asked to cancel. In SPMD ops this is a collective: rank 0 decides
+        and broadcasts, so every rank stops at the same step and none waits alone in the next collective."""
+        if not self.spmd or self.world_size == 1:
+            cancelled = self._cancel_event.is_set()
+        else:
+            flag = torch.tensor([1 if (self.rank == 0 and self._cancel_event.is_set()) else 0], dtype=torch.int32)
+            dist.broadcast(flag, src=0)
+            cancelled = bool(flag.item())
+        if cancelled:
+            raise OpCancelled(step)
