@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from comfyui_host import REPO_ROOT, PromptRejected
+from comfyui_host import REPO_ROOT, ComfyUIError, ComfyUIServer, PromptRejected
 
 pytestmark = pytest.mark.comfyui
 
@@ -90,8 +90,10 @@ def test_invalid_prompts_get_400_with_node_errors(comfyui_server):
 
     with pytest.raises(PromptRejected) as e:
         comfyui_server.post_prompt({"1": {"class_type": "NoSuchNodeClass", "inputs": {}}})
-    assert e.value.error["type"] == "invalid_prompt"
+    # 0.3.75 says "invalid_prompt", 0.26.0 "missing_node_type"; both name the class and give no node_errors.
+    assert e.value.error["type"] in ("invalid_prompt", "missing_node_type")
     assert "NoSuchNodeClass" in e.value.error["message"]
+    assert e.value.node_errors == {}
 
 
 def test_runtime_error_arrives_as_execution_error(comfyui_server):
@@ -106,10 +108,10 @@ def test_runtime_error_arrives_as_execution_error(comfyui_server):
 
 
 def test_interrupt_stops_the_running_prompt_and_the_server_goes_on(comfyui_server):
-    # A chain of slow core nodes (ImageBlur on 512x512 takes about a second each on 2 CPU cores):
-    # ComfyUI checks for an interrupt before each node, so interrupting during the first one stops the
-    # prompt before the last one runs.
-    n = 5
+    # A chain of slow core nodes (ImageBlur on 512x512: 0.4 s (0.26.0) to 1.3 s (0.3.75) each on 2 CPU
+    # cores): ComfyUI checks for an interrupt before each node, so interrupting during the first one stops
+    # the prompt long before the last one runs.
+    n = 8
     workflow = {"0": {"class_type": "EmptyImage",
                       "inputs": {"width": 512, "height": 512, "batch_size": 1, "color": 0x336699}}}
     for i in range(1, n + 1):
@@ -130,3 +132,16 @@ def test_interrupt_stops_the_running_prompt_and_the_server_goes_on(comfyui_serve
 
     # The next prompt runs normally.
     comfyui_server.run(_solid_image_to_png(0x00FF00), timeout=60)
+
+
+def test_a_pack_that_fails_to_import_fails_the_start(comfyui_dir, tmp_path):
+    # The guard every other end-to-end test relies on: ComfyUI logs "IMPORT FAILED" and serves anyway,
+    # so the host must turn that into an error (with the log) instead of a server without our nodes.
+    broken = tmp_path / "broken-pack"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('deliberately broken pack')\n")
+    server = ComfyUIServer(comfyui_dir, pack_dir=broken, pack_name="broken-pack", keep_workdir=False)
+    with pytest.raises(ComfyUIError, match="could not import broken-pack") as e:
+        server.start()
+    assert "deliberately broken pack" in str(e.value)
+    assert server.proc is None  # stopped: nothing left running
