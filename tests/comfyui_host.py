@@ -460,7 +460,12 @@ class ComfyUIServer:
 
     def post_prompt(self, api_workflow: dict, *, prompt_id: str | None = None,
                     extra_data: dict | None = None, front: bool = False, timeout: float = 30.0) -> str:
-        """Queue an API-format workflow; returns its prompt_id. Raises PromptRejected on a 400."""
+        """Queue an API-format workflow; returns its prompt_id. Raises PromptRejected on a 400.
+
+        A ``prompt_id`` of your own must be a canonical lowercase UUID string (``str(uuid.uuid4())``):
+        ComfyUI 0.26.0 rejects anything else with a 400 ``invalid_prompt_id``; 0.3.75 takes any string.
+        The post always carries this server's ``client_id``, so the prompt's events reach our websocket.
+        """
         body: dict[str, Any] = {"prompt": api_workflow, "client_id": self.client_id}
         if prompt_id is not None:
             body["prompt_id"] = prompt_id
