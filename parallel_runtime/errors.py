@@ -48,3 +48,11 @@ class DeadlineExceeded(ParallelRuntimeError):
 
 class Refused(ParallelRuntimeError):
     """The backend refused the connection (wrong token)."""
+
+
+class InvalidInput(ValueError):
+    """A widget value that cannot work, caught before anything loads. The message names the widget and the fix."""
+
+    def __init__(self, widget: str, message: str):
+        super().__init__(f"{widget}: {message}")
+        self.widget = widget

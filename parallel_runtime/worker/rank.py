@@ -18,9 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import diagnostics  # noqa: F401  (registers the diagnostic ops)
+from . import diagnostics, stages  # noqa: F401  (register their ops)
 from ..launcher import process_alive
 from .group import Group, broadcast_tensors
+from .models import ResidentModels
 from .ops import OpCancelled, OpContext, get_op
 
 log = logging.getLogger("parallel_runtime.worker")
@@ -80,6 +81,7 @@ class Rank:
             apply_cpu_shims()
             self.device = torch.device("cpu")
             backend = "gloo"
+        self.state["models"] = ResidentModels(self.device)
         dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
         self.group = Group(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
         log.info("rank %d/%d up on %s (pid %d)", self.rank, self.world_size, self.device, os.getpid())

@@ -1,0 +1,40 @@
+from parallel_runtime import default_spec, jobs, model_folders
+
+from . import comfy
+from .types import BACKEND_INPUT, CATEGORY, CONDITIONING, DTYPE_INPUT, MAX_MEMORY_INPUT
+
+
+class EncodeOnBalancedGPUs:
+    """Encode a prompt with the model's text encoders spread over the GPUs (device_map="balanced")."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (CONDITIONING,)
+    RETURN_NAMES = ("positive",)
+    FUNCTION = "encode"
+    DESCRIPTION = ("Loads only the text encoders, balanced across the backend's GPUs, and encodes the prompt. "
+                   "Under the staged memory policy they are freed before the transformer loads.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (model_folders.list_models(), {"tooltip": "A diffusers pipeline folder from models/diffusers."}),
+                "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What to generate."}),
+            },
+            "optional": {
+                "prompt_2": ("STRING", {"multiline": True, "default": "",
+                                        "tooltip": "A separate prompt for the second text encoder (FLUX.1: T5). "
+                                                   "Empty: the same prompt."}),
+                "max_sequence_length": ("INT", {"default": 512, "min": 1, "max": jobs.MAX_SEQUENCE_LENGTH,
+                                                "tooltip": "Longest prompt in T5 tokens; longer prompts are cut."}),
+                "max_memory": MAX_MEMORY_INPUT,
+                "dtype": DTYPE_INPUT,
+                "backend": BACKEND_INPUT,
+            },
+        }
+
+    def encode(self, model: str, prompt: str, prompt_2: str = "", max_sequence_length: int = 512,
+               max_memory: str = "", dtype: str = "auto", backend=None):
+        spec = backend or default_spec()
+        return (comfy.run(jobs.encode_prompt, spec=spec, model=model, prompt=prompt, prompt_2=prompt_2,
+                          max_sequence_length=max_sequence_length, max_memory=max_memory, dtype=dtype),)

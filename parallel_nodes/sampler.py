@@ -1,0 +1,35 @@
+from parallel_runtime import jobs
+
+from . import comfy
+from .types import CATEGORY, CONDITIONING, TRANSFORMER
+
+
+class ParallelSampler:
+    """Run the denoising loop on the backend that holds the transformer."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "sample"
+    DESCRIPTION = ("Denoises on the transformer's backend (progress per step; Cancel stops every rank at the same "
+                   "step). The LATENT is in ComfyUI's convention, so ComfyUI's own VAEDecode accepts it too.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "transformer": (TRANSFORMER, {"tooltip": "From LoadShardedTransformer; runs on its backend."}),
+            "positive": (CONDITIONING, {"tooltip": "From EncodeOnBalancedGPUs."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
+                             "tooltip": "Noise seed; image i of a batch uses the same generator stream as diffusers."}),
+            "steps": ("INT", {"default": 28, "min": 1, "max": 1000, "tooltip": "Denoising steps."}),
+            "guidance_scale": ("FLOAT", {"default": 3.5, "min": 0.0, "max": 100.0, "step": 0.1,
+                                         "tooltip": "FLUX.1-dev's distilled guidance (not CFG)."}),
+            "width": ("INT", {"default": 1024, "min": 16, "max": 8192, "step": 16, "tooltip": "A multiple of 16."}),
+            "height": ("INT", {"default": 1024, "min": 16, "max": 8192, "step": 16, "tooltip": "A multiple of 16."}),
+            "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "Images per run."}),
+        }}
+
+    def sample(self, transformer, positive, seed: int, steps: int, guidance_scale: float, width: int, height: int,
+               batch_size: int = 1):
+        samples = comfy.run(jobs.sample, handle=transformer, conditioning=positive, seed=seed, steps=steps,
+                            guidance_scale=guidance_scale, width=width, height=height, batch_size=batch_size)
+        return ({"samples": samples},)

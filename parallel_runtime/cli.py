@@ -1,0 +1,161 @@
+"""``comfy-parallel``: check a backend, build tiny offline models, run the demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def doctor(ranks: int, device: str) -> dict:
+    """Start a backend, run status + a collective + an arena round trip, shut it down; a report dict."""
+    from . import Backend, BackendSpec, ParallelRuntimeError
+    from .spec import default_spec
+
+    spec = default_spec(device=device, ranks=ranks)
+    report: dict = {"world_size": None, "device": spec.device, "ranks": [], "startup_s": None,
+                    "collective_ok": False, "roundtrip_ok": False, "errors": []}
+    backend = Backend(spec)
+    try:
+        backend.start()
+        report["startup_s"] = round(backend.startup_s, 3)
+        status = backend.status()
+        report["world_size"] = status["world_size"]
+        report["ranks"] = [{"rank": r["rank"], "device": r["device"], "device_name": r["device_name"],
+                            "pid": r["pid"], "hostname": r["hostname"],
+                            "memory_free_gib": round(r["memory"]["free_bytes"] / 2**30, 2),
+                            "memory_total_gib": round(r["memory"]["total_bytes"] / 2**30, 2)} for r in status["ranks"]]
+        x = torch.arange(1024, dtype=torch.float32)
+        reduced = backend.call("allreduce", tensors={"x": x})
+        report["collective_ok"] = torch.equal(reduced.tensors["x"], x * reduced.result["expected_factor"])
+        sent = {"float32": torch.randn(64, 64), "bfloat16": torch.randn(8, 8).bfloat16(),
+                "uint8": torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8), "bool": torch.rand(9) > 0.5,
+                "int64": torch.arange(5), "big": torch.randn(16 << 20 >> 2)}
+        t0 = time.perf_counter()
+        back = backend.call("echo", tensors=sent).tensors
+        report["roundtrip_s"] = round(time.perf_counter() - t0, 4)
+        report["roundtrip_ok"] = all(torch.equal(back[k], v) for k, v in sent.items())
+    except ParallelRuntimeError as e:
+        report["errors"].append(str(e))
+    finally:
+        backend.shutdown()
+    report["ok"] = (not report["errors"] and report["collective_ok"] and report["roundtrip_ok"]
+                    and report["world_size"] == spec.world_size)
+    return report
+
+
+def _print_doctor(report: dict) -> None:
+    print(f"backend: {report['world_size']} ranks on {report['device']}, up in {report['startup_s']} s")
+    for r in report["ranks"]:
+        print(f"  rank {r['rank']}: {r['device']} ({r['device_name']}) pid {r['pid']} on {r['hostname']}, "
+              f"{r['memory_free_gib']} of {r['memory_total_gib']} GiB free")
+    print(f"collective (all-reduce): {'ok' if report['collective_ok'] else 'FAILED'}")
+    print(f"shared-memory round trip: {'ok' if report['roundtrip_ok'] else 'FAILED'}"
+          + (f" ({report['roundtrip_s'] * 1000:.1f} ms for 16 MB + small tensors)" if "roundtrip_s" in report else ""))
+    for e in report["errors"]:
+        print(f"error: {e}")
+    print("OK" if report["ok"] else "FAILED")
+
+
+DEFAULT_MODELS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "comfyui-parallel-diffusers", "models")
+DEMO_MODEL = "tiny-flux"
+
+
+def demo(ranks: int, device: str, out: str, models_dir: str, steps: int, size: int, seed: int) -> dict:
+    """The four nodes' path on a tiny random FLUX.1 (built offline if missing); writes ``out`` and returns timings."""
+    from parallel_nodes import (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelBackend, ParallelSampler,
+                                VAEDecodeSingleGPU)
+
+    from . import current_backend, get_backend, shutdown_backend
+    from .tiny_models import make_tiny_flux
+
+    timings: dict[str, float] = {}
+    model_dir = os.path.join(models_dir, DEMO_MODEL)
+    if not os.path.isfile(os.path.join(model_dir, "model_index.json")):
+        t0 = time.perf_counter()
+        make_tiny_flux(model_dir)
+        timings["build tiny model"] = time.perf_counter() - t0
+    os.environ["COMFY_PARALLEL_MODELS"] = os.pathsep.join(
+        [models_dir] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p])
+
+    def timed(stage: str, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        timings[stage] = time.perf_counter() - t0
+        return result[0]
+
+    try:
+        (backend,) = ParallelBackend().configure(ranks=ranks, device=device, memory_policy="staged")
+        timed("start backend", lambda: (get_backend(backend).start(),))
+        positive = timed("encode (text encoders)", EncodeOnBalancedGPUs().encode, DEMO_MODEL,
+                         "a red cat on a blue sky", backend=backend)
+        transformer = timed("validate transformer", LoadShardedTransformer().load, DEMO_MODEL, "device_map",
+                            backend=backend)
+        latent = timed("sample (load + denoise)", ParallelSampler().sample, transformer, positive, seed=seed,
+                       steps=steps, guidance_scale=3.5, width=size, height=size)
+        image = timed("decode (VAE)", VAEDecodeSingleGPU().decode, latent, DEMO_MODEL, backend=backend)
+        status = current_backend().status()
+    finally:
+        shutdown_backend()
+    from PIL import Image
+
+    pixels = (image[0].clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    Image.fromarray(pixels).save(out)
+    return {"out": os.path.abspath(out), "timings_s": timings, "world_size": status["world_size"],
+            "devices": [r["device"] for r in status["ranks"]], "image_shape": list(image.shape),
+            "load_counts": status["ranks"][0]["load_counts"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="comfy-parallel", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("doctor", help="start a backend, check ranks, collectives and shared memory, shut down")
+    p.add_argument("--ranks", type=int, default=0, help="ranks on this machine (default: one per GPU, or 2 on CPU)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser("demo", help="generate an image with the four nodes on a tiny offline FLUX.1 model")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default="demo.png", help="where to write the PNG")
+    p.add_argument("--models", default=DEFAULT_MODELS_DIR, help="folder of diffusers models (the tiny one is built here)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--size", type=int, default=256, help="width and height, a multiple of 16")
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("make-tiny-model", help="build a tiny random-weight pipeline offline (for tests and demos)")
+    p.add_argument("family", help="flux (more families come with their adapters)")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    if args.command == "make-tiny-model":
+        from .tiny_models import TINY_MODELS  # imports diffusers: only for this command
+
+        if args.family not in TINY_MODELS:
+            parser.error(f"unknown family {args.family!r}; choose one of {', '.join(sorted(TINY_MODELS))}")
+        print(TINY_MODELS[args.family](args.dir, args.seed))
+        return 0
+    if args.command == "demo":
+        result = demo(args.ranks, args.device, args.out, args.models, args.steps, args.size, args.seed)
+        print(f"wrote {result['out']} ({result['image_shape'][2]}x{result['image_shape'][1]}) on "
+              f"{result['world_size']} ranks ({', '.join(result['devices'])})")
+        for stage, seconds in result["timings_s"].items():
+            print(f"  {stage:<26} {seconds:7.2f} s")
+        print(f"  weights loaded: {result['load_counts']}")
+        return 0
+
+    if args.command == "doctor":
+        report = doctor(args.ranks, args.device)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_doctor(report)
+        return 0 if report["ok"] else 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

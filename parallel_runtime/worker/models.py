@@ -1,0 +1,86 @@
+"""Models resident on a rank between queue runs, keyed by (model, component, placement, dtype).
+
+One slot per component kind: a new key for the same kind (another model, dtype or placement) replaces the
+old one, so a spec change reloads only the component that changed. Under the ``staged`` memory policy the
+text encoders and the transformer never share the devices: loading one frees the other first (the staged
+recipe of diffusers' guide: encode, flush, load transformer, denoise, flush, decode). The VAE is small and
+stays. ``load_counts`` is what tests and the status panel use to see that a warm run loads nothing.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+COMPONENTS = ("text_encoders", "transformer", "vae")
+# Under "staged", loading the key's component first frees these.
+STAGED_EVICTS = {"text_encoders": ("transformer",), "transformer": ("text_encoders",), "vae": ()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelKey:
+    model: str
+    component: str
+    placement: str  # a short, stable description: "cpu", "cuda:0", "device_map=auto", "tp=2", ...
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.component}:{self.model}"
+
+
+def _parameter_bytes(obj: Any) -> int:
+    modules = [obj] if isinstance(obj, torch.nn.Module) else [
+        getattr(obj, name) for name in getattr(obj, "components", {}) if isinstance(getattr(obj, name, None), torch.nn.Module)]
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+class ResidentModels:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._slots: dict[str, tuple[ModelKey, Any, float]] = {}  # component -> (key, object, load seconds)
+        self._loads: collections.Counter[str] = collections.Counter()
+
+    def get(self, key: ModelKey, load: Callable[[], Any], *, policy: str) -> Any:
+        """The resident object for ``key``, loading it (and freeing what it replaces) when needed."""
+        slot = self._slots.get(key.component)
+        if slot is not None and slot[0] == key:
+            return slot[1]
+        self.free(key.component)
+        if policy == "staged":
+            self.free(*STAGED_EVICTS[key.component])
+        t0 = time.monotonic()
+        obj = load()
+        self._slots[key.component] = (key, obj, time.monotonic() - t0)
+        self._loads[str(key)] += 1
+        log.info("loaded %s (%s, %s) in %.2f s", key, key.placement, key.dtype, time.monotonic() - t0)
+        return obj
+
+    def free(self, *components: str) -> list[str]:
+        """Drop the given components (all when none given) and return the device memory to the allocator."""
+        freed = []
+        for component in components or tuple(self._slots):
+            slot = self._slots.pop(component, None)
+            if slot is not None:
+                freed.append(str(slot[0]))
+                log.info("freed %s", slot[0])
+        if freed:
+            del slot
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return freed
+
+    def describe(self) -> list[dict]:
+        return [{"model": key.model, "component": key.component, "placement": key.placement, "dtype": key.dtype,
+                 "parameter_bytes": _parameter_bytes(obj), "load_seconds": round(seconds, 3)}
+                for key, obj, seconds in self._slots.values()]
+
+    def load_counts(self) -> dict[str, int]:
+        return dict(self._loads)

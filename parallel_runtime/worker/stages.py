@@ -1,0 +1,98 @@
+"""The image-generation ops: encode, denoise, decode, free. Family-agnostic; the family adapters
+(families/<name>.py) know each pipeline.
+
+These are rank-0 ops: one process places a component across several GPUs with ``device_map`` (balanced text
+encoders, ``auto`` transformer, single-device VAE) while the other ranks wait. Each loads what it needs into
+the rank's ``ResidentModels`` first, so a warm run loads nothing.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from types import ModuleType
+
+import torch
+
+from ..arena import DTYPES
+from ..model_folders import PIPELINES
+from .models import ModelKey, ResidentModels
+from .ops import OpContext, OpError, op
+
+def family_of(model_dir: str) -> ModuleType:
+    with open(os.path.join(model_dir, "model_index.json")) as f:
+        class_name = json.load(f)["_class_name"]
+    if class_name not in PIPELINES:
+        raise OpError(f"{model_dir}: pipeline {class_name} is not supported; supported: {sorted(PIPELINES)}")
+    return importlib.import_module(f".families.{PIPELINES[class_name][0]}", __package__)
+
+
+def _models(ctx: OpContext) -> ResidentModels:
+    return ctx.state["models"]
+
+
+def _placement(ctx: OpContext, device_map: str | None, max_memory: dict | None) -> tuple[dict, str]:
+    """The adapter's placement dict and its short description for the resident-model key."""
+    max_memory = {int(k) if str(k).isdigit() else k: v for k, v in (max_memory or {}).items()} or None
+    placement = {"device": str(ctx.device), "device_map": device_map, "max_memory": max_memory}
+    if ctx.device.type == "cpu" or device_map is None:
+        return placement, str(ctx.device)
+    budget = ",".join(f"{k}:{v}" for k, v in (max_memory or {}).items())
+    return placement, f"device_map={device_map}" + (f"[{budget}]" if budget else "")
+
+
+@op("encode", spmd=False)
+def encode(ctx: OpContext, args: dict, tensors: dict):
+    model_dir, dtype = args["model_dir"], args["dtype"]
+    family = family_of(model_dir)
+    placement, where = _placement(ctx, "balanced", args.get("max_memory"))
+    key = ModelKey(args["model"], "text_encoders", where, dtype)
+    ctx.progress(0, 2, "loading text encoders")
+    pipe = _models(ctx).get(key, lambda: family.load_text_encoders(model_dir, DTYPES[dtype], placement),
+                            policy=args["memory_policy"])
+    ctx.progress(1, 2, "encoding")
+    embeds = family.encode(pipe, args["prompts"], args.get("prompts_2"), args["max_sequence_length"])
+    ctx.progress(2, 2, "encoded")
+    return {"shapes": {k: list(v.shape) for k, v in embeds.items()}}, embeds
+
+
+@op("denoise", spmd=False)
+def denoise(ctx: OpContext, args: dict, tensors: dict):
+    model_dir, dtype = args["model_dir"], args["dtype"]
+    family = family_of(model_dir)
+    placement, where = _placement(ctx, "auto", args.get("max_memory"))
+    key = ModelKey(args["model"], "transformer", where, dtype)
+    ctx.progress(0, args["steps"], "loading transformer")
+    transformer = _models(ctx).get(key, lambda: family.load_transformer(model_dir, DTYPES[dtype], placement),
+                                   policy=args["memory_policy"])
+
+    def on_step(step_index: int, total: int) -> None:
+        ctx.progress(step_index + 1, total)
+        ctx.check_cancel(step_index + 1)
+
+    samples = family.denoise(model_dir, transformer, tensors, seed=args["seed"], steps=args["steps"],
+                             guidance_scale=args["guidance_scale"], width=args["width"], height=args["height"],
+                             batch_size=args["batch_size"], on_step=on_step)
+    return {"shape": list(samples.shape)}, {"samples": samples}
+
+
+@op("decode", spmd=False)
+def decode(ctx: OpContext, args: dict, tensors: dict):
+    model_dir, dtype = args["model_dir"], args["dtype"]
+    family = family_of(model_dir)
+    device = args.get("device") or str(ctx.device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise OpError(f"VAEDecodeSingleGPU: device {device} was asked for, but the backend has no GPU; use cpu or auto")
+    key = ModelKey(args["model"], "vae", device, dtype)
+    ctx.progress(0, 1, "loading VAE")
+    vae = _models(ctx).get(key, lambda: family.load_vae(model_dir, DTYPES[dtype], device), policy=args["memory_policy"])
+    ctx.progress(0, 1, "decoding")
+    images = family.decode(vae, tensors["samples"])
+    ctx.progress(1, 1, "decoded")
+    return {"shape": list(images.shape)}, {"images": images}
+
+
+@op("free", spmd=True)
+def free(ctx: OpContext, args: dict, tensors: dict):
+    """Free resident models (``components``, or all) on every rank, e.g. before ComfyUI's own nodes need the GPUs."""
+    return {"freed": _models(ctx).free(*args.get("components", ()))}, {}
