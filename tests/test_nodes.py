@@ -1,0 +1,149 @@
+"""The four nodes called as plain Python on a 2-rank CPU backend and a tiny FLUX.1: the image equals diffusers'
+one-shot pipeline, a warm run loads nothing, staged frees the text encoders, bad widgets fail before any load."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, FluxPipeline
+from diffusers.image_processor import VaeImageProcessor
+
+from parallel_nodes import (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelBackend, ParallelSampler,
+                            VAEDecodeSingleGPU)
+from parallel_runtime import BackendSpec, InvalidInput, current_backend, get_backend, shutdown_backend
+from parallel_runtime.tiny_models import make_tiny_flux
+
+pytestmark = pytest.mark.multirank
+
+MODEL = "tiny-flux"
+PROMPT = "a red cat on a blue sky"
+SIZE, STEPS = 64, 3
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("diffusers-models")
+    make_tiny_flux(str(root / MODEL))
+    old = os.environ.get("COMFY_PARALLEL_MODELS")
+    os.environ["COMFY_PARALLEL_MODELS"] = str(root)
+    yield root
+    shutdown_backend()
+    if old is None:
+        del os.environ["COMFY_PARALLEL_MODELS"]
+    else:
+        os.environ["COMFY_PARALLEL_MODELS"] = old
+
+
+def staged_spec(policy: str = "staged") -> BackendSpec:
+    return ParallelBackend().configure(ranks=2, device="cpu", memory_policy=policy)[0]
+
+
+def run_graph(spec: BackendSpec, *, seed: int, batch_size: int = 1, prompt: str = PROMPT):
+    (positive,) = EncodeOnBalancedGPUs().encode(MODEL, prompt, backend=spec)
+    (transformer,) = LoadShardedTransformer().load(MODEL, "device_map", backend=spec)
+    (latent,) = ParallelSampler().sample(transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5,
+                                         width=SIZE, height=SIZE, batch_size=batch_size)
+    (image,) = VAEDecodeSingleGPU().decode(latent, MODEL, backend=spec)
+    return latent, image
+
+
+def rank0(spec: BackendSpec) -> dict:
+    return get_backend(spec).status()["ranks"][0]
+
+
+def test_image_equals_one_shot_pipeline(models_dir):
+    spec = staged_spec()
+    latent, image = run_graph(spec, seed=7, batch_size=2)
+    pipe = FluxPipeline.from_pretrained(models_dir / MODEL)
+    reference = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=3.5, width=SIZE, height=SIZE,
+                     num_images_per_prompt=2, generator=torch.Generator("cpu").manual_seed(7), output_type="pt").images
+    assert image.shape == (2, SIZE, SIZE, 3) and image.dtype == torch.float32
+    assert 0 <= image.min() and image.max() <= 1
+    assert (image - reference.permute(0, 2, 3, 1)).abs().max() <= 1e-5
+    assert latent["samples"].shape == (2, 16, SIZE // 8, SIZE // 8)
+
+
+def test_second_run_with_a_new_seed_loads_no_weights(models_dir):
+    """ComfyUI re-runs only the nodes whose inputs changed: with a new seed, the sampler and the decoder."""
+    spec = staged_spec()
+    (positive,) = EncodeOnBalancedGPUs().encode(MODEL, PROMPT, backend=spec)
+    (transformer,) = LoadShardedTransformer().load(MODEL, "device_map", backend=spec)
+    images, loads = [], []
+    for seed in (1, 2):
+        (latent,) = ParallelSampler().sample(transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5,
+                                             width=SIZE, height=SIZE)
+        images.append(VAEDecodeSingleGPU().decode(latent, MODEL, backend=spec)[0])
+        loads.append(rank0(spec)["load_counts"])
+    assert loads[1] == loads[0]
+    assert not torch.equal(images[0], images[1])
+
+
+def test_staged_frees_text_encoders_before_the_transformer_loads(models_dir):
+    spec = staged_spec()
+    (positive,) = EncodeOnBalancedGPUs().encode(MODEL, "a green tree", backend=spec)
+    assert "text_encoders" in {m["component"] for m in rank0(spec)["resident"]}
+    (transformer,) = LoadShardedTransformer().load(MODEL, "device_map", backend=spec)
+    ParallelSampler().sample(transformer, positive, seed=0, steps=1, guidance_scale=3.5, width=SIZE, height=SIZE)
+    resident = {m["component"] for m in rank0(spec)["resident"]}
+    assert "transformer" in resident and "text_encoders" not in resident
+    log = open(os.path.join(get_backend(spec).run_dir, "rank0.log")).read()
+    freed, loaded = log.rfind("freed text_encoders:tiny-flux"), log.rfind("loaded transformer:tiny-flux")
+    assert 0 <= freed < loaded
+
+
+def test_resident_policy_keeps_everything(models_dir):
+    spec = staged_spec("resident")
+    run_graph(spec, seed=0)
+    assert {m["component"] for m in rank0(spec)["resident"]} == {"text_encoders", "transformer", "vae"}
+    loads = rank0(spec)["load_counts"]
+    run_graph(spec, seed=0, prompt="a blue dog")  # a new prompt re-encodes without reloading anything
+    assert rank0(spec)["load_counts"] == loads
+
+
+def test_decode_accepts_a_comfyui_latent(models_dir):
+    """A LATENT as ComfyUI's samplers make it (un-normalised VAE space) decodes like ComfyUI's VAEDecode would."""
+    torch.manual_seed(0)
+    samples = torch.randn(1, 16, SIZE // 8, SIZE // 8)
+    (image,) = VAEDecodeSingleGPU().decode({"samples": samples, "batch_index": [0]}, MODEL, backend=staged_spec())
+    vae = AutoencoderKL.from_pretrained(models_dir / MODEL, subfolder="vae")
+    with torch.no_grad():
+        expected = VaeImageProcessor().postprocess(vae.decode(samples).sample, output_type="pt").permute(0, 2, 3, 1)
+    assert (image - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("widget, call", [
+    ("model", lambda spec: EncodeOnBalancedGPUs().encode("no-such-model", PROMPT, backend=spec)),
+    ("model", lambda spec: LoadShardedTransformer().load("../escape", "device_map", backend=spec)),
+    ("max_memory", lambda spec: EncodeOnBalancedGPUs().encode(MODEL, PROMPT, max_memory="lots", backend=spec)),
+    ("max_memory", lambda spec: LoadShardedTransformer().load(MODEL, "device_map", max_memory="0:16XB", backend=spec)),
+    ("prompt", lambda spec: EncodeOnBalancedGPUs().encode(MODEL, "   ", backend=spec)),
+    ("device", lambda spec: VAEDecodeSingleGPU().decode({"samples": torch.zeros(1, 16, 8, 8)}, MODEL,
+                                                        device="cuda:7", backend=spec)),
+    ("samples", lambda spec: VAEDecodeSingleGPU().decode({"samples": torch.zeros(1, 4, 8, 8)}, MODEL, backend=spec)),
+])
+def test_bad_widgets_fail_before_anything_runs(models_dir, widget, call):
+    shutdown_backend()
+    spec = staged_spec()
+    with pytest.raises(InvalidInput) as info:
+        call(spec)
+    assert info.value.widget == widget and str(info.value).startswith(f"{widget}:")
+    assert current_backend() is None or not current_backend().running  # nothing started, nothing loaded
+
+
+@pytest.mark.parametrize("widget, kwargs, hint", [
+    ("width", {"width": 1000}, "use 992 or 1008"),
+    ("height", {"height": 8}, "use 16"),
+    ("steps", {"steps": 0}, "at least 1"),
+    ("batch_size", {"batch_size": 0}, "at least 1"),
+])
+def test_bad_sampler_widgets_name_the_widget_and_the_fix(models_dir, widget, kwargs, hint):
+    spec = staged_spec()
+    (positive,) = EncodeOnBalancedGPUs().encode(MODEL, PROMPT, backend=spec)
+    loads = rank0(spec)["load_counts"]
+    (transformer,) = LoadShardedTransformer().load(MODEL, "device_map", backend=spec)
+    args = {"seed": 0, "steps": STEPS, "guidance_scale": 3.5, "width": SIZE, "height": SIZE, "batch_size": 1, **kwargs}
+    with pytest.raises(InvalidInput, match=hint) as info:
+        ParallelSampler().sample(transformer, positive, **args)
+    assert info.value.widget == widget
+    assert rank0(spec)["load_counts"] == loads
