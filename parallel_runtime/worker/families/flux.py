@@ -15,7 +15,6 @@ one-shot pipeline for the same seed. Between stages travel ComfyUI types:
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
@@ -24,9 +23,6 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from diffusers.image_processor import VaeImageProcessor
 
 from . import Placement, placement_kwargs
-
-
-logger = logging.getLogger(__name__)
 
 
 def load_text_encoders(model_dir: str, dtype: torch.dtype, placement: Placement) -> FluxPipeline:
@@ -76,7 +72,9 @@ def denoise(
     """Run the denoising loop and return ComfyUI LATENT samples [batch_size, 16, height/8, width/8] (float32, CPU).
 
     `embeds` comes from `encode`; with fewer prompts than `batch_size`, each prompt is repeated as the pipeline's
-    `num_images_per_prompt` does, so the result equals the one-shot pipeline called with `num_images_per_prompt`.
+    `num_images_per_prompt` does. Image `i` draws its noise from its own generator seeded `seed + i`, so an image
+    does not depend on how a batch is split (data parallelism gives each rank a slice of consecutive seeds), and
+    the result equals the one-shot pipeline called with that list of generators.
     `on_step(step_index, total)` is called after each step (`step_index` counts from 0); an exception raised from
     it stops the loop, which is how a caller cancels.
     """
@@ -119,8 +117,8 @@ def denoise(
         guidance_scale=guidance_scale,
         height=height,
         width=width,
-        # A CPU generator draws the same noise on every device and every rank.
-        generator=torch.Generator("cpu").manual_seed(seed),
+        # CPU generators draw the same noise on every device and every rank.
+        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
         output_type="latent",
         callback_on_step_end=step_end,
     ).images
