@@ -50,7 +50,7 @@ def one_shot(model_dir: str, seed: int, num_images_per_prompt: int = 1) -> torch
         width=WIDTH,
         height=HEIGHT,
         max_sequence_length=MAX_SEQUENCE_LENGTH,
-        generator=torch.Generator("cpu").manual_seed(seed),
+        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(num_images_per_prompt)],
         output_type="pt",
     ).images
     return images.permute(0, 2, 3, 1)
@@ -101,8 +101,10 @@ def test_latent_is_comfyui_convention(tiny_flux, stages):
 def test_batch_of_two_equals_num_images_per_prompt(tiny_flux, stages):
     samples = staged_latents(tiny_flux, stages, seed=7, batch_size=2)
     assert samples.shape == (2, 16, HEIGHT // 8, WIDTH // 8)
-    # One generator draws the whole batch, so the two images get different noise.
+    # Image i draws its noise from seed + i, so the two images differ ...
     assert not torch.equal(samples[0], samples[1])
+    # ... and the second one alone, from seed + 1, is the same image (how data parallelism splits a batch).
+    assert torch.equal(staged_latents(tiny_flux, stages, seed=8), samples[1:])
 
     image = flux.decode(stages[2], samples)
     reference = one_shot(tiny_flux, seed=7, num_images_per_prompt=2)
