@@ -103,8 +103,10 @@ def test_batch_of_two_equals_num_images_per_prompt(tiny_flux, stages):
     assert samples.shape == (2, 16, HEIGHT // 8, WIDTH // 8)
     # Image i draws its noise from seed + i, so the two images differ ...
     assert not torch.equal(samples[0], samples[1])
-    # ... and the second one alone, from seed + 1, is the same image (how data parallelism splits a batch).
-    assert torch.equal(staged_latents(tiny_flux, stages, seed=8), samples[1:])
+    # ... and the second one alone, from seed + 1, is the same image (how data parallelism splits a batch); equal
+    # up to float rounding, since a batch of one multiplies matrices in a different blocking than a batch of two.
+    alone = staged_latents(tiny_flux, stages, seed=8)
+    assert (alone - samples[1:]).abs().max().item() <= 1e-5
 
     image = flux.decode(stages[2], samples)
     reference = one_shot(tiny_flux, seed=7, num_images_per_prompt=2)
