@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,11 @@ class ModelKey:
 
 
 def _parameter_bytes(obj: Any) -> int:
+    """Bytes of parameters this rank holds (a tensor-parallel DTensor counts only its local shard)."""
     modules = [obj] if isinstance(obj, torch.nn.Module) else [
         getattr(obj, name) for name in getattr(obj, "components", {}) if isinstance(getattr(obj, name, None), torch.nn.Module)]
-    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    params = (p.to_local() if isinstance(p, DTensor) else p for m in modules for p in m.parameters())
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 class ResidentModels:
@@ -49,33 +52,40 @@ class ResidentModels:
 
     def get(self, key: ModelKey, load: Callable[[], Any], *, policy: str) -> Any:
         """The resident object for ``key``, loading it (and freeing what it replaces) when needed."""
+        if self.make_room(key, policy=policy):
+            t0 = time.monotonic()
+            self._slots[key.component] = (key, load(), time.monotonic() - t0)
+            self._loads[str(key)] += 1
+            log.info("loaded %s (%s, %s) in %.2f s", key, key.placement, key.dtype, time.monotonic() - t0)
+        return self._slots[key.component][1]
+
+    def make_room(self, key: ModelKey, *, policy: str) -> bool:
+        """Free what loading ``key`` replaces or (under ``staged``) must not share the devices with; False when
+        ``key`` is already resident. Ranks that take no part in a rank-0 stage call this alone, so every rank's
+        slots change together and an SPMD transformer is never resident on some ranks only."""
         slot = self._slots.get(key.component)
         if slot is not None and slot[0] == key:
-            return slot[1]
+            return False
         self.free(key.component)
         if policy == "staged":
             self.free(*STAGED_EVICTS[key.component])
-        t0 = time.monotonic()
-        obj = load()
-        self._slots[key.component] = (key, obj, time.monotonic() - t0)
-        self._loads[str(key)] += 1
-        log.info("loaded %s (%s, %s) in %.2f s", key, key.placement, key.dtype, time.monotonic() - t0)
-        return obj
+        return True
 
     def free(self, *components: str) -> list[str]:
-        """Drop the given components (all when none given) and return the device memory to the allocator."""
-        freed = []
-        for component in components or tuple(self._slots):
-            slot = self._slots.pop(component, None)
-            if slot is not None:
-                freed.append(str(slot[0]))
-                log.info("freed %s", slot[0])
-        if freed:
-            del slot
+        """Drop the given components and return their device memory to the allocator."""
+        dropped = [self._slots.pop(c) for c in components if c in self._slots]
+        names = [str(key) for key, _, _ in dropped]
+        for name in names:
+            log.info("freed %s", name)
+        if dropped:
+            del dropped  # the last references: the collector can now return the memory
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        return freed
+        return names
+
+    def free_all(self) -> list[str]:
+        return self.free(*tuple(self._slots))
 
     def describe(self) -> list[dict]:
         return [{"model": key.model, "component": key.component, "placement": key.placement, "dtype": key.dtype,

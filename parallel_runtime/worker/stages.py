@@ -1,9 +1,10 @@
 """The image-generation ops: encode, denoise, decode, free. Family-agnostic; the family adapters
 (families/<name>.py) know each pipeline.
 
-These are rank-0 ops: one process places a component across several GPUs with ``device_map`` (balanced text
-encoders, ``auto`` transformer, single-device VAE) while the other ranks wait. Each loads what it needs into
-the rank's ``ResidentModels`` first, so a warm run loads nothing.
+Every op runs on every rank, so resident models change on all ranks together. Encode, decode and the
+``device_map`` transformer are rank-0 stages: one process places a component across several GPUs (balanced
+text encoders, ``auto`` transformer, single-device VAE) while the other ranks only free what the stage
+replaces. Context, tensor and data parallel denoising run on every rank (see strategies.py).
 """
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import torch
 
 from ..arena import DTYPES
 from ..model_folders import PIPELINES
+from . import strategies
 from .models import ModelKey, ResidentModels
 from .ops import OpContext, OpError, op
+
 
 def family_of(model_dir: str) -> ModuleType:
     with open(os.path.join(model_dir, "model_index.json")) as f:
@@ -41,12 +44,23 @@ def _placement(ctx: OpContext, device_map: str | None, max_memory: dict | None) 
     return placement, f"device_map={device_map}" + (f"[{budget}]" if budget else "")
 
 
-@op("encode", spmd=False)
+def _on_step(ctx: OpContext):
+    def on_step(step_index: int, total: int) -> None:
+        ctx.progress(step_index + 1, total)
+        ctx.check_cancel(step_index + 1)
+
+    return on_step
+
+
+@op("encode", spmd=True)
 def encode(ctx: OpContext, args: dict, tensors: dict):
     model_dir, dtype = args["model_dir"], args["dtype"]
-    family = family_of(model_dir)
     placement, where = _placement(ctx, "balanced", args.get("max_memory"))
     key = ModelKey(args["model"], "text_encoders", where, dtype)
+    if ctx.rank != 0:
+        _models(ctx).make_room(key, policy=args["memory_policy"])
+        return None, {}
+    family = family_of(model_dir)
     ctx.progress(0, 2, "loading text encoders")
     pipe = _models(ctx).get(key, lambda: family.load_text_encoders(model_dir, DTYPES[dtype], placement),
                             policy=args["memory_policy"])
@@ -56,34 +70,57 @@ def encode(ctx: OpContext, args: dict, tensors: dict):
     return {"shapes": {k: list(v.shape) for k, v in embeds.items()}}, embeds
 
 
-@op("denoise", spmd=False)
+def _sampling_args(args: dict) -> dict:
+    return {"steps": args["steps"], "guidance_scale": args["guidance_scale"], "width": args["width"],
+            "height": args["height"]}
+
+
+@op("denoise", spmd=True)
 def denoise(ctx: OpContext, args: dict, tensors: dict):
-    model_dir, dtype = args["model_dir"], args["dtype"]
+    model_dir, dtype, strategy = args["model_dir"], args["dtype"], args["strategy"]
     family = family_of(model_dir)
-    placement, where = _placement(ctx, "auto", args.get("max_memory"))
-    key = ModelKey(args["model"], "transformer", where, dtype)
+    models = _models(ctx)
+    if strategy["kind"] == "device_map":
+        placement, where = _placement(ctx, "auto", args.get("max_memory"))
+        key = ModelKey(args["model"], "transformer", where, dtype)
+        if ctx.rank != 0:
+            models.make_room(key, policy=args["memory_policy"])
+            return None, {}
+        ctx.progress(0, args["steps"], "loading transformer")
+        transformer = models.get(key, lambda: family.load_transformer(model_dir, DTYPES[dtype], placement),
+                                 policy=args["memory_policy"])
+        samples = family.denoise(model_dir, transformer, tensors, seed=args["seed"], batch_size=args["batch_size"],
+                                 on_step=_on_step(ctx), **_sampling_args(args))
+        return {"shape": list(samples.shape)}, {"samples": samples}
+
+    key = ModelKey(args["model"], "transformer", strategies.describe(strategy), dtype)
     ctx.progress(0, args["steps"], "loading transformer")
-    transformer = _models(ctx).get(key, lambda: family.load_transformer(model_dir, DTYPES[dtype], placement),
-                                   policy=args["memory_policy"])
-
-    def on_step(step_index: int, total: int) -> None:
-        ctx.progress(step_index + 1, total)
-        ctx.check_cancel(step_index + 1)
-
-    samples = family.denoise(model_dir, transformer, tensors, seed=args["seed"], steps=args["steps"],
-                             guidance_scale=args["guidance_scale"], width=args["width"], height=args["height"],
-                             batch_size=args["batch_size"], on_step=on_step)
+    transformer = models.get(key, lambda: strategies.load_transformer(model_dir, DTYPES[dtype], ctx.device, strategy),
+                             policy=args["memory_policy"])
+    if strategy["kind"] == "data_parallel":
+        start, count = strategies.share(args["batch_size"], ctx.rank, ctx.world_size)
+        local = family.denoise(model_dir, transformer, tensors, seed=args["seed"] + start, batch_size=count,
+                               on_step=_on_step(ctx), **_sampling_args(args))
+        samples = strategies.gather_batch(local, args["batch_size"], ctx.world_size)
+    else:  # context / tensor parallel: every rank runs the same loop on identical inputs
+        samples = family.denoise(model_dir, transformer, tensors, seed=args["seed"], batch_size=args["batch_size"],
+                                 on_step=_on_step(ctx), **_sampling_args(args))
+    if ctx.rank != 0:
+        return None, {}
     return {"shape": list(samples.shape)}, {"samples": samples}
 
 
-@op("decode", spmd=False)
+@op("decode", spmd=True)
 def decode(ctx: OpContext, args: dict, tensors: dict):
     model_dir, dtype = args["model_dir"], args["dtype"]
-    family = family_of(model_dir)
     device = args.get("device") or str(ctx.device)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise OpError(f"VAEDecodeSingleGPU: device {device} was asked for, but the backend has no GPU; use cpu or auto")
     key = ModelKey(args["model"], "vae", device, dtype)
+    if ctx.rank != 0:
+        _models(ctx).make_room(key, policy=args["memory_policy"])
+        return None, {}
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise OpError(f"device: {device} was asked for, but the backend has no GPU; use cpu or auto")
+    family = family_of(model_dir)
     ctx.progress(0, 1, "loading VAE")
     vae = _models(ctx).get(key, lambda: family.load_vae(model_dir, DTYPES[dtype], device), policy=args["memory_policy"])
     ctx.progress(0, 1, "decoding")
@@ -95,4 +132,5 @@ def decode(ctx: OpContext, args: dict, tensors: dict):
 @op("free", spmd=True)
 def free(ctx: OpContext, args: dict, tensors: dict):
     """Free resident models (``components``, or all) on every rank, e.g. before ComfyUI's own nodes need the GPUs."""
-    return {"freed": _models(ctx).free(*args.get("components", ()))}, {}
+    components = args.get("components")
+    return {"freed": _models(ctx).free(*components) if components else _models(ctx).free_all()}, {}
