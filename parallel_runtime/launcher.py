@@ -120,6 +120,11 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
         "COMFY_PARALLEL_SHM_PREFIX": shm_prefix,
         "PYTHONUNBUFFERED": "1",
     })
+    if spec.device == "cpu":
+        # CPU ranks must not see GPUs: diffusers builds its device mesh on the accelerator torch reports.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        # torchrun gives each rank 1 thread when unset; on CPU share the cores out instead.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.ranks)))
     log = open(os.path.join(run_dir, "launcher.log"), "ab")
     try:
         proc = subprocess.Popen(torchrun_command(spec), env=env, stdin=subprocess.DEVNULL, stdout=log,
