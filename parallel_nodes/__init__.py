@@ -1,4 +1,9 @@
 """ComfyUI node classes of the pack. Thin: they declare widgets and call parallel_runtime.jobs."""
+try:  # inside ComfyUI: register the status panel's routes on its server
+    from . import routes  # noqa: F401
+except ImportError:  # plain Python (demo, tests): no server to register on
+    pass
+
 from .backend import ParallelBackend
 from .encode import EncodeOnBalancedGPUs
 from .sampler import ParallelSampler

@@ -48,3 +48,14 @@ def run(call: Callable[..., T], **kwargs) -> T:
         if _mm is not None:
             raise _mm.InterruptProcessingException() from None
         raise
+    finally:
+        _push_status()
+
+
+def _push_status() -> None:
+    """Refresh the backend status panel, when running inside ComfyUI's server."""
+    try:
+        from .routes import push_status
+    except ImportError:
+        return
+    push_status()

@@ -21,7 +21,8 @@ import torch
 
 from . import launcher
 from .arena import Arena, ArenaReader
-from .errors import BackendDied, BackendStartError, Cancelled, DeadlineExceeded, OpFailed, Refused
+from .errors import (BackendDied, BackendStartError, Cancelled, DeadlineExceeded, OpFailed, ParallelRuntimeError,
+                     Refused)
 from .protocol import Channel, ChannelClosed
 from .spec import BackendSpec
 
@@ -58,6 +59,8 @@ class Backend:
         self._current_call: str | None = None
         self._pids: dict[int, int] = {}
         self.startup_s: float | None = None
+        self.last_error: dict | None = None  # the last failure, for the status panel
+        self._last_status: dict | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
     @property
@@ -183,18 +186,27 @@ class Backend:
         is polled while waiting. Raises OpFailed, Cancelled, BackendDied or DeadlineExceeded.
         """
         with self._lock:
-            if self._group is None:
-                self._start()
-            call_id = f"c{next(self._ids)}"
-            descs = self._arena.write(tensors or {})
-            self._current_call = call_id
             try:
-                self._channel.send({"type": "call", "id": call_id, "op": op, "args": args or {}, "tensors": descs})
-                return self._wait(call_id, on_progress, should_cancel, time.monotonic() + timeout)
-            except (OSError, ChannelClosed) as e:
-                raise self._die(f"closed the control connection ({e})") from None
-            finally:
-                self._current_call = None
+                return self._call(op, args, tensors, on_progress, should_cancel, timeout)
+            except (BackendDied, BackendStartError, DeadlineExceeded, OpFailed) as e:
+                self.last_error = {"op": op, "type": type(e).__name__, "message": str(e),
+                                   "rank": getattr(e, "rank", None), "time": time.time()}
+                raise
+
+    def _call(self, op: str, args: dict | None, tensors: dict[str, torch.Tensor] | None,
+              on_progress: ProgressFn | None, should_cancel: Callable[[], bool] | None, timeout: float) -> CallResult:
+        if self._group is None:
+            self._start()
+        call_id = f"c{next(self._ids)}"
+        descs = self._arena.write(tensors or {})
+        self._current_call = call_id
+        try:
+            self._channel.send({"type": "call", "id": call_id, "op": op, "args": args or {}, "tensors": descs})
+            return self._wait(call_id, on_progress, should_cancel, time.monotonic() + timeout)
+        except (OSError, ChannelClosed) as e:
+            raise self._die(f"closed the control connection ({e})") from None
+        finally:
+            self._current_call = None
 
     def cancel(self) -> None:
         """Ask every rank to stop the running call at its next step boundary (any thread may call this)."""
@@ -253,8 +265,25 @@ class Backend:
     def status(self) -> dict:
         """World size, and per rank: device, pid, memory, resident models."""
         r = self.call("status", timeout=60.0)
-        return {"world_size": len(r.per_rank), "device": self.spec.device, "ranks": r.per_rank,
-                "startup_s": self.startup_s}
+        self._last_status = {"world_size": len(r.per_rank), "device": self.spec.device, "ranks": r.per_rank,
+                             "startup_s": self.startup_s}
+        return self._last_status
+
+    def snapshot(self) -> dict:
+        """Status without waiting: fresh when the backend is idle, the last one seen (``busy``) while an op runs,
+        and never a reason to start a backend."""
+        view = {"running": self.running, "busy": False, "spec": dataclasses.asdict(self.spec),
+                "last_error": self.last_error}
+        if not self._lock.acquire(blocking=False):
+            return {**view, "busy": True, **(self._last_status or {})}
+        try:
+            if self.running:
+                view.update(self.status())
+        except ParallelRuntimeError:
+            view.update(running=self.running, last_error=self.last_error)
+        finally:
+            self._lock.release()
+        return view
 
 
 # -- the process-wide backend -------------------------------------------------------------------------
