@@ -43,26 +43,34 @@ class Group:
 
     def collect(self, seq: int, own: dict) -> list[dict] | None:
         """Every rank's outcome of op ``seq`` (rank 0's is ``own``), or None when the group is wedged: a rank
-        failed and the rest did not report within ERROR_GRACE_S."""
+        failed and the rest did not report within ERROR_GRACE_S. Call ``finish(seq)`` afterwards."""
         outcomes: list[dict | None] = [own] + [None] * (self.world_size - 1)
         failed_since = None if own.get("ok") else time.monotonic()
-        while any(o is None for o in outcomes):
-            for r in range(1, self.world_size):
-                key = f"done/{seq}/{r}"
-                if outcomes[r] is None and self.store.check([key]):
-                    outcomes[r] = json.loads(self.store.get(key))
-                    if not outcomes[r].get("ok") and failed_since is None:
-                        failed_since = time.monotonic()
-            if all(o is not None for o in outcomes):
-                break
+
+        def take(r: int) -> None:
+            nonlocal failed_since
+            outcomes[r] = json.loads(self.store.get(f"done/{seq}/{r}"))
+            if not outcomes[r].get("ok") and failed_since is None:
+                failed_since = time.monotonic()
+
+        while (pending := next((r for r, o in enumerate(outcomes) if o is None), None)) is not None:
+            # The common case costs one round trip per rank: wait (returns as soon as it is set), then get.
+            if _wait(self.store, f"done/{seq}/{pending}", 0.05 if failed_since is None else 0.2):
+                take(pending)
+                continue
+            # ``pending`` is slow: look at the others, so that a failure elsewhere starts the grace period.
+            for r in range(pending + 1, self.world_size):
+                if outcomes[r] is None and self.store.check([f"done/{seq}/{r}"]):
+                    take(r)
             if failed_since is not None and time.monotonic() - failed_since > ERROR_GRACE_S:
                 return None
-            pending = next(r for r, o in enumerate(outcomes) if o is None)
-            _wait(self.store, f"done/{seq}/{pending}", 0.05 if failed_since is None else 0.2)
+        return outcomes  # type: ignore[return-value]
+
+    def finish(self, seq: int) -> None:
+        """Acknowledge op ``seq`` and drop its keys: after the reply, off the client's critical path."""
         self.store.set(f"ack/{seq}", "1")
         for key in [f"op/{seq}", f"ack/{seq - 1}"] + [f"done/{seq}/{r}" for r in range(1, self.world_size)]:
             self.store.delete_key(key)
-        return outcomes  # type: ignore[return-value]
 
     # -- ranks 1..N-1 ---------------------------------------------------------------------------------
     def next_header(self, seq: int, poll_s: float = 1.0) -> dict | None:

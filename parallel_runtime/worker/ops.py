@@ -4,6 +4,9 @@ An op is a function ``fn(ctx, args, tensors) -> (result, out_tensors)`` register
 on every rank (CP/TP/DP work, collectives inside); rank-0 ops run on rank 0 alone (device_map placement
 across several GPUs in one process) while the other ranks wait for the next op. ``result`` must be
 JSON-serialisable; each rank's result is returned to the client (``per_rank``), rank 0's tensors too.
+
+Input tensors on rank 0 are views of the client's shared-memory segment (no copy): they are valid until the
+op returns, so an op that keeps one longer (in ``ctx.state``) must clone it.
 """
 from __future__ import annotations
 

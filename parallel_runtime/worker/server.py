@@ -111,7 +111,7 @@ class Server:
     def _run_call(self, channel: Channel, msg: dict) -> None:
         call_id = msg["id"]
         try:
-            tensors = self.inputs.read(msg.get("tensors") or {})
+            tensors = self.inputs.view(msg.get("tensors") or {})
         except (OSError, ValueError, TypeError) as e:
             self._send(channel, {"type": "error", "id": call_id, "rank": 0, "error_type": type(e).__name__,
                                  "message": f"could not read the input tensors: {e}", "traceback": ""})
@@ -132,6 +132,7 @@ class Server:
                                  "message": failed.get("message", ""), "traceback": failed.get("traceback", "")})
             self.rank.die(failed)
         self._send(channel, self._reply(call_id, outcomes, out_tensors))
+        self.rank.group.finish(seq)
 
     def _reply(self, call_id: str, outcomes: list[dict], out_tensors: dict) -> dict:
         errors = [(r, o) for r, o in enumerate(outcomes) if not o.get("ok") and o.get("kind") == "error"]
