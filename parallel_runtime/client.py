@@ -30,7 +30,8 @@ log = logging.getLogger("parallel_runtime.client")
 
 STARTUP_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 6 * 3600.0
-POLL_S = 0.05
+POLL_S = 0.05  # how quickly a cancel or a progress event is noticed
+HEALTH_S = 0.5  # how often the ranks' processes are looked at while waiting
 # How long a dying group may take to finish dying before we stop waiting for its own account of it.
 DEATH_REPORT_S = 3.0
 
@@ -220,14 +221,17 @@ class Backend:
     def _wait(self, call_id: str, on_progress: ProgressFn | None, should_cancel: Callable[[], bool] | None,
               deadline: float) -> CallResult:
         pending_exc: BaseException | None = None
+        next_health_check = 0.0
         while True:
             msg = self._channel.recv(POLL_S)
             if msg is None:
                 if pending_exc is None and should_cancel is not None and should_cancel():
                     pending_exc = Cancelled("cancelled by the user", steps_by_rank=[])
                     self.cancel()
-                if dead := self._dead_ranks():
-                    raise self._die(f"exited (pid {self._pids.get(dead[0], '?')})")
+                if time.monotonic() >= next_health_check:
+                    next_health_check = time.monotonic() + HEALTH_S
+                    if dead := self._dead_ranks():
+                        raise self._die(f"exited (pid {self._pids.get(dead[0], '?')})")
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(f"op {call_id} ran past its deadline; the backend was shut down. "
                                            f"{self._die('was still running at the deadline')}")

@@ -125,6 +125,11 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
         env["CUDA_VISIBLE_DEVICES"] = ""
         # torchrun gives each rank 1 thread when unset; on CPU share the cores out instead.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.ranks)))
+        # glibc returns large activation buffers to the kernel after every run and faults them in again on the
+        # next (tens of thousands of faults per VAE decode, measured by bench/overhead.py). A persistent backend
+        # runs the same shapes again and again, so it keeps them.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(16 << 30))
     log = open(os.path.join(run_dir, "launcher.log"), "ab")
     try:
         proc = subprocess.Popen(torchrun_command(spec), env=env, stdin=subprocess.DEVNULL, stdout=log,
