@@ -120,6 +120,8 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
         "COMFY_PARALLEL_SHM_PREFIX": shm_prefix,
         "PYTHONUNBUFFERED": "1",
     })
+    # The ranks wait on torchrun's store with short timeouts by design; c10d would log a warning for each.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if spec.device == "cpu":
         # CPU ranks must not see GPUs: diffusers builds its device mesh on the accelerator torch reports.
         env["CUDA_VISIBLE_DEVICES"] = ""

@@ -76,6 +76,11 @@ class OpContext:
         self._cancel_event = cancel_event
         self._send_progress = send_progress
 
+    def alone(self) -> None:
+        """Declare that the rest of this op runs on this rank only (a rank-0 stage whose other ranks have
+        returned): from here on the cancel check is local, since nobody else would join its broadcast."""
+        self.spmd = False
+
     def progress(self, step: int, total: int, text: str | None = None) -> None:
         """Report progress to the client (rank 0 only; other ranks' calls are no-ops)."""
         if self._send_progress is not None:

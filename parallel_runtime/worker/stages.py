@@ -60,6 +60,7 @@ def encode(ctx: OpContext, args: dict, tensors: dict):
     if ctx.rank != 0:
         _models(ctx).make_room(key, policy=args["memory_policy"])
         return None, {}
+    ctx.alone()
     family = family_of(model_dir)
     ctx.progress(0, 2, "loading text encoders")
     pipe = _models(ctx).get(key, lambda: family.load_text_encoders(model_dir, DTYPES[dtype], placement),
@@ -86,6 +87,7 @@ def denoise(ctx: OpContext, args: dict, tensors: dict):
         if ctx.rank != 0:
             models.make_room(key, policy=args["memory_policy"])
             return None, {}
+        ctx.alone()
         ctx.progress(0, args["steps"], "loading transformer")
         transformer = models.get(key, lambda: family.load_transformer(model_dir, DTYPES[dtype], placement),
                                  policy=args["memory_policy"])
@@ -118,6 +120,7 @@ def decode(ctx: OpContext, args: dict, tensors: dict):
     if ctx.rank != 0:
         _models(ctx).make_room(key, policy=args["memory_policy"])
         return None, {}
+    ctx.alone()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise OpError(f"device: {device} was asked for, but the backend has no GPU; use cpu or auto")
     family = family_of(model_dir)
