@@ -94,15 +94,6 @@ def test_staged_frees_text_encoders_before_the_transformer_loads(models_dir):
     assert 0 <= freed < loaded
 
 
-def test_resident_policy_keeps_everything(models_dir):
-    spec = staged_spec("resident")
-    run_graph(spec, seed=0)
-    assert {m["component"] for m in rank0(spec)["resident"]} == {"text_encoders", "transformer", "vae"}
-    loads = rank0(spec)["load_counts"]
-    run_graph(spec, seed=0, prompt="a blue dog")  # a new prompt re-encodes without reloading anything
-    assert rank0(spec)["load_counts"] == loads
-
-
 def test_decode_accepts_a_comfyui_latent(models_dir):
     """A LATENT as ComfyUI's samplers make it (un-normalised VAE space) decodes like ComfyUI's VAEDecode would."""
     torch.manual_seed(0)
@@ -112,6 +103,24 @@ def test_decode_accepts_a_comfyui_latent(models_dir):
     with torch.no_grad():
         expected = VaeImageProcessor().postprocess(vae.decode(samples).sample, output_type="pt").permute(0, 2, 3, 1)
     assert (image - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("widget, kwargs, hint", [
+    ("width", {"width": 1000}, "use 992 or 1008"),
+    ("height", {"height": 8}, "use 16"),
+    ("steps", {"steps": 0}, "at least 1"),
+    ("batch_size", {"batch_size": 0}, "at least 1"),
+])
+def test_bad_sampler_widgets_name_the_widget_and_the_fix(models_dir, widget, kwargs, hint):
+    spec = staged_spec()
+    (positive,) = EncodeOnBalancedGPUs().encode(MODEL, PROMPT, backend=spec)
+    loads = rank0(spec)["load_counts"]
+    (transformer,) = LoadShardedTransformer().load(MODEL, "device_map", backend=spec)
+    args = {"seed": 0, "steps": STEPS, "guidance_scale": 3.5, "width": SIZE, "height": SIZE, "batch_size": 1, **kwargs}
+    with pytest.raises(InvalidInput, match=hint) as info:
+        ParallelSampler().sample(transformer, positive, **args)
+    assert info.value.widget == widget
+    assert rank0(spec)["load_counts"] == loads
 
 
 @pytest.mark.parametrize("widget, call", [
@@ -133,19 +142,11 @@ def test_bad_widgets_fail_before_anything_runs(models_dir, widget, call):
     assert current_backend() is None or not current_backend().running  # nothing started, nothing loaded
 
 
-@pytest.mark.parametrize("widget, kwargs, hint", [
-    ("width", {"width": 1000}, "use 992 or 1008"),
-    ("height", {"height": 8}, "use 16"),
-    ("steps", {"steps": 0}, "at least 1"),
-    ("batch_size", {"batch_size": 0}, "at least 1"),
-])
-def test_bad_sampler_widgets_name_the_widget_and_the_fix(models_dir, widget, kwargs, hint):
-    spec = staged_spec()
-    (positive,) = EncodeOnBalancedGPUs().encode(MODEL, PROMPT, backend=spec)
+# Last: it needs a backend of another spec, which replaces the staged one the tests above share.
+def test_resident_policy_keeps_everything(models_dir):
+    spec = staged_spec("resident")
+    run_graph(spec, seed=0)
+    assert {m["component"] for m in rank0(spec)["resident"]} == {"text_encoders", "transformer", "vae"}
     loads = rank0(spec)["load_counts"]
-    (transformer,) = LoadShardedTransformer().load(MODEL, "device_map", backend=spec)
-    args = {"seed": 0, "steps": STEPS, "guidance_scale": 3.5, "width": SIZE, "height": SIZE, "batch_size": 1, **kwargs}
-    with pytest.raises(InvalidInput, match=hint) as info:
-        ParallelSampler().sample(transformer, positive, **args)
-    assert info.value.widget == widget
+    run_graph(spec, seed=0, prompt="a blue dog")  # a new prompt re-encodes without reloading anything
     assert rank0(spec)["load_counts"] == loads
