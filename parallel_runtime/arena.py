@@ -145,21 +145,27 @@ class ArenaReader:
             self._name = name
         return self._mm
 
+    def _locate(self, key: str, d: dict) -> tuple[torch.dtype, int, mmap.mmap | None]:
+        """A descriptor's dtype, byte count and segment (None for an empty tensor), checked."""
+        dtype = DTYPES.get(d["dtype"])
+        if dtype is None:
+            raise TypeError(f"tensor {key!r} has unsupported dtype {d['dtype']!r}")
+        nbytes = math.prod(d["shape"]) * dtype.itemsize
+        if not nbytes:
+            return dtype, 0, None
+        segment = self._segment(d["segment"])
+        if d["offset"] < 0 or d["offset"] + nbytes > len(segment):
+            raise ValueError(f"tensor {key!r} lies outside segment {d['segment']}")
+        return dtype, nbytes, segment
+
     def read(self, descs: dict[str, dict]) -> dict[str, torch.Tensor]:
         """Copies of the described tensors: they stay valid after the writer reuses its segment."""
         out = {}
         for key, d in descs.items():
-            dtype = DTYPES.get(d["dtype"])
-            if dtype is None:
-                raise TypeError(f"tensor {key!r} has unsupported dtype {d['dtype']!r}")
-            nbytes = math.prod(d["shape"]) * dtype.itemsize
-            t = _empty(d["shape"], dtype, nbytes)
+            dtype, nbytes, segment = self._locate(key, d)
+            out[key] = _empty(d["shape"], dtype, nbytes)
             if nbytes:
-                segment = self._segment(d["segment"])
-                if d["offset"] < 0 or d["offset"] + nbytes > len(segment):  # memmove, unlike frombuffer, won't check
-                    raise ValueError(f"tensor {key!r} lies outside segment {d['segment']}")
-                ctypes.memmove(t.data_ptr(), _address(segment) + d["offset"], nbytes)
-            out[key] = t
+                ctypes.memmove(out[key].data_ptr(), _address(segment) + d["offset"], nbytes)
         return out
 
     def view(self, descs: dict[str, dict]) -> dict[str, torch.Tensor]:
@@ -168,12 +174,9 @@ class ArenaReader:
         it has the reply. An op that keeps an input past its call must clone it."""
         out = {}
         for key, d in descs.items():
-            dtype = DTYPES.get(d["dtype"])
-            if dtype is None:
-                raise TypeError(f"tensor {key!r} has unsupported dtype {d['dtype']!r}")
-            nbytes = math.prod(d["shape"]) * dtype.itemsize
+            dtype, nbytes, segment = self._locate(key, d)
             if nbytes:
-                raw = torch.frombuffer(self._segment(d["segment"]), dtype=torch.uint8, count=nbytes, offset=d["offset"])
+                raw = torch.frombuffer(segment, dtype=torch.uint8, count=nbytes, offset=d["offset"])
                 out[key] = raw.view(dtype).reshape(d["shape"])
             else:
                 out[key] = torch.empty(d["shape"], dtype=dtype)
