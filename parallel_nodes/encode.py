@@ -5,7 +5,8 @@ from .types import BACKEND_INPUT, CATEGORY, CONDITIONING, DTYPE_INPUT, MAX_MEMOR
 
 
 class EncodeOnBalancedGPUs:
-    """Encode a prompt with the model's text encoders spread over the GPUs (device_map="balanced")."""
+    """Encode a prompt (and Qwen-Image's negative prompt) with the model's text encoders spread over the GPUs
+    (device_map="balanced")."""
 
     CATEGORY = CATEGORY
     RETURN_TYPES = (CONDITIONING,)
@@ -24,17 +25,26 @@ class EncodeOnBalancedGPUs:
             "optional": {
                 "prompt_2": ("STRING", {"multiline": True, "default": "",
                                         "tooltip": "A separate prompt for the second text encoder (FLUX.1: T5). "
-                                                   "Empty: the same prompt."}),
+                                                   "Empty: the same prompt. FLUX.2 and Qwen-Image have one text "
+                                                   "encoder: leave it empty."}),
                 "max_sequence_length": ("INT", {"default": 512, "min": 1, "max": jobs.MAX_SEQUENCE_LENGTH,
-                                                "tooltip": "Longest prompt in T5 tokens; longer prompts are cut."}),
+                                                "tooltip": "Longest prompt in text-encoder tokens; longer prompts are "
+                                                           "cut. FLUX.1 (T5) and FLUX.2 (system prompt included) "
+                                                           "pad to it, up to 512; Qwen-Image up to 1024."}),
                 "max_memory": MAX_MEMORY_INPUT,
                 "dtype": DTYPE_INPUT,
                 "backend": BACKEND_INPUT,
+                # Last: UI-format workflows store widget values by position, so saved graphs keep loading.
+                "negative_prompt": ("STRING", {"multiline": True, "default": "",
+                                               "tooltip": "What to steer away from, used by Qwen-Image's true CFG "
+                                                          "(ParallelSampler's true_cfg_scale > 1); empty is a valid "
+                                                          "negative prompt. Ignored by FLUX."}),
             },
         }
 
     def encode(self, model: str, prompt: str, prompt_2: str = "", max_sequence_length: int = 512,
-               max_memory: str = "", dtype: str = "auto", backend=None):
+               max_memory: str = "", dtype: str = "auto", backend=None, negative_prompt: str = ""):
         spec = backend or default_spec()
         return (comfy.run(jobs.encode_prompt, spec=spec, model=model, prompt=prompt, prompt_2=prompt_2,
-                          max_sequence_length=max_sequence_length, max_memory=max_memory, dtype=dtype),)
+                          negative_prompt=negative_prompt, max_sequence_length=max_sequence_length,
+                          max_memory=max_memory, dtype=dtype),)

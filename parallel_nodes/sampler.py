@@ -22,14 +22,21 @@ class ParallelSampler:
                              "tooltip": "Noise seed; image i of a batch uses the same generator stream as diffusers."}),
             "steps": ("INT", {"default": 28, "min": 1, "max": 1000, "tooltip": "Denoising steps."}),
             "guidance_scale": ("FLOAT", {"default": 3.5, "min": 0.0, "max": 100.0, "step": 0.1,
-                                         "tooltip": "FLUX.1-dev's distilled guidance (not CFG)."}),
+                                         "tooltip": "Distilled guidance of FLUX.1-dev / FLUX.2-dev (not CFG). "
+                                                    "Ignored by Qwen-Image: see true_cfg_scale."}),
             "width": ("INT", {"default": 1024, "min": 16, "max": 8192, "step": 16, "tooltip": "A multiple of 16."}),
             "height": ("INT", {"default": 1024, "min": 16, "max": 8192, "step": 16, "tooltip": "A multiple of 16."}),
             "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "Images per run."}),
+        }, "optional": {
+            "true_cfg_scale": ("FLOAT", {"default": 4.0, "min": 1.0, "max": 100.0, "step": 0.1,
+                                         "tooltip": "Qwen-Image's true classifier-free guidance against the negative "
+                                                    "prompt (EncodeOnBalancedGPUs); 1 turns it off and halves the "
+                                                    "work per step. Ignored by families without true CFG (FLUX)."}),
         }}
 
     def sample(self, transformer, positive, seed: int, steps: int, guidance_scale: float, width: int, height: int,
-               batch_size: int = 1):
+               batch_size: int = 1, true_cfg_scale: float = 4.0):
         samples = comfy.run(jobs.sample, handle=transformer, conditioning=positive, seed=seed, steps=steps,
-                            guidance_scale=guidance_scale, width=width, height=height, batch_size=batch_size)
+                            guidance_scale=guidance_scale, width=width, height=height, batch_size=batch_size,
+                            true_cfg_scale=true_cfg_scale)
         return ({"samples": samples},)

@@ -21,18 +21,65 @@ from .spec import BackendSpec, cuda_device_count
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 STRATEGIES = ("device_map", "context_parallel", "tensor_parallel", "data_parallel")
 ATTENTION_BACKENDS = ("auto", "native", "_native_flash", "_native_cudnn", "flash", "sage")
-# FLUX.1's T5 is trained on at most 512 tokens; the pipeline refuses more.
-MAX_SEQUENCE_LENGTH = 512
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KIB|MB|MIB|GB|GIB|TB|TIB)\s*$", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
+class FamilyRules:
+    """What differs between model families where the client validates widgets (before any weights load)."""
+
+    name: str  # the family's name for users
+    max_sequence_length: int  # the longest text the pipeline takes
+    pads_text: bool  # text is padded to max_sequence_length; otherwise it keeps the prompt's own length
+    text_encoders: int  # with 2, prompt_2 feeds the second one
+    true_cfg: bool  # a negative prompt and true_cfg_scale: two transformer passes per step
+    min_steps: int
+    # LATENT layout, read against the VAE's config: accepted tensor ranks, the config key of the VAE's channels and
+    # how many of them one LATENT channel group holds (2x2 patches: 4).
+    latent_ndims: tuple[int, ...]
+    vae_channels_key: str
+    latent_channels_per_vae_channel: int = 1
+    # Pixels per image token along each side. The denoise stage runs the pipeline with vae=None, which assumes an 8x
+    # VAE, and every family packs 2x2 latent patches into one token: 16.
+    pixels_per_token: int = 16
+
+
+# Keyed by the family adapter's module name (model_folders.PIPELINES).
+FAMILIES = {
+    # T5 is trained on at most 512 tokens and FluxPipeline refuses more; CLIP + T5.
+    "flux": FamilyRules("FLUX.1", max_sequence_length=512, pads_text=True, text_encoders=2, true_cfg=False,
+                        min_steps=1, latent_ndims=(4,), vae_channels_key="latent_channels"),
+    # Flux2Pipeline's tokenizer_max_length, system message included. ComfyUI's FLUX.2 LATENT is the VAE's latent in
+    # 2x2 patches (128 channels at 16x for the real 32-channel VAE).
+    "flux2": FamilyRules("FLUX.2", max_sequence_length=512, pads_text=True, text_encoders=1, true_cfg=False,
+                         min_steps=1, latent_ndims=(4,), vae_channels_key="latent_channels",
+                         latent_channels_per_vae_channel=4),
+    # QwenImagePipeline refuses more than 1024 tokens and does not pad. Its scheduler's shift_terminal stretch
+    # divides by zero on a one-step schedule (NaN image). The LATENT is a one-frame video latent [B, C, 1, h, w]
+    # (ComfyUI's Wan 2.1 format); a 4-D one is taken as that frame.
+    "qwenimage": FamilyRules("Qwen-Image", max_sequence_length=1024, pads_text=False, text_encoders=1, true_cfg=True,
+                             min_steps=2, latent_ndims=(5, 4), vae_channels_key="z_dim"),
+}
+# The widget's limit: the longest any family takes (each family checks its own).
+MAX_SEQUENCE_LENGTH = max(rules.max_sequence_length for rules in FAMILIES.values())
+
+
+def family_of(model_dir: str) -> str:
+    """The family adapter's name of a resolved model folder (``model_folders.resolve`` checked it is supported)."""
+    return model_folders.PIPELINES[model_folders._pipeline_class(model_dir)][0]
+
+
+@dataclasses.dataclass(frozen=True)
 class Conditioning:
-    """Encoded prompts of one model: ``prompt_embeds`` and ``pooled_prompt_embeds`` on the CPU."""
+    """Encoded prompts of one model, on the CPU: ``prompt_embeds`` and what the family adds (FLUX.1:
+    ``pooled_prompt_embeds``; Qwen-Image: ``prompt_embeds_mask`` and the negative prompt's
+    ``negative_prompt_embeds`` / ``negative_prompt_embeds_mask``)."""
 
     model: str
     prompts: tuple[str, ...]
     tensors: dict[str, torch.Tensor] = dataclasses.field(compare=False)
+    family: str = "flux"  # a key of FAMILIES
+    negative_prompts: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +94,7 @@ class TransformerHandle:
     max_memory: tuple[tuple[str, str], ...] | None
     dtype: str
     config: tuple[tuple[str, object], ...]  # the transformer's config.json, for validation
+    family: str = "flux"  # a key of FAMILIES
 
 
 def resolve_dtype(dtype: str, spec: BackendSpec, widget: str = "dtype") -> str:
@@ -79,20 +127,34 @@ def parse_max_memory(text: str, widget: str = "max_memory") -> dict[str, str] | 
     return budget
 
 
-def encode_prompt(spec: BackendSpec, *, model: str, prompt: str, prompt_2: str = "", max_sequence_length: int = 512,
-                  max_memory: str = "", dtype: str = "auto", on_progress: ProgressFn | None = None,
-                  should_cancel: Callable[[], bool] | None = None) -> Conditioning:
-    """Encode ``prompt`` with the model's text encoders placed ``device_map="balanced"`` across the GPUs."""
+def encode_prompt(spec: BackendSpec, *, model: str, prompt: str, prompt_2: str = "", negative_prompt: str = "",
+                  max_sequence_length: int = 512, max_memory: str = "", dtype: str = "auto",
+                  on_progress: ProgressFn | None = None, should_cancel: Callable[[], bool] | None = None) -> Conditioning:
+    """Encode ``prompt`` with the model's text encoders placed ``device_map="balanced"`` across the GPUs.
+
+    Families with true CFG (Qwen-Image) also encode ``negative_prompt``, empty or not, as ComfyUI encodes an empty
+    negative: whether it is used is the sampler's ``true_cfg_scale``. Other families ignore it.
+    """
     model_dir = model_folders.resolve(model)
+    family = family_of(model_dir)
+    rules = FAMILIES[family]
     if not prompt.strip():
         raise InvalidInput("prompt", "the prompt is empty; describe the image to generate")
-    if not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-        raise InvalidInput("max_sequence_length", f"{max_sequence_length} is out of range; use 1..{MAX_SEQUENCE_LENGTH}")
+    if prompt_2.strip() and rules.text_encoders < 2:
+        raise InvalidInput("prompt_2", f"{rules.name} has one text encoder, so prompt_2 has nothing to feed; leave it "
+                                       "empty and put everything in prompt")
+    if not 1 <= max_sequence_length <= rules.max_sequence_length:
+        raise InvalidInput("max_sequence_length", f"{max_sequence_length} is out of range for {rules.name}; use "
+                                                  f"1..{rules.max_sequence_length}")
     args = {"model": model, "model_dir": model_dir, "prompts": [prompt],
             "prompts_2": [prompt_2] if prompt_2.strip() else None, "max_sequence_length": max_sequence_length,
             "max_memory": parse_max_memory(max_memory), "dtype": resolve_dtype(dtype, spec), "memory_policy": spec.memory_policy}
+    negative_prompts = (negative_prompt,) if rules.true_cfg else ()
+    if negative_prompts:
+        args["negative_prompt"] = list(negative_prompts)
     result = get_backend(spec).call("encode", args, on_progress=on_progress, should_cancel=should_cancel)
-    return Conditioning(model=model, prompts=(prompt,), tensors=result.tensors)
+    return Conditioning(model=model, prompts=(prompt,), tensors=result.tensors, family=family,
+                        negative_prompts=negative_prompts)
 
 
 def _parallel_plans(model_dir: str) -> tuple[str, bool, bool]:
@@ -174,25 +236,49 @@ def load_transformer(spec: BackendSpec, *, model: str, strategy: str = "device_m
         plan.update(tp_degree=tp_degree)
     return TransformerHandle(backend=spec, model=model, model_dir=model_dir, strategy=tuple(sorted(plan.items())),
                              max_memory=tuple(sorted(budget.items())) if budget else None,
-                             dtype=resolve_dtype(dtype, spec), config=tuple(sorted(config.items(), key=lambda kv: kv[0])))
+                             dtype=resolve_dtype(dtype, spec), config=tuple(sorted(config.items(), key=lambda kv: kv[0])),
+                             family=family_of(model_dir))
 
 
-def _check_size(widget: str, value: int) -> None:
-    if value < 16 or value % 16:
-        lower, upper = max(16, value // 16 * 16), (value // 16 + 1) * 16
-        raise InvalidInput(widget, f"{value} is not a multiple of 16 (the VAE downscales 8× and the transformer packs "
-                                   f"2×2 patches); use {lower} or {upper}")
+def _check_size(widget: str, value: int, multiple: int) -> None:
+    if value < multiple or value % multiple:
+        lower, upper = max(multiple, value // multiple * multiple), (value // multiple + 1) * multiple
+        raise InvalidInput(widget, f"{value} is not a multiple of {multiple} (the VAE downscales 8× and the transformer "
+                                   f"packs 2×2 patches); use {lower} or {upper}")
+
+
+def _text_streams(rules: FamilyRules, conditioning: Conditioning, true_cfg_scale: float) -> dict[str, torch.Tensor]:
+    """The text embeddings the transformer will see, by the prompt they come from."""
+    streams = {"prompt": conditioning.tensors["prompt_embeds"]}
+    if rules.true_cfg and true_cfg_scale > 1:
+        streams["negative prompt"] = conditioning.tensors["negative_prompt_embeds"]
+    return streams
 
 
 def validate_sample(handle: TransformerHandle, conditioning: Conditioning | None, *, steps: int, width: int,
-                    height: int, batch_size: int) -> None:
+                    height: int, batch_size: int, true_cfg_scale: float = 1.0) -> None:
     """Every check ParallelSampler can make before it runs."""
-    if steps < 1:
-        raise InvalidInput("steps", f"{steps} steps would not denoise anything; use at least 1")
-    _check_size("width", width)
-    _check_size("height", height)
+    rules = FAMILIES[handle.family]
+    if steps < rules.min_steps:
+        reason = ("would not denoise anything" if rules.min_steps == 1 else
+                  f"are too few for {rules.name}: its scheduler's shift_terminal divides by zero on a one-step "
+                  "schedule and the image comes out NaN")
+        raise InvalidInput("steps", f"{steps} steps {reason}; use at least {rules.min_steps}")
+    _check_size("width", width, rules.pixels_per_token)
+    _check_size("height", height, rules.pixels_per_token)
     if batch_size < 1:
         raise InvalidInput("batch_size", f"{batch_size} makes no images; use at least 1")
+    if rules.true_cfg and true_cfg_scale < 1:
+        raise InvalidInput("true_cfg_scale", f"{true_cfg_scale} is below 1; use 1 (true CFG off: one transformer pass "
+                                             "per step) or more (guided by the negative prompt: two passes per step)")
+    if conditioning is not None and conditioning.family != handle.family:
+        raise InvalidInput("positive", f"was encoded with {conditioning.model} ({FAMILIES[conditioning.family].name}) "
+                                       f"but the transformer is {handle.model} ({rules.name}); encode with the same "
+                                       "model as the transformer")
+    if (conditioning is not None and rules.true_cfg and true_cfg_scale > 1
+            and "negative_prompt_embeds" not in conditioning.tensors):
+        raise InvalidInput("positive", f"has no negative prompt for true CFG; re-encode it with {handle.model}, or set "
+                                       "true_cfg_scale to 1")
     strategy = dict(handle.strategy)
     world = handle.backend.world_size
     if strategy["kind"] == "data_parallel" and batch_size < world:
@@ -201,16 +287,23 @@ def validate_sample(handle: TransformerHandle, conditioning: Conditioning | None
                                          "tensor_parallel to speed up a single image")
     if strategy["kind"] == "context_parallel" and not strategy["anything"]:
         degree = strategy["ring_degree"] * strategy["ulysses_degree"]
-        # The transformer splits image tokens (one per 16×16 pixels) and text tokens separately across the ranks.
-        image_tokens = (width // 16) * (height // 16)
+        # The transformer splits image tokens and text tokens separately across the ranks.
+        image_tokens = (width // rules.pixels_per_token) * (height // rules.pixels_per_token)
         if image_tokens % degree:
             raise InvalidInput("width", f"{width}×{height} makes {image_tokens} image tokens, which do not split over "
                                         f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                                         "LoadShardedTransformer, or pick a size whose token count divides")
-        if conditioning is not None and conditioning.tensors["prompt_embeds"].shape[1] % degree:
-            raise InvalidInput("positive", f"{conditioning.tensors['prompt_embeds'].shape[1]} text tokens do not "
-                                           f"split over {degree} ranks; set max_sequence_length to a multiple of "
-                                           f"{degree}, or turn on anything")
+        for source, embeds in (_text_streams(rules, conditioning, true_cfg_scale) if conditioning else {}).items():
+            tokens = embeds.shape[1]
+            if not tokens % degree:
+                continue
+            if rules.pads_text:
+                fix = f"set max_sequence_length to a multiple of {degree}, or turn on anything"
+            else:
+                fix = (f"{rules.name} keeps each prompt's own length, so turn on anything on LoadShardedTransformer, "
+                       "or make that prompt a word longer or shorter")
+            raise InvalidInput("positive", f"the {source} is {tokens} text tokens, which do not split over {degree} "
+                                           f"ranks; {fix}")
     if conditioning is None:
         return
     config = dict(handle.config)
@@ -222,15 +315,20 @@ def validate_sample(handle: TransformerHandle, conditioning: Conditioning | None
 
 
 def sample(handle: TransformerHandle, conditioning: Conditioning, *, seed: int, steps: int, guidance_scale: float,
-           width: int, height: int, batch_size: int = 1, on_progress: ProgressFn | None = None,
-           should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
-    """Denoise on the backend; ComfyUI LATENT samples ``[batch_size, C, height/8, width/8]``."""
-    validate_sample(handle, conditioning, steps=steps, width=width, height=height, batch_size=batch_size)
+           width: int, height: int, batch_size: int = 1, true_cfg_scale: float = 4.0,
+           on_progress: ProgressFn | None = None, should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
+    """Denoise on the backend; ComfyUI LATENT samples in the family's layout (FLUX.1 ``[B, 16, H/8, W/8]``, FLUX.2
+    ``[B, 128, H/16, W/16]``, Qwen-Image ``[B, 16, 1, H/8, W/8]``). ``true_cfg_scale`` reaches only families with
+    true CFG (Qwen-Image; 1 turns it off); ``guidance_scale`` is the distilled guidance of FLUX.1 / FLUX.2."""
+    validate_sample(handle, conditioning, steps=steps, width=width, height=height, batch_size=batch_size,
+                    true_cfg_scale=true_cfg_scale)
     args = {"model": handle.model, "model_dir": handle.model_dir, "dtype": handle.dtype,
             "strategy": dict(handle.strategy), "max_memory": dict(handle.max_memory) if handle.max_memory else None,
             "seed": seed, "steps": steps,
             "guidance_scale": guidance_scale, "width": width, "height": height, "batch_size": batch_size,
             "memory_policy": handle.backend.memory_policy}
+    if FAMILIES[handle.family].true_cfg:
+        args["true_cfg_scale"] = true_cfg_scale
     result = get_backend(handle.backend).call("denoise", args, conditioning.tensors, on_progress=on_progress,
                                               should_cancel=should_cancel)
     return result.tensors["samples"]
@@ -248,11 +346,16 @@ def decode(spec: BackendSpec, *, model: str, samples: torch.Tensor, device: str 
         raise InvalidInput("device", f"{device!r} is not available here; choose one of {', '.join(decode_device_choices())}")
     if device == "auto":
         device = "cuda:0" if spec.device == "cuda" else "cpu"
+    rules = FAMILIES[family_of(model_dir)]
     vae = model_folders.read_config(model_dir, "vae")
-    channels = vae.get("latent_channels")
-    if samples.ndim != 4 or (channels and samples.shape[1] != channels):
+    channels = vae.get(rules.vae_channels_key)
+    channels = channels and channels * rules.latent_channels_per_vae_channel
+    frames = samples.shape[2] if samples.ndim == 5 else 1  # video-VAE latents: [B, C, T, h, w]
+    if samples.ndim not in rules.latent_ndims or (channels and samples.shape[1] != channels) or frames != 1:
+        expected = " or ".join(f"{n}-D" for n in rules.latent_ndims)
         raise InvalidInput("samples", f"LATENT of shape {list(samples.shape)} does not fit {model}'s VAE "
-                                      f"({channels} channels); decode it with the VAE of the model that made it")
+                                      f"({rules.name}: {expected}, {channels} channels, one frame); decode it with the "
+                                      "VAE of the model that made it")
     args = {"model": model, "model_dir": model_dir, "device": device, "dtype": resolve_dtype(dtype, spec),
             "memory_policy": spec.memory_policy}
     result = get_backend(spec).call("decode", args, {"samples": samples.float()}, on_progress=on_progress,

@@ -13,7 +13,11 @@ import os
 from .errors import InvalidInput
 
 # model_index.json's _class_name -> (family adapter module in worker/families, the family's name for users).
-PIPELINES = {"FluxPipeline": ("flux", "FLUX.1")}
+PIPELINES = {
+    "FluxPipeline": ("flux", "FLUX.1"),
+    "Flux2Pipeline": ("flux2", "FLUX.2"),
+    "QwenImagePipeline": ("qwenimage", "Qwen-Image"),
+}
 _UNSAFE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 

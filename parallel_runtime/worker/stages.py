@@ -66,14 +66,20 @@ def encode(ctx: OpContext, args: dict, tensors: dict):
     pipe = _models(ctx).get(key, lambda: family.load_text_encoders(model_dir, DTYPES[dtype], placement),
                             policy=args["memory_policy"])
     ctx.progress(1, 2, "encoding")
-    embeds = family.encode(pipe, args["prompts"], args.get("prompts_2"), args["max_sequence_length"])
+    embeds = family.encode(pipe, args["prompts"], args.get("prompts_2"), args["max_sequence_length"],
+                           **_family_options(args, "negative_prompt"))
     ctx.progress(2, 2, "encoded")
     return {"shapes": {k: list(v.shape) for k, v in embeds.items()}}, embeds
 
 
+def _family_options(args: dict, *names: str) -> dict:
+    """Keyword arguments only some families take (Qwen-Image's true CFG); the client sends them only to those."""
+    return {name: args[name] for name in names if name in args}
+
+
 def _sampling_args(args: dict) -> dict:
     return {"steps": args["steps"], "guidance_scale": args["guidance_scale"], "width": args["width"],
-            "height": args["height"]}
+            "height": args["height"], **_family_options(args, "true_cfg_scale")}
 
 
 @op("denoise", spmd=True)
