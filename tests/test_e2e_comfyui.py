@@ -1,0 +1,320 @@
+"""The shipped example workflow on a real ComfyUI server (COMFYUI_DIR), headless over /prompt and the websocket.
+
+A tiny random FLUX.1 goes into the server's ``diffusers`` model folder; example_workflows/api/flux1_device_map_api.json
+runs with it on a 2-rank CPU backend, and the PNG that comes back through /view equals diffusers' one-shot
+FluxPipeline after 8-bit quantisation. Also: the UI-format copy of the workflow matches the server's
+/object_info widget by widget and converts to the API copy; the sampler's progress reaches the websocket; a
+second run with a new seed loads no weights; an unknown model is refused with a 400; and when the ComfyUI
+process dies, every rank of its backend exits on its own.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from comfyui_host import REPO_ROOT, ComfyUIServer, PromptRejected
+
+pytestmark = pytest.mark.comfyui  # and multirank on the tests that start a backend
+
+WORKFLOWS = REPO_ROOT / "example_workflows"
+UI_WORKFLOW = WORKFLOWS / "flux1_device_map.json"
+API_WORKFLOW = WORKFLOWS / "api" / "flux1_device_map_api.json"  # not in the template browser: see below
+PLACEHOLDER_MODEL = "FLUX.1-dev"
+MODEL = "tiny-flux-e2e"
+SIZE, STEPS, GUIDANCE = 64, 3, 3.5
+SAMPLER, DECODER, SAVER = "4", "5", "6"  # node ids in the shipped workflow
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
+FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflows, never sent to /prompt
+LOADED = re.compile(r": loaded (\S+) ")  # parallel_runtime.worker.models: "loaded transformer:<model> (...) in 0.2 s"
+BACKEND_UP = re.compile(r"parallel backend up: \d+ ranks on \w+ in [\d.]+ s \((?P<run_dir>[^)]+)\)")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(comfyui_models_dir) -> Path:
+    from parallel_runtime.tiny_models import make_tiny_flux
+
+    path = Path(comfyui_models_dir) / MODEL
+    if not (path / "model_index.json").is_file():
+        make_tiny_flux(str(path))
+    return path
+
+
+def load_api() -> dict:
+    return json.loads(API_WORKFLOW.read_text())
+
+
+def small_workflow(seed: int, *, model: str = MODEL, steps: int = STEPS, prefix: str = "e2e_flux") -> dict:
+    """The shipped API workflow with the tiny model, small sizes and 2 CPU ranks."""
+    workflow = load_api()
+    for node in workflow.values():
+        if "model" in node["inputs"]:
+            node["inputs"]["model"] = model
+    by_type = {node["class_type"]: node["inputs"] for node in workflow.values()}
+    by_type["ParallelBackend"].update(ranks=2, device="cpu", memory_policy="staged")
+    by_type["ParallelSampler"].update(seed=seed, steps=steps, guidance_scale=GUIDANCE, width=SIZE, height=SIZE,
+                                      batch_size=1)
+    by_type["SaveImage"]["filename_prefix"] = prefix
+    return workflow
+
+
+def reference_uint8(model_dir: Path, prompt: str, seed: int) -> np.ndarray:
+    """diffusers' one-shot pipeline, quantised the way ComfyUI's SaveImage does: ``uint8(clip(255 * x))``."""
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(model_dir)
+    image = pipe(prompt, num_inference_steps=STEPS, guidance_scale=GUIDANCE, width=SIZE, height=SIZE,
+                 generator=torch.Generator("cpu").manual_seed(seed), output_type="pt").images[0]
+    return np.clip(255.0 * image.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
+
+
+def saved_png(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
+    from PIL import Image
+
+    images = server.output_images(prompt_id)
+    assert len(images) == 1, images
+    png = server.view(**images[0])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def assert_close_uint8(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape == (SIZE, SIZE, 3)
+    diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
+    assert diff.max() <= 1, f"max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"
+
+
+def backend_run_dirs(server: ComfyUIServer) -> list[str]:
+    """Run directories of the backends this server started, from the client's INFO line in ComfyUI's log."""
+    return [m.group("run_dir") for m in BACKEND_UP.finditer(server.log())]
+
+
+def weight_loads(run_dir: str) -> list[str]:
+    """The "loaded <component>:<model>" lines of rank 0's log: one per weight load."""
+    with open(os.path.join(run_dir, "rank0.log"), errors="replace") as f:
+        return [m.group(1) for line in f if (m := LOADED.search(line))]
+
+
+def backend_processes(client_pid: int) -> list:
+    """Live processes of the backends a client started: torchrun's agent and the ranks (they carry its pid)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if (p.info["status"] != psutil.STATUS_ZOMBIE
+                    and "parallel_runtime.worker" in " ".join(p.info["cmdline"] or [])
+                    and p.environ().get("COMFY_PARALLEL_CLIENT_PID") == str(client_pid)):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def is_widget(spec: list) -> bool:
+    kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+    return (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_pack_imported(comfyui_server):
+    ours = [line for line in comfyui_server.import_failures() if comfyui_server.pack_name in line]
+    assert ours == [], comfyui_server.log_tail(120)
+    assert comfyui_server.pack_import_line() is not None, comfyui_server.log_tail(120)
+
+
+def test_ui_workflow_matches_object_info_and_the_api_copy(comfyui_server, tiny_model):
+    """Widget values sit in INPUT_TYPES order (a seed is followed by its control value); links join matching
+    types; converting the UI workflow the way the frontend does yields exactly the API copy."""
+    ui, api = json.loads(UI_WORKFLOW.read_text()), load_api()
+    assert ui["version"] == 0.4
+    assert ui["last_node_id"] == max(n["id"] for n in ui["nodes"])
+    assert ui["last_link_id"] == max(link[0] for link in ui["links"])
+    info = comfyui_server.object_info()
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    links = {link[0]: link for link in ui["links"]}
+    converted = {}
+    for node in ui["nodes"]:
+        if node["type"] in FRONTEND_ONLY:
+            continue
+        assert node["type"] in info, node["type"]
+        entry = info[node["type"]]
+        values = list(node["widgets_values"])
+        sockets = {i["name"]: i for i in node["inputs"]}
+        inputs = {}
+        for section in ("required", "optional"):
+            for name in entry["input_order"].get(section, []):
+                spec = entry["input"][section][name]
+                if is_widget(spec):
+                    assert values, f"{node['type']}: no widget value left for {name}"
+                    value = values.pop(0)
+                    kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+                    if isinstance(kind, list):
+                        allowed = kind + ([PLACEHOLDER_MODEL] if name == "model" else [])
+                        assert value in allowed, (node["type"], name, value, kind)
+                    elif kind in ("INT", "FLOAT"):
+                        assert isinstance(value, (int, float)) and not isinstance(value, bool), (name, value)
+                        assert options.get("min", value) <= value <= options.get("max", value), (name, value)
+                    elif kind == "STRING":
+                        assert isinstance(value, str), (name, value)
+                    elif kind == "BOOLEAN":
+                        assert isinstance(value, bool), (name, value)
+                    inputs[name] = value
+                    if options.get("control_after_generate"):
+                        assert values and values.pop(0) in CONTROL_VALUES, f"{node['type']}.{name}: control value"
+                else:
+                    socket = sockets.get(name)
+                    if section == "required":
+                        assert socket is not None and socket["link"] is not None, f"{node['type']}.{name} unlinked"
+                    if socket is None or socket["link"] is None:
+                        continue
+                    assert socket["type"] == spec[0]
+                    link = links[socket["link"]]
+                    _, origin, origin_slot, target, target_slot, link_type = link
+                    assert target == node["id"] and node["inputs"][target_slot]["name"] == name, link
+                    source = nodes[origin]
+                    assert link[0] in source["outputs"][origin_slot]["links"], link
+                    assert info[source["type"]]["output"][origin_slot] == spec[0] == link_type, link
+                    inputs[name] = [str(origin), origin_slot]
+        assert values == [], f"{node['type']}: widget values left over: {values}"
+        converted[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
+    # The defaults a user with GPUs wants.
+    sampler = api[SAMPLER]["inputs"]
+    assert (sampler["width"], sampler["height"], sampler["steps"], sampler["guidance_scale"]) == (1024, 1024, 28, 3.5)
+    assert {n["inputs"]["model"] for n in api.values() if "model" in n["inputs"]} == {PLACEHOLDER_MODEL}
+
+
+def test_template_browser_lists_the_ui_workflow_only(comfyui_server):
+    """ComfyUI lists every example_workflows/*.json of a pack as a template and loads it as a UI graph; the API
+    copy sits in a subfolder so that it is not offered as an (empty) template."""
+    templates = comfyui_server.get_json("/workflow_templates")
+    assert templates.get(comfyui_server.pack_name) == ["flux1_device_map"], templates
+    status, raw = comfyui_server.request(
+        "GET", f"/api/workflow_templates/{comfyui_server.pack_name}/flux1_device_map.json")
+    assert status == 200 and json.loads(raw) == json.loads(UI_WORKFLOW.read_text())
+
+
+def test_shipped_workflow_validates_except_for_the_missing_model(comfyui_server, tiny_model):
+    """As shipped, only the model placeholder is refused (value_not_in_list, 400): every other value validates."""
+    with pytest.raises(PromptRejected) as e:
+        comfyui_server.post_prompt(load_api())
+    assert e.value.status == 400
+    model_nodes = {k for k, v in load_api().items() if "model" in v["inputs"]}
+    assert set(e.value.node_errors) == model_nodes, e.value.node_errors
+    for node_id in model_nodes:
+        assert e.value.error_types(node_id) == ["value_not_in_list"], e.value.node_errors[node_id]
+
+
+def test_unknown_model_is_refused_with_400(comfyui_server, tiny_model):
+    with pytest.raises(PromptRejected) as e:
+        comfyui_server.post_prompt(small_workflow(seed=0, model="no-such-model"))
+    assert e.value.status == 400
+    assert e.value.error.get("type") == "prompt_outputs_failed_validation", e.value.error
+    for node_id, node in small_workflow(seed=0).items():
+        if "model" in node["inputs"]:
+            assert "value_not_in_list" in e.value.error_types(node_id), e.value.node_errors
+
+
+@pytest.mark.multirank
+def test_workflow_image_equals_one_shot_pipeline_and_a_new_seed_loads_nothing(comfyui_server, tiny_model):
+    server = comfyui_server
+    prompt = load_api()["2"]["inputs"]["prompt"]
+    t0 = time.monotonic()
+    prompt_id, messages = server.run(small_workflow(seed=7), timeout=240)
+    first_run_s = time.monotonic() - t0
+    assert_close_uint8(saved_png(server, prompt_id), reference_uint8(tiny_model, prompt, seed=7))
+
+    # The sampler's steps reached the websocket, in order, between its "executing" and the decoder's. Newer
+    # ComfyUI (0.26.0) throttles ProgressBar updates: the first and the final one always go out, some in between
+    # may not; 0.3.75 sends every step.
+    types = [(m["type"], (m.get("data") or {}).get("node")) for m in messages]
+    start, end = types.index(("executing", SAMPLER)), types.index(("executing", DECODER))
+    progress = [m["data"] for m in messages if m["type"] == "progress" and m["data"].get("node") == SAMPLER]
+    steps = [p["value"] for p in progress if p["max"] == STEPS]
+    assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] == STEPS, progress
+    positions = [i for i, m in enumerate(messages) if m["type"] == "progress" and m["data"].get("node") == SAMPLER]
+    assert all(start < i < end for i in positions), types
+
+    # The client logs where its backend runs; rank 0 logs every weight load there.
+    run_dirs = backend_run_dirs(server)
+    assert run_dirs, "ComfyUI's log has no 'parallel backend up: ... (<run dir>)' line:\n" + server.log_tail(80)
+    run_dir = run_dirs[-1]
+    loads = weight_loads(run_dir)
+    assert {load.split(":")[0] for load in loads} >= {"text_encoders", "transformer", "vae"}, loads
+
+    # Same graph, new seed: ComfyUI reruns only the sampler, the decoder and SaveImage; no weights load again.
+    t0 = time.monotonic()
+    prompt_id, messages = server.run(small_workflow(seed=8), timeout=120)
+    second_run_s = time.monotonic() - t0
+    assert [m["data"]["node"] for m in messages if m["type"] == "executed"] == [SAVER]
+    cached = [m["data"]["nodes"] for m in messages if m["type"] == "execution_cached"]
+    assert cached and set(cached[0]) == {"1", "2", "3"}, cached
+    assert backend_run_dirs(server) == run_dirs, "the backend was restarted"
+    assert weight_loads(run_dir) == loads
+    assert_close_uint8(saved_png(server, prompt_id), reference_uint8(tiny_model, prompt, seed=8))
+    print(f"first run {first_run_s:.1f} s (backend start included), second run {second_run_s:.1f} s")
+
+
+@pytest.mark.multirank
+def test_width_off_the_16_grid_fails_in_the_sampler_naming_the_fix(comfyui_server, tiny_model):
+    """ComfyUI's own validation checks min/max only; the sampler refuses 1000 before anything runs."""
+    workflow = small_workflow(seed=9)
+    workflow[SAMPLER]["inputs"]["width"] = 1000
+    prompt_id, messages = comfyui_server.run(workflow, timeout=120, expect="execution_error")
+    error = messages[-1]["data"]
+    assert error["node_id"] == SAMPLER and error["node_type"] == "ParallelSampler", error
+    assert "width" in error["exception_message"] and "use 992 or 1008" in error["exception_message"], error
+
+
+@pytest.mark.multirank
+def test_backend_ranks_exit_when_comfyui_dies(comfyui_dir, comfyui_models_dir, tiny_model):
+    """SIGKILL leaves ComfyUI no chance to run atexit: the ranks must notice on their own (they watch the
+    client's pid), exit, and take the run directory and the shared-memory segments with them. Its own server:
+    the session's is shared with other tests."""
+    server = ComfyUIServer(comfyui_dir, diffusers_dir=comfyui_models_dir).start()
+    try:
+        server.run(small_workflow(seed=1, steps=1, prefix="e2e_kill"), timeout=180)
+        comfy_pid = server.proc.pid
+        (run_dir,) = backend_run_dirs(server)
+        backend = backend_processes(comfy_pid)
+        ranks = [p for p in backend if "torch.distributed.run" not in " ".join(p.cmdline())]
+        assert len(backend) == 3 and len(ranks) == 2, [p.cmdline() for p in backend]  # torchrun's agent + 2 ranks
+        assert glob.glob(f"/dev/shm/pd-{comfy_pid}-*"), "no arena segments while the backend runs"
+
+        os.kill(comfy_pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        t0 = time.monotonic()
+        while (left := backend_processes(comfy_pid)) and time.monotonic() - t0 < 20:
+            time.sleep(0.1)
+        exit_s = time.monotonic() - t0
+        assert left == [], f"still running 20 s after ComfyUI died: {[(p.pid, p.cmdline()) for p in left]}"
+        while (glob.glob(f"/dev/shm/pd-{comfy_pid}-*") or os.path.exists(run_dir)) and time.monotonic() - t0 < 25:
+            time.sleep(0.1)
+        left_behind = glob.glob(f"/dev/shm/pd-{comfy_pid}-*") + ([run_dir] if os.path.exists(run_dir) else [])
+        if left_behind:
+            logs = {name: open(os.path.join(run_dir, name), errors="replace").read()
+                    for name in ("rank0.log", "rank1.log") if os.path.exists(os.path.join(run_dir, name))}
+            noticed = [name for name, text in logs.items() if "client or launcher died" in text]
+            for path in left_behind:  # report it, but leave no litter
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+            pytest.fail(f"left behind after every backend process exited: {left_behind}; ranks whose log says "
+                        f"they saw the client die: {noticed} (only rank 0 cleans up; if another rank exits first, "
+                        f"torchrun's agent SIGTERMs rank 0 before its own check runs)")
+        print(f"torchrun's agent and both ranks gone {exit_s:.1f} s after ComfyUI was killed")
+    finally:
+        server.stop()
