@@ -5,22 +5,37 @@ import os
 
 import pytest
 import torch
-from diffusers import FluxPipeline
+from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
 
 from parallel_nodes import (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelBackend, ParallelSampler,
                             VAEDecodeSingleGPU)
 from parallel_runtime import InvalidInput, get_backend, shutdown_backend
-from parallel_runtime.tiny_models import make_tiny_flux
+from parallel_runtime.tiny_models import make_tiny_flux, make_tiny_flux2, make_tiny_qwenimage
 
 MODEL = "tiny-flux"
 PROMPT = "a photo of a horse in the city"
 STEPS, TOKENS = 2, 32
+
+# The families added after FLUX.1, run through the same nodes. Plain Ulysses / Ring split the text tokens too, so the
+# settings keep them divisible by 2: FLUX.2 pads to max_sequence_length (its 31-token tiny system message included);
+# Qwen-Image keeps each prompt's own length, so a short max_sequence_length cuts the prompt (13 tokens) and the
+# negative prompt (8) to 8.
+NEW_FAMILIES = {
+    "flux2": {"model": "tiny-flux2", "make": make_tiny_flux2, "pipeline": Flux2Pipeline, "max_sequence_length": 48,
+              "encode": {}, "sample": {"guidance_scale": 4.0}, "reference": {"guidance_scale": 4.0}},
+    "qwenimage": {"model": "tiny-qwenimage", "make": make_tiny_qwenimage, "pipeline": QwenImagePipeline,
+                  "max_sequence_length": 8, "encode": {"negative_prompt": "a blue painting"},
+                  "sample": {"guidance_scale": 3.5, "true_cfg_scale": 4.0},
+                  "reference": {"negative_prompt": "a blue painting", "true_cfg_scale": 4.0}},
+}
 
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("diffusers-models")
     make_tiny_flux(str(root / MODEL))
+    for family in NEW_FAMILIES.values():
+        family["make"](str(root / family["model"]))
     old = os.environ.get("COMFY_PARALLEL_MODELS")
     os.environ["COMFY_PARALLEL_MODELS"] = str(root)
     yield root
@@ -155,3 +170,99 @@ def test_sampler_revalidates_against_the_size(models_dir, widget, strategy, samp
     with pytest.raises(InvalidInput, match=hint) as info:
         ParallelSampler().sample(transformer, None, **args)
     assert info.value.widget == widget
+
+
+@pytest.fixture(scope="module")
+def family_one_shot(models_dir):
+    """(family, seed, batch_size) -> the one-shot pipeline's IMAGE at 64x64, image i from seed + i."""
+    cache = {}
+
+    def reference(name: str, seed: int, batch_size: int = 1) -> torch.Tensor:
+        family = NEW_FAMILIES[name]
+        if (name, seed, batch_size) not in cache:
+            pipe = family["pipeline"].from_pretrained(models_dir / family["model"])
+            pipe.set_progress_bar_config(disable=True)
+            cache[name, seed, batch_size] = pipe(
+                prompt=PROMPT, num_inference_steps=STEPS, width=64, height=64,
+                max_sequence_length=family["max_sequence_length"], num_images_per_prompt=batch_size,
+                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+                output_type="pt", **family["reference"]).images.permute(0, 2, 3, 1)
+        return cache[name, seed, batch_size]
+
+    return reference
+
+
+def generate_family(spec, name: str, strategy: str, *, seed=3, batch_size=1, **strategy_args):
+    family = NEW_FAMILIES[name]
+    (positive,) = EncodeOnBalancedGPUs().encode(family["model"], PROMPT, max_sequence_length=family["max_sequence_length"],
+                                                backend=spec, **family["encode"])
+    (transformer,) = LoadShardedTransformer().load(family["model"], strategy, backend=spec, **strategy_args)
+    (latent,) = ParallelSampler().sample(transformer, positive, seed=seed, steps=STEPS, width=64, height=64,
+                                         batch_size=batch_size, **family["sample"])
+    return latent["samples"], VAEDecodeSingleGPU().decode(latent, family["model"], backend=spec)[0]
+
+
+FAMILY_CASES = [
+    ("ulysses", "context_parallel", {"ulysses_degree": 2}, 1, 1e-4),
+    ("ring", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 1, 1e-4),
+    ("tp", "tensor_parallel", {"tp_degree": 2}, 1, 1e-4),
+    # Not bit-exact: CPU GEMM kernels block differently for another batch size and thread count.
+    ("data_parallel", "data_parallel", {}, 2, 1e-5),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("case, strategy, args, batch_size, tolerance", FAMILY_CASES, ids=[c[0] for c in FAMILY_CASES])
+def test_new_family_strategy_matches_one_shot(models_dir, family_one_shot, name, case, strategy, args, batch_size,
+                                              tolerance):
+    latent, image = generate_family(backend(2), name, strategy, batch_size=batch_size, **args)
+    assert latent.shape == ((batch_size, 128, 4, 4) if name == "flux2" else (batch_size, 16, 1, 8, 8))
+    diff = (image - family_one_shot(name, 3, batch_size)).abs().max().item()
+    print(f"{name} {case}: max |diff| vs one-shot {diff:.3g}")
+    assert diff <= tolerance
+
+
+def _sample_args(**overrides):
+    return {"seed": 0, "steps": STEPS, "guidance_scale": 3.5, "width": 64, "height": 64, "batch_size": 1, **overrides}
+
+
+@pytest.mark.parametrize("widget, call, hint", [
+    ("steps", lambda spec: ParallelSampler().sample(
+        LoadShardedTransformer().load("tiny-qwenimage", "device_map", backend=spec)[0], None, **_sample_args(steps=1)),
+     "shift_terminal"),
+    ("true_cfg_scale", lambda spec: ParallelSampler().sample(
+        LoadShardedTransformer().load("tiny-qwenimage", "device_map", backend=spec)[0], None,
+        **_sample_args(true_cfg_scale=0.5)), "use 1"),
+    ("prompt_2", lambda spec: EncodeOnBalancedGPUs().encode("tiny-flux2", PROMPT, prompt_2="a dog", backend=spec),
+     "one text encoder"),
+    ("max_sequence_length", lambda spec: EncodeOnBalancedGPUs().encode("tiny-flux2", PROMPT, max_sequence_length=1024,
+                                                                       backend=spec), "1..512"),
+    ("samples", lambda spec: VAEDecodeSingleGPU().decode({"samples": torch.zeros(1, 32, 8, 8)}, "tiny-flux2",
+                                                         backend=spec), "128 channels"),
+    ("samples", lambda spec: VAEDecodeSingleGPU().decode({"samples": torch.zeros(1, 16, 2, 8, 8)}, "tiny-qwenimage",
+                                                         backend=spec), "one frame"),
+])
+def test_new_family_widgets_fail_before_anything_runs(models_dir, widget, call, hint):
+    with pytest.raises(InvalidInput, match=hint) as info:
+        call(backend(2))
+    assert info.value.widget == widget
+
+
+@pytest.mark.multirank
+def test_qwenimage_text_tokens_must_split_for_plain_context_parallel(models_dir):
+    """Qwen-Image does not pad prompts: the sampler checks the prompt's and the negative prompt's own lengths."""
+    spec = backend(2)
+    # 8 and 5 tokens (an empty negative prompt is the chat template's 5-token tail).
+    (positive,) = EncodeOnBalancedGPUs().encode("tiny-qwenimage", PROMPT, max_sequence_length=8, backend=spec)
+    (transformer,) = LoadShardedTransformer().load("tiny-qwenimage", "context_parallel", ulysses_degree=2, backend=spec)
+    with pytest.raises(InvalidInput, match="negative prompt is 5 text tokens.*turn on anything") as info:
+        ParallelSampler().sample(transformer, positive, **_sample_args())
+    assert info.value.widget == "positive"
+    # With true CFG off the negative prompt is not used, so its length does not matter.
+    ParallelSampler().sample(transformer, positive, **_sample_args(true_cfg_scale=1.0))
+    # A FLUX.2 conditioning does not fit a Qwen-Image transformer.
+    (flux2_positive,) = EncodeOnBalancedGPUs().encode("tiny-flux2", PROMPT, max_sequence_length=48, backend=spec)
+    with pytest.raises(InvalidInput, match="FLUX.2.*Qwen-Image") as info:
+        ParallelSampler().sample(transformer, flux2_positive, **_sample_args())
+    assert info.value.widget == "positive"
