@@ -177,27 +177,31 @@ def family_one_shot(models_dir):
     """(family, seed, batch_size) -> the one-shot pipeline's IMAGE at 64x64, image i from seed + i."""
     cache = {}
 
-    def reference(name: str, seed: int, batch_size: int = 1) -> torch.Tensor:
+    def reference(name: str, seed: int, batch_size: int = 1, width: int = 64, height: int = 64,
+                  **overrides) -> torch.Tensor:
         family = NEW_FAMILIES[name]
-        if (name, seed, batch_size) not in cache:
+        key = (name, seed, batch_size, width, height, tuple(sorted(overrides.items())))
+        if key not in cache:
             pipe = family["pipeline"].from_pretrained(models_dir / family["model"])
             pipe.set_progress_bar_config(disable=True)
-            cache[name, seed, batch_size] = pipe(
-                prompt=PROMPT, num_inference_steps=STEPS, width=64, height=64,
-                max_sequence_length=family["max_sequence_length"], num_images_per_prompt=batch_size,
+            kwargs = {"max_sequence_length": family["max_sequence_length"], **family["reference"], **overrides}
+            cache[key] = pipe(
+                prompt=PROMPT, num_inference_steps=STEPS, width=width, height=height,
+                num_images_per_prompt=batch_size,
                 generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-                output_type="pt", **family["reference"]).images.permute(0, 2, 3, 1)
-        return cache[name, seed, batch_size]
+                output_type="pt", **kwargs).images.permute(0, 2, 3, 1)
+        return cache[key]
 
     return reference
 
 
-def generate_family(spec, name: str, strategy: str, *, seed=3, batch_size=1, **strategy_args):
+def generate_family(spec, name: str, strategy: str, *, seed=3, batch_size=1, width=64, height=64, encode=None,
+                    **strategy_args):
     family = NEW_FAMILIES[name]
-    (positive,) = EncodeOnBalancedGPUs().encode(family["model"], PROMPT, max_sequence_length=family["max_sequence_length"],
-                                                backend=spec, **family["encode"])
+    encode = {"max_sequence_length": family["max_sequence_length"], **family["encode"], **(encode or {})}
+    (positive,) = EncodeOnBalancedGPUs().encode(family["model"], PROMPT, backend=spec, **encode)
     (transformer,) = LoadShardedTransformer().load(family["model"], strategy, backend=spec, **strategy_args)
-    (latent,) = ParallelSampler().sample(transformer, positive, seed=seed, steps=STEPS, width=64, height=64,
+    (latent,) = ParallelSampler().sample(transformer, positive, seed=seed, steps=STEPS, width=width, height=height,
                                          batch_size=batch_size, **family["sample"])
     return latent["samples"], VAEDecodeSingleGPU().decode(latent, family["model"], backend=spec)[0]
 
@@ -266,3 +270,13 @@ def test_qwenimage_text_tokens_must_split_for_plain_context_parallel(models_dir)
     with pytest.raises(InvalidInput, match="FLUX.2.*Qwen-Image") as info:
         ParallelSampler().sample(transformer, flux2_positive, **_sample_args())
     assert info.value.widget == "positive"
+
+
+@pytest.mark.multirank
+def test_qwenimage_ulysses_anything_takes_unpadded_prompts(models_dir, family_one_shot):
+    """What the sampler tells Qwen-Image users to do about odd token counts: 15 image tokens (48x80), a 13-token
+    prompt and the empty negative prompt's 5 tokens, all split unevenly over 2 ranks."""
+    _, image = generate_family(backend(2), "qwenimage", "context_parallel", width=48, height=80, ulysses_degree=2,
+                               anything=True, encode={"max_sequence_length": 64, "negative_prompt": ""})
+    reference = family_one_shot("qwenimage", 3, width=48, height=80, max_sequence_length=64, negative_prompt="")
+    assert (image - reference).abs().max() <= 1e-4
