@@ -39,15 +39,7 @@ class LaunchedGroup:
 
     def worker_pids(self) -> dict[int, int]:
         """Rank → pid for the ranks of this machine that have started."""
-        pids = {}
-        for path in glob.glob(os.path.join(self.run_dir, "rank*.pid")):
-            rank = int(re.search(r"rank(\d+)\.pid$", path).group(1))
-            try:
-                with open(path) as f:
-                    pids[rank] = int(f.read().strip())
-            except (OSError, ValueError):
-                pass
-        return pids
+        return _worker_pids(self.run_dir)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         try:
@@ -72,6 +64,18 @@ class LaunchedGroup:
         return None
 
 
+def _worker_pids(run_dir: str) -> dict[int, int]:
+    pids = {}
+    for path in glob.glob(os.path.join(run_dir, "rank*.pid")):
+        rank = int(re.search(r"rank(\d+)\.pid$", path).group(1))
+        try:
+            with open(path) as f:
+                pids[rank] = int(f.read().strip())
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
 def process_alive(pid: int) -> bool:
     """True for a running process; False for a gone or zombie one."""
     try:
@@ -81,13 +85,28 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def sweep_stale_segments() -> list[str]:
-    """Remove arena segments left by clients that no longer run (named ``pd-<client pid>-...``)."""
+RUN_DIR_PREFIX = "comfy-parallel-"
+
+
+def sweep_stale() -> list[str]:
+    """Remove what backends of clients that no longer run left behind (a group killed with SIGKILL cannot clean
+    up after itself): arena segments (named ``pd-<client pid>-...``) and run directories whose client and
+    ranks are all gone."""
     removed = []
     for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}-*-*")):
         m = re.match(rf"{SHM_PREFIX}-(\d+)-", os.path.basename(path))
         if m and not process_alive(int(m.group(1))):
             removed += remove_segments(os.path.basename(path))
+    for run_dir in glob.glob(os.path.join(tempfile.gettempdir(), RUN_DIR_PREFIX + "*")):
+        try:
+            with open(os.path.join(run_dir, "client.pid")) as f:
+                pids = [int(f.read())]
+        except (OSError, ValueError):
+            continue  # not ours, or still being created
+        pids += _worker_pids(run_dir).values()
+        if not any(process_alive(p) for p in pids):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            removed.append(run_dir)
     return removed
 
 
@@ -104,8 +123,10 @@ def torchrun_command(spec: BackendSpec) -> list[str]:
 
 def launch(spec: BackendSpec) -> LaunchedGroup:
     """Start the group in a fresh private run directory. Returns at once; the ranks come up on their own."""
-    sweep_stale_segments()
-    run_dir = tempfile.mkdtemp(prefix="comfy-parallel-")  # mode 0700
+    sweep_stale()
+    run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)  # mode 0700
+    with open(os.path.join(run_dir, "client.pid"), "w") as f:
+        f.write(str(os.getpid()))
     token = secrets.token_hex(32)
     fd = os.open(os.path.join(run_dir, "token"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:

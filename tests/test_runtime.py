@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -217,3 +219,24 @@ def test_killing_the_client_makes_the_workers_exit():
         assert _segments(prefix) == []  # rank 0 removed them on its way out
     finally:
         proc.kill()
+
+
+def test_leftovers_of_a_dead_client_are_swept_at_the_next_launch(tmp_path):
+    """A group killed with SIGKILL cannot clean up; the next launch removes what it left."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_dir = tempfile.mkdtemp(prefix=launcher.RUN_DIR_PREFIX)
+    with open(os.path.join(run_dir, "client.pid"), "w") as f:
+        f.write(str(dead.pid))
+    segment = os.path.join(SHM_DIR, f"{launcher.SHM_PREFIX}-{dead.pid}-deadbeef-in-0")
+    open(segment, "wb").close()
+    mine = tempfile.mkdtemp(prefix=launcher.RUN_DIR_PREFIX)  # a live client's run directory stays
+    with open(os.path.join(mine, "client.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        removed = launcher.sweep_stale()
+        assert run_dir in removed and not os.path.exists(run_dir)
+        assert not os.path.exists(segment)
+        assert os.path.exists(mine)
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)

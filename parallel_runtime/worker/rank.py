@@ -143,7 +143,9 @@ def main() -> None:
 
     shm_prefix = os.environ["COMFY_PARALLEL_SHM_PREFIX"]
     def clean_up_for_the_dead_client() -> None:
-        if rank_id == 0:
+        # Whichever rank of the client's machine notices first cleans up: torchrun's agent stops the others as
+        # soon as one exits, possibly before they get to it. Both steps are safe to repeat.
+        if os.environ.get("GROUP_RANK", "0") == "0":
             remove_segments(shm_prefix)
             shutil.rmtree(run_dir, ignore_errors=True)
 
