@@ -12,7 +12,7 @@ import torch
 
 def doctor(ranks: int, device: str) -> dict:
     """Start a backend, run status + a collective + an arena round trip, shut it down; a report dict."""
-    from . import Backend, BackendSpec, ParallelRuntimeError
+    from . import Backend, ParallelRuntimeError
     from .spec import default_spec
 
     spec = default_spec(device=device, ranks=ranks)

@@ -56,7 +56,7 @@ def resolve(name: str, widget: str = "model") -> str:
     """The folder of model ``name``, checked: inside a root, a supported pipeline, safetensors weights only."""
     if not name:
         raise InvalidInput(widget, "no model selected; put a diffusers folder (save_pretrained) in "
-                                   f"models/diffusers or COMFY_PARALLEL_MODELS and pick it here")
+                                   "models/diffusers or COMFY_PARALLEL_MODELS and pick it here")
     for root in roots():
         model_dir = os.path.realpath(os.path.join(root, name))
         if os.path.commonpath([root, model_dir]) != root:

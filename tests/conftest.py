@@ -35,3 +35,21 @@ def comfyui_server(comfyui_dir, comfyui_models_dir):
         yield server
     finally:
         server.stop()
+
+
+# --- the pack's model folder, for tests that call the nodes in-process ------------------------------
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory):
+    """An empty diffusers model folder that the nodes see (COMFY_PARALLEL_MODELS) for one test module. The backend
+    the module used is shut down afterwards, so the next module starts from nothing."""
+    from parallel_runtime import shutdown_backend
+
+    root = tmp_path_factory.mktemp("diffusers-models")
+    old = os.environ.get("COMFY_PARALLEL_MODELS")
+    os.environ["COMFY_PARALLEL_MODELS"] = str(root)
+    yield root
+    shutdown_backend()
+    if old is None:
+        del os.environ["COMFY_PARALLEL_MODELS"]
+    else:
+        os.environ["COMFY_PARALLEL_MODELS"] = old

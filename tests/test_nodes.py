@@ -22,17 +22,9 @@ SIZE, STEPS = 64, 3
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("diffusers-models")
-    make_tiny_flux(str(root / MODEL))
-    old = os.environ.get("COMFY_PARALLEL_MODELS")
-    os.environ["COMFY_PARALLEL_MODELS"] = str(root)
-    yield root
-    shutdown_backend()
-    if old is None:
-        del os.environ["COMFY_PARALLEL_MODELS"]
-    else:
-        os.environ["COMFY_PARALLEL_MODELS"] = old
+def models_dir(models_root):
+    make_tiny_flux(str(models_root / MODEL))
+    return models_root
 
 
 def staged_spec(policy: str = "staged") -> BackendSpec:

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from parallel_runtime import (Backend, BackendDied, BackendSpec, Cancelled, OpFailed, Refused)
+from parallel_runtime import (Backend, BackendDied, BackendSpec, Cancelled, OpFailed)
 from parallel_runtime import launcher
 from parallel_runtime.arena import SHM_DIR
 from parallel_runtime.protocol import Channel

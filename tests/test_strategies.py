@@ -1,15 +1,13 @@
 """Context, tensor and data parallelism through the nodes, on real CPU ranks, against diffusers' one-shot pipeline."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
 
 from parallel_nodes import (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelBackend, ParallelSampler,
                             VAEDecodeSingleGPU)
-from parallel_runtime import InvalidInput, get_backend, shutdown_backend
+from parallel_runtime import InvalidInput, get_backend
 from parallel_runtime.tiny_models import make_tiny_flux, make_tiny_flux2, make_tiny_qwenimage
 
 MODEL = "tiny-flux"
@@ -31,19 +29,11 @@ NEW_FAMILIES = {
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("diffusers-models")
-    make_tiny_flux(str(root / MODEL))
+def models_dir(models_root):
+    make_tiny_flux(str(models_root / MODEL))
     for family in NEW_FAMILIES.values():
-        family["make"](str(root / family["model"]))
-    old = os.environ.get("COMFY_PARALLEL_MODELS")
-    os.environ["COMFY_PARALLEL_MODELS"] = str(root)
-    yield root
-    shutdown_backend()
-    if old is None:
-        del os.environ["COMFY_PARALLEL_MODELS"]
-    else:
-        os.environ["COMFY_PARALLEL_MODELS"] = old
+        family["make"](str(models_root / family["model"]))
+    return models_root
 
 
 @pytest.fixture(scope="module")
