@@ -66,7 +66,7 @@ MAX_SEQUENCE_LENGTH = max(rules.max_sequence_length for rules in FAMILIES.values
 
 def family_of(model_dir: str) -> str:
     """The family adapter's name of a resolved model folder (``model_folders.resolve`` checked it is supported)."""
-    return model_folders.PIPELINES[model_folders._pipeline_class(model_dir)][0]
+    return model_folders.PIPELINES[model_folders.pipeline_class(model_dir)][0]
 
 
 @dataclasses.dataclass(frozen=True)

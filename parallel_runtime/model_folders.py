@@ -33,7 +33,8 @@ def roots() -> list[str]:
     return [os.path.realpath(p) for p in dict.fromkeys(found)]
 
 
-def _pipeline_class(model_dir: str) -> str | None:
+def pipeline_class(model_dir: str) -> str | None:
+    """model_index.json's _class_name, or None when the folder is no diffusers pipeline."""
     try:
         with open(os.path.join(model_dir, "model_index.json")) as f:
             return json.load(f).get("_class_name")
@@ -47,7 +48,7 @@ def list_models() -> list[str]:
     for root in roots():
         for index in glob.glob(os.path.join(root, "**", "model_index.json"), recursive=True):
             model_dir = os.path.dirname(index)
-            if _pipeline_class(model_dir) in PIPELINES:
+            if pipeline_class(model_dir) in PIPELINES:
                 names.add(os.path.relpath(model_dir, root))
     return sorted(names)
 
@@ -66,7 +67,7 @@ def resolve(name: str, widget: str = "model") -> str:
     else:
         where = ", ".join(roots()) or "no model folder is configured (set COMFY_PARALLEL_MODELS)"
         raise InvalidInput(widget, f"unknown model {name!r}; models are diffusers folders in: {where}")
-    class_name = _pipeline_class(model_dir)
+    class_name = pipeline_class(model_dir)
     if class_name not in PIPELINES:
         raise InvalidInput(widget, f"{name!r} is a {class_name}; supported pipelines: "
                                    + ", ".join(f"{label} ({k})" for k, (_, label) in PIPELINES.items()))
