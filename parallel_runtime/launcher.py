@@ -52,11 +52,11 @@ class LaunchedGroup:
         return self.log_tail(f"rank{rank}.traceback", lines=200)
 
     def failed_rank(self) -> int | None:
-        """The rank that failed first: one that left a traceback, else torchrun's "Root Cause"."""
-        ranks = sorted(int(m.group(1)) for p in glob.glob(os.path.join(self.run_dir, "rank*.traceback"))
-                       if (m := re.search(r"rank(\d+)\.traceback$", p)))
-        if ranks:
-            return ranks[0]
+        """The rank that failed first: the earliest to leave a traceback, else torchrun's "Root Cause"."""
+        tracebacks = glob.glob(os.path.join(self.run_dir, "rank*.traceback"))
+        if tracebacks:
+            first = min(tracebacks, key=os.path.getmtime)
+            return int(re.search(r"rank(\d+)\.traceback$", first).group(1))
         launcher_log = self.log_tail("launcher.log", lines=400)
         root = launcher_log.rfind("Root Cause")
         if root >= 0 and (m := re.search(r"rank\s*:\s*(\d+)", launcher_log[root:])):

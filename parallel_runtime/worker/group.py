@@ -19,6 +19,7 @@ from ..arena import DTYPES
 # After one rank reports an error, how long the others may take to report before we conclude they are
 # stuck in a collective that the failed rank will never join (then the group must be torn down).
 ERROR_GRACE_S = 5.0
+ACKED = b"acked"  # op seq's acknowledgement key is settled either so, or as b"gave-up:<rank>"
 
 
 def _wait(store: dist.Store, key: str, timeout_s: float) -> bool:
@@ -41,9 +42,10 @@ class Group:
     def post(self, seq: int, header: dict) -> None:
         self.store.set(f"op/{seq}", json.dumps(header))
 
-    def collect(self, seq: int, own: dict) -> list[dict] | None:
-        """Every rank's outcome of op ``seq`` (rank 0's is ``own``), or None when the group is wedged: a rank
-        failed and the rest did not report within ERROR_GRACE_S. Call ``finish(seq)`` afterwards."""
+    def collect(self, seq: int, own: dict) -> list[dict] | int | None:
+        """Every rank's outcome of op ``seq`` (rank 0's is ``own``); or, when the group cannot go on, the rank
+        that gave up on it (an int), or None when a rank failed and the rest did not report within
+        ERROR_GRACE_S. Call ``finish(seq)`` afterwards."""
         outcomes: list[dict | None] = [own] + [None] * (self.world_size - 1)
         failed_since = None if own.get("ok") else time.monotonic()
 
@@ -64,11 +66,15 @@ class Group:
                     take(r)
             if failed_since is not None and time.monotonic() - failed_since > ERROR_GRACE_S:
                 return None
+        # The acknowledgement races a failed rank that gave up waiting for it (and is leaving the group): one
+        # atomic compare-and-set decides, so both sides agree whether the group goes on.
+        settled = self.store.compare_set(f"ack/{seq}", "", ACKED)
+        if settled != ACKED:
+            return int(settled.decode().rsplit(":", 1)[1])
         return outcomes  # type: ignore[return-value]
 
     def finish(self, seq: int) -> None:
-        """Acknowledge op ``seq`` and drop its keys: after the reply, off the client's critical path."""
-        self.store.set(f"ack/{seq}", "1")
+        """Drop op ``seq``'s keys: after the reply, off the client's critical path."""
         for key in [f"op/{seq}", f"ack/{seq - 1}"] + [f"done/{seq}/{r}" for r in range(1, self.world_size)]:
             self.store.delete_key(key)
 
@@ -86,7 +92,8 @@ class Group:
         self.store.set(f"done/{seq}/{self.rank}", json.dumps(outcome))
         if outcome.get("ok"):
             return True
-        return _wait(self.store, f"ack/{seq}", ERROR_GRACE_S + 2.0)
+        _wait(self.store, f"ack/{seq}", ERROR_GRACE_S + 2.0)
+        return self.store.compare_set(f"ack/{seq}", "", f"gave-up:{self.rank}") == ACKED
 
 
 def broadcast_tensors(tensors: dict[str, torch.Tensor] | None, layout: dict[str, dict]) -> dict[str, torch.Tensor]:

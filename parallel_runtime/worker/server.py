@@ -126,10 +126,14 @@ class Server:
         own, out_tensors = self.rank.execute(header, tensors)
         outcomes = self.rank.group.collect(seq, own)
         self.current_call = None
-        if outcomes is None:
+        if not isinstance(outcomes, list):
+            # ``outcomes`` is the rank that gave up on the group, or None: rank 0 failed and the others are
+            # stuck in a collective. The client reads that rank's traceback from the run directory.
+            gave_up = outcomes
             failed = own if not own.get("ok") else {"message": "another rank failed and the rest are stuck"}
-            self._send(channel, {"type": "fatal", "id": call_id, "rank": 0 if not own.get("ok") else None,
-                                 "message": failed.get("message", ""), "traceback": failed.get("traceback", "")})
+            self._send(channel, {"type": "fatal", "id": call_id, "rank": 0 if gave_up is None else gave_up,
+                                 "message": failed.get("message", "") if gave_up is None else
+                                 f"rank {gave_up} failed while the others were in a collective"})
             self.rank.die(failed)
         self._send(channel, self._reply(call_id, outcomes, out_tensors))
         self.rank.group.finish(seq)
