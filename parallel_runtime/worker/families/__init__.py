@@ -48,3 +48,14 @@ def placement_kwargs(placement: Placement, component: str) -> dict[str, Any]:
     if placement.get("max_memory"):
         kwargs["max_memory"] = placement["max_memory"]
     return kwargs
+
+
+def load_placed(cls: Any, model_dir: str, dtype: torch.dtype, placement: Placement, component: str,
+                **kwargs: Any) -> Any:
+    """``cls.from_pretrained(model_dir, dtype=dtype, **kwargs)`` placed as ``placement`` says: spread by its
+    ``device_map``, or moved whole to its ``device``. One recipe for every family's pipelines and models."""
+    placed = placement_kwargs(placement, component)
+    loaded = cls.from_pretrained(model_dir, dtype=dtype, **kwargs, **placed)
+    if "device_map" not in placed:
+        loaded.to(placement.get("device", "cpu"))
+    return loaded

@@ -22,16 +22,12 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from diffusers.image_processor import VaeImageProcessor
 
-from . import Placement, placement_kwargs
+from . import Placement, load_placed
 
 
 def load_text_encoders(model_dir: str, dtype: torch.dtype, placement: Placement) -> FluxPipeline:
     """The pipeline with only its tokenizers and text encoders (transformer=None, vae=None)."""
-    kwargs = placement_kwargs(placement, "FLUX.1 text encoders")
-    pipe = FluxPipeline.from_pretrained(model_dir, transformer=None, vae=None, dtype=dtype, **kwargs)
-    if "device_map" not in kwargs:
-        pipe.to(placement.get("device", "cpu"))
-    return pipe
+    return load_placed(FluxPipeline, model_dir, dtype, placement, "FLUX.1 text encoders", transformer=None, vae=None)
 
 
 @torch.no_grad()
@@ -48,11 +44,8 @@ def encode(
 
 def load_transformer(model_dir: str, dtype: torch.dtype, placement: Placement) -> FluxTransformer2DModel:
     """The transformer alone, on one device or spread with `device_map="auto"`."""
-    kwargs = placement_kwargs(placement, "FLUX.1 transformer")
-    transformer = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, **kwargs)
-    if "device_map" not in kwargs:
-        transformer.to(placement.get("device", "cpu"))
-    return transformer
+    return load_placed(FluxTransformer2DModel, model_dir, dtype, placement, "FLUX.1 transformer",
+                       subfolder="transformer")
 
 
 @torch.no_grad()

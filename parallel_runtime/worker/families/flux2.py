@@ -25,16 +25,12 @@ import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.image_processor import VaeImageProcessor
 
-from . import Placement, placement_kwargs
+from . import Placement, load_placed
 
 
 def load_text_encoders(model_dir: str, dtype: torch.dtype, placement: Placement) -> Flux2Pipeline:
     """The pipeline with only its processor and text encoder (transformer=None, vae=None)."""
-    kwargs = placement_kwargs(placement, "FLUX.2 text encoder")
-    pipe = Flux2Pipeline.from_pretrained(model_dir, transformer=None, vae=None, dtype=dtype, **kwargs)
-    if "device_map" not in kwargs:
-        pipe.to(placement.get("device", "cpu"))
-    return pipe
+    return load_placed(Flux2Pipeline, model_dir, dtype, placement, "FLUX.2 text encoder", transformer=None, vae=None)
 
 
 @torch.no_grad()
@@ -52,11 +48,8 @@ def encode(
 
 def load_transformer(model_dir: str, dtype: torch.dtype, placement: Placement) -> Flux2Transformer2DModel:
     """The transformer alone, on one device or spread with `device_map="auto"`."""
-    kwargs = placement_kwargs(placement, "FLUX.2 transformer")
-    transformer = Flux2Transformer2DModel.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, **kwargs)
-    if "device_map" not in kwargs:
-        transformer.to(placement.get("device", "cpu"))
-    return transformer
+    return load_placed(Flux2Transformer2DModel, model_dir, dtype, placement, "FLUX.2 transformer",
+                       subfolder="transformer")
 
 
 @torch.no_grad()

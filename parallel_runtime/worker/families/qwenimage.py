@@ -32,16 +32,13 @@ from diffusers import (
 )
 from diffusers.image_processor import VaeImageProcessor
 
-from . import Placement, placement_kwargs
+from . import Placement, load_placed
 
 
 def load_text_encoders(model_dir: str, dtype: torch.dtype, placement: Placement) -> QwenImagePipeline:
     """The pipeline with only its tokenizer and text encoder (transformer=None, vae=None)."""
-    kwargs = placement_kwargs(placement, "Qwen-Image text encoder")
-    pipe = QwenImagePipeline.from_pretrained(model_dir, transformer=None, vae=None, dtype=dtype, **kwargs)
-    if "device_map" not in kwargs:
-        pipe.to(placement.get("device", "cpu"))
-    return pipe
+    return load_placed(QwenImagePipeline, model_dir, dtype, placement, "Qwen-Image text encoder",
+                       transformer=None, vae=None)
 
 
 def _encode(pipe: QwenImagePipeline, prompt: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,11 +76,8 @@ def encode(
 
 def load_transformer(model_dir: str, dtype: torch.dtype, placement: Placement) -> QwenImageTransformer2DModel:
     """The transformer alone, on one device or spread with `device_map="auto"`."""
-    kwargs = placement_kwargs(placement, "Qwen-Image transformer")
-    transformer = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, **kwargs)
-    if "device_map" not in kwargs:
-        transformer.to(placement.get("device", "cpu"))
-    return transformer
+    return load_placed(QwenImageTransformer2DModel, model_dir, dtype, placement, "Qwen-Image transformer",
+                       subfolder="transformer")
 
 
 @torch.no_grad()
