@@ -39,12 +39,19 @@ class EncodeOnBalancedGPUs:
                                                "tooltip": "What to steer away from, used by Qwen-Image's true CFG "
                                                           "(ParallelSampler's true_cfg_scale > 1); empty is a valid "
                                                           "negative prompt. Ignored by FLUX."}),
+                "one_prompt_per_line": ("BOOLEAN", {"default": False,
+                                                    "tooltip": "Each non-empty line of prompt is a prompt of its own "
+                                                               "(prompt_2: one line per prompt, or empty). "
+                                                               "ParallelSampler makes batch_size images of each, in "
+                                                               "order; data_parallel spreads them over the ranks."}),
             },
+            "hidden": comfy.HIDDEN,
         }
 
     def encode(self, model: str, prompt: str, prompt_2: str = "", max_sequence_length: int = 512,
-               max_memory: str = "", dtype: str = "auto", backend=None, negative_prompt: str = ""):
+               max_memory: str = "", dtype: str = "auto", backend=None, negative_prompt: str = "",
+               one_prompt_per_line: bool = False, unique_id: str | None = None):
         spec = backend or default_spec()
-        return (comfy.run(jobs.encode_prompt, spec=spec, model=model, prompt=prompt, prompt_2=prompt_2,
+        return (comfy.run(jobs.encode_prompt, unique_id=unique_id, spec=spec, model=model, prompt=prompt, prompt_2=prompt_2,
                           negative_prompt=negative_prompt, max_sequence_length=max_sequence_length,
-                          max_memory=max_memory, dtype=dtype),)
+                          max_memory=max_memory, dtype=dtype, one_prompt_per_line=one_prompt_per_line),)

@@ -19,7 +19,7 @@ from .errors import InvalidInput
 from .spec import BackendSpec, cuda_device_count
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-STRATEGIES = ("device_map", "context_parallel", "tensor_parallel", "data_parallel")
+STRATEGIES = ("device_map", "context_parallel", "tensor_parallel", "tp_cp", "data_parallel")
 ATTENTION_BACKENDS = ("auto", "native", "_native_flash", "_native_cudnn", "flash", "sage")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KIB|MB|MIB|GB|GIB|TB|TIB)\s*$", re.IGNORECASE)
 
@@ -127,33 +127,49 @@ def parse_max_memory(text: str, widget: str = "max_memory") -> dict[str, str] | 
     return budget
 
 
+def _prompt_list(text: str, one_per_line: bool) -> list[str]:
+    """The prompts a widget holds: the whole text, or each non-empty line of it."""
+    if not one_per_line:
+        return [text]
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 def encode_prompt(spec: BackendSpec, *, model: str, prompt: str, prompt_2: str = "", negative_prompt: str = "",
                   max_sequence_length: int = 512, max_memory: str = "", dtype: str = "auto",
-                  on_progress: ProgressFn | None = None, should_cancel: Callable[[], bool] | None = None) -> Conditioning:
+                  one_prompt_per_line: bool = False, on_progress: ProgressFn | None = None,
+                  should_cancel: Callable[[], bool] | None = None) -> Conditioning:
     """Encode ``prompt`` with the model's text encoders placed ``device_map="balanced"`` across the GPUs.
 
-    Families with true CFG (Qwen-Image) also encode ``negative_prompt``, empty or not, as ComfyUI encodes an empty
-    negative: whether it is used is the sampler's ``true_cfg_scale``. Other families ignore it.
+    With ``one_prompt_per_line`` every non-empty line is a prompt of its own (one embedding row each; the sampler
+    makes ``batch_size`` images of each, and data parallelism spreads them over the ranks); ``prompt_2`` then holds
+    one line per prompt too, or nothing. Families with true CFG (Qwen-Image) also encode ``negative_prompt``, the same
+    for every prompt, empty or not, as ComfyUI encodes an empty negative: whether it is used is the sampler's
+    ``true_cfg_scale``. Other families ignore it.
     """
     model_dir = model_folders.resolve(model)
     family = family_of(model_dir)
     rules = FAMILIES[family]
+    prompts = _prompt_list(prompt, one_prompt_per_line)
     if not prompt.strip():
         raise InvalidInput("prompt", "the prompt is empty; describe the image to generate")
     if prompt_2.strip() and rules.text_encoders < 2:
         raise InvalidInput("prompt_2", f"{rules.name} has one text encoder, so prompt_2 has nothing to feed; leave it "
                                        "empty and put everything in prompt")
+    prompts_2 = _prompt_list(prompt_2, one_prompt_per_line) if prompt_2.strip() else None
+    if prompts_2 is not None and len(prompts_2) != len(prompts):
+        raise InvalidInput("prompt_2", f"one_prompt_per_line is on: prompt has {len(prompts)} lines but prompt_2 has "
+                                       f"{len(prompts_2)}; give prompt_2 one line per prompt, or leave it empty")
     if not 1 <= max_sequence_length <= rules.max_sequence_length:
         raise InvalidInput("max_sequence_length", f"{max_sequence_length} is out of range for {rules.name}; use "
                                                   f"1..{rules.max_sequence_length}")
-    args = {"model": model, "model_dir": model_dir, "prompts": [prompt],
-            "prompts_2": [prompt_2] if prompt_2.strip() else None, "max_sequence_length": max_sequence_length,
-            "max_memory": parse_max_memory(max_memory), "dtype": resolve_dtype(dtype, spec), "memory_policy": spec.memory_policy}
-    negative_prompts = (negative_prompt,) if rules.true_cfg else ()
+    args = {"model": model, "model_dir": model_dir, "prompts": prompts, "prompts_2": prompts_2,
+            "max_sequence_length": max_sequence_length, "max_memory": parse_max_memory(max_memory),
+            "dtype": resolve_dtype(dtype, spec), "memory_policy": spec.memory_policy}
+    negative_prompts = (negative_prompt,) * len(prompts) if rules.true_cfg else ()
     if negative_prompts:
         args["negative_prompt"] = list(negative_prompts)
     result = get_backend(spec).call("encode", args, on_progress=on_progress, should_cancel=should_cancel)
-    return Conditioning(model=model, prompts=(prompt,), tensors=result.tensors, family=family,
+    return Conditioning(model=model, prompts=tuple(prompts), tensors=result.tensors, family=family,
                         negative_prompts=negative_prompts)
 
 
@@ -173,12 +189,66 @@ def _models_with_plan(attribute: str) -> str:
     return ", ".join(sorted(names))
 
 
+def _context_parallel_plan(model_dir: str, *, cp_ranks: int, heads: int | None, ring_degree: int,
+                           ulysses_degree: int, anything: bool, attention_backend: str, tp_degree: int = 1) -> dict:
+    """Validated context-parallel settings over ``cp_ranks`` ranks (the whole backend, or one TP slice's worth under
+    tp_cp, where each rank holds ``heads / tp_degree`` heads for Ulysses to split)."""
+    name, has_cp, _ = _parallel_plans(model_dir)
+    if not has_cp:
+        raise InvalidInput("strategy", f"{name} has no context-parallel plan (_cp_plan) in this diffusers; use "
+                                       f"tensor_parallel or data_parallel, or a model that has one: "
+                                       f"{_models_with_plan('_cp_plan')}")
+    if ring_degree < 1:
+        raise InvalidInput("ring_degree", f"{ring_degree} is not a degree; use 1 (no ring) or more")
+    if ulysses_degree == 0:
+        ulysses_degree = max(1, cp_ranks // ring_degree)
+    if ring_degree * ulysses_degree != cp_ranks:
+        across = "the backend has" if tp_degree == 1 else f"tp_degree {tp_degree} leaves"
+        raise InvalidInput("ulysses_degree", f"ring_degree × ulysses_degree = {ring_degree} × {ulysses_degree} "
+                                             f"= {ring_degree * ulysses_degree}, but {across} {cp_ranks} ranks; "
+                                             f"make the product {cp_ranks} (ulysses_degree 0 fills the rest)")
+    if ring_degree * ulysses_degree == 1:
+        raise InvalidInput("ulysses_degree", "context parallelism needs 2 or more ranks; raise ranks on the "
+                                             "ParallelBackend node, or use device_map")
+    if anything and ring_degree > 1 and ulysses_degree > 1:
+        raise InvalidInput("anything", "Ulysses-anything and Ring-anything each work on one axis; set ring_degree "
+                                       "or ulysses_degree to 1, or turn anything off")
+    if heads and ulysses_degree > 1:
+        local = heads // tp_degree
+        held = f"{heads} attention heads" if tp_degree == 1 else f"{local} attention heads per TP rank"
+        if anything and local < ulysses_degree:
+            raise InvalidInput("ulysses_degree", f"Ulysses-anything needs at least as many attention heads as "
+                                                 f"ranks: {held} < ulysses_degree {ulysses_degree}")
+        if not anything and local % ulysses_degree:
+            raise InvalidInput("ulysses_degree", f"{held} do not split over ulysses_degree {ulysses_degree}; use a "
+                                                 f"divisor of {local}, or turn anything on")
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise InvalidInput("attention_backend", f"unknown backend {attention_backend!r}; choose one of "
+                                                f"{', '.join(ATTENTION_BACKENDS)}")
+    return {"ring_degree": ring_degree, "ulysses_degree": ulysses_degree, "anything": bool(anything),
+            "attention_backend": attention_backend}
+
+
+def _tensor_parallel_degree(model_dir: str, *, heads: int | None, tp_degree: int) -> int:
+    """A validated TP degree (the caller checks how it fits the backend's ranks)."""
+    name, _, has_tp = _parallel_plans(model_dir)
+    if not has_tp:
+        raise InvalidInput("strategy", f"{name} has no tensor-parallel plan (_tp_plan) in this diffusers; use "
+                                       f"context_parallel or data_parallel. Models with one: "
+                                       f"{_models_with_plan('_tp_plan')}")
+    if heads and heads % tp_degree:
+        raise InvalidInput("tp_degree", f"{heads} attention heads do not split over tp_degree {tp_degree}; "
+                                        f"use a divisor of {heads} (and as many ranks)")
+    return tp_degree
+
+
 def load_transformer(spec: BackendSpec, *, model: str, strategy: str = "device_map", max_memory: str = "",
                      dtype: str = "auto", ring_degree: int = 1, ulysses_degree: int = 0, anything: bool = False,
                      attention_backend: str = "auto", tp_degree: int = 0) -> TransformerHandle:
     """Validate a transformer spec against the model's config and the backend's world size. Loads nothing.
 
-    ``ulysses_degree`` 0 means every rank the ring does not use; ``tp_degree`` 0 means every rank.
+    ``ulysses_degree`` 0 means every rank the ring (and, under tp_cp, the TP degree) does not use; ``tp_degree`` 0
+    means every rank under tensor_parallel.
     """
     model_dir = model_folders.resolve(model)
     if strategy not in STRATEGIES:
@@ -188,52 +258,23 @@ def load_transformer(spec: BackendSpec, *, model: str, strategy: str = "device_m
     heads = config.get("num_attention_heads")
     world = spec.world_size
     plan: dict = {"kind": strategy}
+    cp_args = {"heads": heads, "ring_degree": ring_degree, "ulysses_degree": ulysses_degree, "anything": anything,
+               "attention_backend": attention_backend}
     if strategy == "context_parallel":
-        name, has_cp, _ = _parallel_plans(model_dir)
-        if not has_cp:
-            raise InvalidInput("strategy", f"{name} has no context-parallel plan (_cp_plan) in this diffusers; use "
-                                           f"tensor_parallel or data_parallel, or a model that has one: "
-                                           f"{_models_with_plan('_cp_plan')}")
-        if ring_degree < 1:
-            raise InvalidInput("ring_degree", f"{ring_degree} is not a degree; use 1 (no ring) or more")
-        if ulysses_degree == 0:
-            ulysses_degree = max(1, world // ring_degree)
-        if ring_degree * ulysses_degree != world:
-            raise InvalidInput("ulysses_degree", f"ring_degree × ulysses_degree = {ring_degree} × {ulysses_degree} "
-                                                 f"= {ring_degree * ulysses_degree}, but the backend has {world} ranks; "
-                                                 f"make the product {world} (ulysses_degree 0 fills the rest)")
-        if ring_degree * ulysses_degree == 1:
-            raise InvalidInput("ulysses_degree", "context parallelism needs 2 or more ranks; raise ranks on the "
-                                                 "ParallelBackend node, or use device_map")
-        if anything and ring_degree > 1 and ulysses_degree > 1:
-            raise InvalidInput("anything", "Ulysses-anything and Ring-anything each work on one axis; set ring_degree "
-                                           "or ulysses_degree to 1, or turn anything off")
-        if heads and ulysses_degree > 1:
-            if anything and heads < ulysses_degree:
-                raise InvalidInput("ulysses_degree", f"Ulysses-anything needs at least as many attention heads as "
-                                                     f"ranks: {heads} heads < ulysses_degree {ulysses_degree}")
-            if not anything and heads % ulysses_degree:
-                raise InvalidInput("ulysses_degree", f"{heads} attention heads do not split over ulysses_degree "
-                                                     f"{ulysses_degree}; use a divisor of {heads} or turn anything on")
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidInput("attention_backend", f"unknown backend {attention_backend!r}; choose one of "
-                                                    f"{', '.join(ATTENTION_BACKENDS)}")
-        plan.update(ring_degree=ring_degree, ulysses_degree=ulysses_degree, anything=bool(anything),
-                    attention_backend=attention_backend)
+        plan.update(_context_parallel_plan(model_dir, cp_ranks=world, **cp_args))
     elif strategy == "tensor_parallel":
-        name, _, has_tp = _parallel_plans(model_dir)
-        if not has_tp:
-            raise InvalidInput("strategy", f"{name} has no tensor-parallel plan (_tp_plan) in this diffusers; use "
-                                           f"context_parallel or data_parallel. Models with one: "
-                                           f"{_models_with_plan('_tp_plan')}")
         tp_degree = tp_degree or world
         if tp_degree != world:
             raise InvalidInput("tp_degree", f"tp_degree {tp_degree} must equal the backend's {world} ranks "
-                                            "(0 uses them all)")
-        if heads and heads % tp_degree:
-            raise InvalidInput("tp_degree", f"{heads} attention heads do not split over tp_degree {tp_degree}; "
-                                            f"use a divisor of {heads} (and as many ranks)")
-        plan.update(tp_degree=tp_degree)
+                                            "(0 uses them all; tp_cp combines TP with context parallelism)")
+        plan.update(tp_degree=_tensor_parallel_degree(model_dir, heads=heads, tp_degree=tp_degree))
+    elif strategy == "tp_cp":
+        if tp_degree < 2 or world % tp_degree or world // tp_degree < 2:
+            raise InvalidInput("tp_degree", f"tp_cp needs tp_degree ≥ 2 dividing the backend's {world} ranks and "
+                                            f"leaving ≥ 2 for context parallelism (e.g. tp_degree 2 on 4 ranks); got "
+                                            f"{tp_degree}. With fewer ranks use tensor_parallel or context_parallel")
+        plan.update(tp_degree=_tensor_parallel_degree(model_dir, heads=heads, tp_degree=tp_degree))
+        plan.update(_context_parallel_plan(model_dir, cp_ranks=world // tp_degree, tp_degree=tp_degree, **cp_args))
     return TransformerHandle(backend=spec, model=model, model_dir=model_dir, strategy=tuple(sorted(plan.items())),
                              max_memory=tuple(sorted(budget.items())) if budget else None,
                              dtype=resolve_dtype(dtype, spec), config=tuple(sorted(config.items(), key=lambda kv: kv[0])),
@@ -281,11 +322,14 @@ def validate_sample(handle: TransformerHandle, conditioning: Conditioning | None
                                        "true_cfg_scale to 1")
     strategy = dict(handle.strategy)
     world = handle.backend.world_size
-    if strategy["kind"] == "data_parallel" and batch_size < world:
-        raise InvalidInput("batch_size", f"data_parallel gives each of the {world} ranks whole images, so it needs "
-                                         f"batch_size ≥ {world}; raise batch_size, or use context_parallel or "
-                                         "tensor_parallel to speed up a single image")
-    if strategy["kind"] == "context_parallel" and not strategy["anything"]:
+    prompts = len(conditioning.prompts) if conditioning is not None else 1
+    if strategy["kind"] == "data_parallel" and batch_size * prompts < world:
+        made = f"batch_size {batch_size} × {prompts} prompts" if prompts > 1 else f"batch_size {batch_size}"
+        raise InvalidInput("batch_size", f"data_parallel gives each of the {world} ranks whole images, so it needs at "
+                                         f"least {world} images ({made} makes {batch_size * prompts}); raise "
+                                         "batch_size, give more prompts (one_prompt_per_line), or use "
+                                         "context_parallel or tensor_parallel to speed up a single image")
+    if strategy["kind"] in ("context_parallel", "tp_cp") and not strategy["anything"]:
         degree = strategy["ring_degree"] * strategy["ulysses_degree"]
         # The transformer splits image tokens and text tokens separately across the ranks.
         image_tokens = (width // rules.pixels_per_token) * (height // rules.pixels_per_token)
@@ -319,13 +363,16 @@ def sample(handle: TransformerHandle, conditioning: Conditioning, *, seed: int, 
            on_progress: ProgressFn | None = None, should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
     """Denoise on the backend; ComfyUI LATENT samples in the family's layout (FLUX.1 ``[B, 16, H/8, W/8]``, FLUX.2
     ``[B, 128, H/16, W/16]``, Qwen-Image ``[B, 16, 1, H/8, W/8]``). ``true_cfg_scale`` reaches only families with
-    true CFG (Qwen-Image; 1 turns it off); ``guidance_scale`` is the distilled guidance of FLUX.1 / FLUX.2."""
+    true CFG (Qwen-Image; 1 turns it off); ``guidance_scale`` is the distilled guidance of FLUX.1 / FLUX.2.
+    ``batch_size`` images are made of each of the conditioning's prompts, prompt by prompt; image i of the whole
+    batch uses ``seed + i``, as diffusers' pipelines do with a list of generators."""
     validate_sample(handle, conditioning, steps=steps, width=width, height=height, batch_size=batch_size,
                     true_cfg_scale=true_cfg_scale)
     args = {"model": handle.model, "model_dir": handle.model_dir, "dtype": handle.dtype,
             "strategy": dict(handle.strategy), "max_memory": dict(handle.max_memory) if handle.max_memory else None,
             "seed": seed, "steps": steps,
-            "guidance_scale": guidance_scale, "width": width, "height": height, "batch_size": batch_size,
+            "guidance_scale": guidance_scale, "width": width, "height": height,
+            "batch_size": batch_size * len(conditioning.prompts),  # the backend counts images, prompt by prompt
             "memory_policy": handle.backend.memory_policy}
     if FAMILIES[handle.family].true_cfg:
         args["true_cfg_scale"] = true_cfg_scale

@@ -44,6 +44,21 @@ def _parameter_bytes(obj: Any) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _parallelism(obj: Any) -> dict[str, int]:
+    """The degrees diffusers actually applied to a model (read back from it, not from the request): what the
+    status panel shows and what tests check a strategy against."""
+    config = getattr(obj, "_parallel_config", None)
+    if config is None:
+        return {}
+    applied = {}
+    if config.tensor_parallel_config is not None:
+        applied["tp_degree"] = config.tensor_parallel_config._tp_degree
+    if config.context_parallel_config is not None:
+        applied["ring_degree"] = config.context_parallel_config.ring_degree
+        applied["ulysses_degree"] = config.context_parallel_config.ulysses_degree
+    return applied
+
+
 class ResidentModels:
     def __init__(self, device: torch.device):
         self.device = device
@@ -89,7 +104,8 @@ class ResidentModels:
 
     def describe(self) -> list[dict]:
         return [{"model": key.model, "component": key.component, "placement": key.placement, "dtype": key.dtype,
-                 "parameter_bytes": _parameter_bytes(obj), "load_seconds": round(seconds, 3)}
+                 "parameter_bytes": _parameter_bytes(obj), "parallelism": _parallelism(obj),
+                 "load_seconds": round(seconds, 3)}
                 for key, obj, seconds in self._slots.values()]
 
     def load_counts(self) -> dict[str, int]:

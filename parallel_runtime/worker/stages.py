@@ -107,8 +107,9 @@ def denoise(ctx: OpContext, args: dict, tensors: dict):
                              policy=args["memory_policy"])
     if strategy["kind"] == "data_parallel":
         start, count = strategies.share(args["batch_size"], ctx.rank, ctx.world_size)
-        local = family.denoise(model_dir, transformer, tensors, seed=args["seed"] + start, batch_size=count,
-                               on_step=_on_step(ctx), **_sampling_args(args))
+        local = family.denoise(model_dir, transformer, strategies.slice_batch(tensors, args["batch_size"], start, count),
+                               seed=args["seed"] + start, batch_size=count, on_step=_on_step(ctx),
+                               **_sampling_args(args))
         samples = strategies.gather_batch(local, args["batch_size"], ctx.world_size)
     else:  # context / tensor parallel: every rank runs the same loop on identical inputs
         samples = family.denoise(model_dir, transformer, tensors, seed=args["seed"], batch_size=args["batch_size"],

@@ -1,8 +1,9 @@
 """How an SPMD transformer is built and how a batch is shared: context, tensor and data parallelism.
 
 A strategy is a small dict from the client: ``{"kind": "context_parallel", "ring_degree": r, "ulysses_degree": u,
-"anything": bool, "attention_backend": "auto"|name}``, ``{"kind": "tensor_parallel", "tp_degree": t}`` or
-``{"kind": "data_parallel"}``. Family-agnostic: the transformer class comes from its config.json.
+"anything": bool, "attention_backend": "auto"|name}``, ``{"kind": "tensor_parallel", "tp_degree": t}``, ``tp_cp``
+(both key sets: TP within groups of ``tp_degree`` neighbouring ranks, CP across them) or ``{"kind": "data_parallel"}``.
+Family-agnostic: the transformer class comes from its config.json.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def describe(strategy: dict) -> str:
         return f"cp:ring{strategy['ring_degree']}xulysses{strategy['ulysses_degree']}{mode}:{strategy.get('attention_backend', 'auto')}"
     if kind == "tensor_parallel":
         return f"tp{strategy['tp_degree']}"
+    if kind == "tp_cp":
+        return f"tp{strategy['tp_degree']}x" + describe({**strategy, "kind": "context_parallel"})
     return kind
 
 
@@ -46,9 +49,51 @@ def _attention_backend(strategy: dict, device: torch.device) -> str | None:
     return None
 
 
+def _context_parallel_config(strategy: dict, mesh=None):
+    from diffusers import ContextParallelConfig
+
+    ring, ulysses, anything = strategy["ring_degree"], strategy["ulysses_degree"], strategy.get("anything", False)
+    return ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=mesh,
+                                 ulysses_anything=anything and ulysses > 1, ring_anything=anything and ring > 1)
+
+
+def _enable_context_parallel(transformer: torch.nn.Module, strategy: dict, device: torch.device, mesh=None) -> None:
+    backend = _attention_backend(strategy, device)
+    if backend is not None:
+        transformer.set_attention_backend(backend)
+    transformer.enable_parallelism(config=_context_parallel_config(strategy, mesh))
+
+
+def _tp_cp_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: torch.device,
+                       strategy: dict) -> torch.nn.Module:
+    """Tensor parallelism inside groups of ``tp_degree`` neighbouring ranks, context parallelism across the groups,
+    on one (ring, ulysses, tp) mesh. TP is the innermost axis: it all-reduces in every block, so its ranks should
+    share the fastest links (one node, NVLink).
+
+    diffusers 0.42.1 gives both configs a ``mesh`` argument for this, but its ``ParallelConfig`` still refuses to
+    hold both and ``enable_parallelism`` refuses a model loaded with a ``parallel_config``. So: load TP-sharded
+    (each rank reads its slice), enable CP on the same mesh, then record the TP config beside the CP one so that
+    diffusers' own guards (``_is_tensor_parallel``) still see the model as sharded. This works because the attention
+    processors are TP-agnostic (they read the local head count) and CP splits the sequence before the first sharded
+    layer. Experimental, as the tooltip says.
+    """
+    from diffusers import TensorParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (strategy["ring_degree"], strategy["ulysses_degree"], strategy["tp_degree"]),
+                            mesh_dim_names=("ring", "ulysses", "tp"))
+    transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype,
+                                      parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
+    tensor_parallel = transformer._parallel_config.tensor_parallel_config
+    transformer._parallel_config = None
+    _enable_context_parallel(transformer, strategy, device, mesh)
+    transformer._parallel_config.tensor_parallel_config = tensor_parallel
+    return transformer
+
+
 def load_transformer(model_dir: str, dtype: torch.dtype, device: torch.device, strategy: dict) -> torch.nn.Module:
     """This rank's transformer for ``strategy`` (collective: every rank calls it together)."""
-    from diffusers import ContextParallelConfig, TensorParallelConfig
+    from diffusers import TensorParallelConfig
 
     cls = _transformer_class(model_dir)
     kind = strategy["kind"]
@@ -57,17 +102,13 @@ def load_transformer(model_dir: str, dtype: torch.dtype, device: torch.device, s
         # materialised per rank.
         return cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype,
                                    parallel_config=TensorParallelConfig(tp_degree=strategy["tp_degree"]))
+    if kind == "tp_cp":
+        return _tp_cp_transformer(cls, model_dir, dtype, device, strategy)
     transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype).to(device)
     if kind == "context_parallel":
-        ring, ulysses, anything = strategy["ring_degree"], strategy["ulysses_degree"], strategy.get("anything", False)
-        backend = _attention_backend(strategy, device)
-        if backend is not None:
-            transformer.set_attention_backend(backend)
         # `from_pretrained(parallel_config=ContextParallelConfig(...))` fails in diffusers 0.42.1; CP keeps full
         # weights on every rank anyway, so enabling it after loading costs nothing.
-        transformer.enable_parallelism(config=ContextParallelConfig(
-            ring_degree=ring, ulysses_degree=ulysses,
-            ulysses_anything=anything and ulysses > 1, ring_anything=anything and ring > 1))
+        _enable_context_parallel(transformer, strategy, device)
     return transformer
 
 
@@ -76,6 +117,16 @@ def share(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
     base, extra = divmod(batch_size, world_size)
     start = rank * base + min(rank, extra)
     return start, base + (1 if rank < extra else 0)
+
+
+def slice_batch(tensors: dict[str, torch.Tensor], batch_size: int, start: int, count: int) -> dict[str, torch.Tensor]:
+    """Images ``start .. start + count`` of a batch's conditioning. Every tensor holds one row per prompt and the
+    batch is prompt by prompt (``batch_size / prompts`` images each, as ``num_images_per_prompt`` orders them), so a
+    rank's slice may span prompts."""
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.repeat_interleave(batch_size // tensor.shape[0], dim=0)[start:start + count]
+
+    return {name: rows(tensor) for name, tensor in tensors.items()}
 
 
 def gather_batch(local: torch.Tensor, batch_size: int, world_size: int) -> torch.Tensor | None:
