@@ -105,9 +105,11 @@ def test_data_parallel_over_a_list_of_prompts(models_dir, name):
     with num_images_per_prompt=2 and a list of generators."""
     family = {"model": MODEL, "pipeline": FluxPipeline, "max_sequence_length": TOKENS, "encode": {}, "sample": {},
               "reference": {"guidance_scale": 3.5}} if name == "flux" else NEW_FAMILIES[name]
+    # Qwen-Image keeps each prompt's own length: 64 tokens keep them different, so rows are padded and masked.
+    max_sequence_length = 64 if name == "qwenimage" else family["max_sequence_length"]
     spec = backend(2)
     (positive,) = EncodeOnBalancedGPUs().encode(family["model"], "\n".join(PROMPTS) + "\n", one_prompt_per_line=True,
-                                                max_sequence_length=family["max_sequence_length"], backend=spec,
+                                                max_sequence_length=max_sequence_length, backend=spec,
                                                 **family["encode"])
     (transformer,) = LoadShardedTransformer().load(family["model"], "data_parallel", backend=spec)
     (latent,) = ParallelSampler().sample(transformer, positive, seed=3, steps=STEPS, width=64, height=64, batch_size=2,
@@ -116,13 +118,14 @@ def test_data_parallel_over_a_list_of_prompts(models_dir, name):
 
     pipe = family["pipeline"].from_pretrained(models_dir / family["model"])
     pipe.set_progress_bar_config(disable=True)
-    reference = dict(family["reference"])
-    if "negative_prompt" in reference:  # one negative prompt for every prompt, as the node encodes it
-        reference["negative_prompt"] = [reference["negative_prompt"]] * len(PROMPTS)
-    expected = pipe(prompt=PROMPTS, num_images_per_prompt=2, num_inference_steps=STEPS, width=64, height=64,
-                    max_sequence_length=family["max_sequence_length"], output_type="pt",
-                    generator=[torch.Generator("cpu").manual_seed(3 + i) for i in range(6)],
-                    **reference).images.permute(0, 2, 3, 1)
+    # One call per prompt: diffusers 0.42.1's QwenImagePipeline mis-orders the attention mask of a batched call with
+    # prompts of different lengths and num_images_per_prompt > 1 (see test_examples_comfyui.reference_images).
+    expected = torch.cat([
+        pipe(prompt=prompt, num_images_per_prompt=2, num_inference_steps=STEPS, width=64, height=64,
+             max_sequence_length=max_sequence_length, output_type="pt",
+             generator=[torch.Generator("cpu").manual_seed(3 + 2 * p + i) for i in range(2)],
+             **family["reference"]).images
+        for p, prompt in enumerate(PROMPTS)]).permute(0, 2, 3, 1)
     assert images.shape[0] == 6
     diffs = (images[:, None] - expected[None]).abs().flatten(2).amax(-1)  # [made, expected]
     print(f"{name} data parallel over 3 prompts: max |diff| per image {diffs.diagonal().tolist()}")
