@@ -10,6 +10,7 @@ class ParallelBackend:
     RETURN_TYPES = (BACKEND,)
     RETURN_NAMES = ("backend",)
     FUNCTION = "configure"
+    LOADS_NOTHING = True  # VALIDATE_INPUTS of the nodes it feeds may run it (parallel_nodes.comfy)
     DESCRIPTION = ("A persistent multi-rank backend (torchrun). It starts on first use, keeps models resident "
                    "between runs, and is replaced when these settings change.")
 

@@ -25,8 +25,10 @@ class VAEDecodeSingleGPU:
                 "dtype": DTYPE_INPUT,
                 "backend": BACKEND_INPUT,
             },
+            "hidden": comfy.HIDDEN,
         }
 
-    def decode(self, samples: dict, model: str, device: str = "auto", dtype: str = "auto", backend=None):
-        return (comfy.run(jobs.decode, spec=backend or default_spec(), model=model, samples=samples["samples"],
-                          device=device, dtype=dtype),)
+    def decode(self, samples: dict, model: str, device: str = "auto", dtype: str = "auto", backend=None,
+               unique_id: str | None = None):
+        return (comfy.run(jobs.decode, unique_id=unique_id, spec=backend or default_spec(), model=model,
+                          samples=samples["samples"], device=device, dtype=dtype),)
