@@ -1,0 +1,217 @@
+"""Every shipped example workflow (one per strategy, example_workflows/make_examples.py) on a real ComfyUI server.
+
+Each UI-format file must match the server's /object_info widget by widget and convert, the way the frontend
+converts it, to its API copy; the template browser must list exactly the UI files. Then each example runs headless
+through /prompt with its placeholder models swapped for tiny random ones of the same family, 2 CPU ranks (the TP×CP
+example keeps its 4: opt-in, ``-m four_ranks``), 64×64 and 2 steps, and every saved PNG must equal diffusers'
+one-shot pipeline after 8-bit quantisation (±1 level).
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from comfyui_host import REPO_ROOT, ComfyUIServer
+
+pytestmark = pytest.mark.comfyui
+
+WORKFLOWS = REPO_ROOT / "example_workflows"
+EXAMPLES = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
+PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
+FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflows, never sent to /prompt
+SIZE, STEPS, SEED = 64, 2, 5
+# Shorter text than the examples' (512 / 1024 tokens) keeps the tiny runs quick; FLUX.2 counts its 31-token tiny
+# system message in it.
+MAX_SEQUENCE_LENGTH = {"flux": 32, "flux2": 48, "qwenimage": 64}
+FOUR_RANKS = {"flux1_tp_cp"}
+
+
+def load(name: str, api: bool = False) -> dict:
+    path = WORKFLOWS / "api" / f"{name}_api.json" if api else WORKFLOWS / f"{name}.json"
+    return json.loads(path.read_text())
+
+
+def is_widget(spec: list) -> bool:
+    kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+    return (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput")
+
+
+def ui_to_api(ui: dict, info: dict) -> dict:
+    """Convert a UI workflow as the frontend does, asserting on the way that every widget value sits where
+    /object_info says (INPUT_TYPES order; a seed followed by its control value) and every link joins matching types."""
+    assert ui["version"] == 0.4
+    assert ui["last_node_id"] == max(n["id"] for n in ui["nodes"])
+    assert ui["last_link_id"] == max(link[0] for link in ui["links"])
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    links = {link[0]: link for link in ui["links"]}
+    converted = {}
+    for node in ui["nodes"]:
+        if node["type"] in FRONTEND_ONLY:
+            continue
+        assert node["type"] in info, node["type"]
+        entry = info[node["type"]]
+        values = list(node["widgets_values"])
+        sockets = {i["name"]: i for i in node["inputs"]}
+        inputs = {}
+        for section in ("required", "optional"):
+            for name in entry["input_order"].get(section, []):
+                spec = entry["input"][section][name]
+                if is_widget(spec):
+                    assert values, f"{node['type']}: no widget value left for {name}"
+                    value = values.pop(0)
+                    kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+                    if isinstance(kind, list):
+                        allowed = kind + (list(PLACEHOLDERS) if name == "model" else [])
+                        assert value in allowed, (node["type"], name, value, kind)
+                    elif kind in ("INT", "FLOAT"):
+                        assert isinstance(value, (int, float)) and not isinstance(value, bool), (name, value)
+                        assert options.get("min", value) <= value <= options.get("max", value), (name, value)
+                    elif kind == "STRING":
+                        assert isinstance(value, str), (name, value)
+                    elif kind == "BOOLEAN":
+                        assert isinstance(value, bool), (name, value)
+                    inputs[name] = value
+                    if options.get("control_after_generate"):
+                        assert values and values.pop(0) in CONTROL_VALUES, f"{node['type']}.{name}: control value"
+                else:
+                    socket = sockets.get(name)
+                    if section == "required":
+                        assert socket is not None and socket["link"] is not None, f"{node['type']}.{name} unlinked"
+                    if socket is None or socket["link"] is None:
+                        continue
+                    assert socket["type"] == spec[0]
+                    link = links[socket["link"]]
+                    _, origin, origin_slot, target, target_slot, link_type = link
+                    assert target == node["id"] and node["inputs"][target_slot]["name"] == name, link
+                    source = nodes[origin]
+                    assert link[0] in source["outputs"][origin_slot]["links"], link
+                    assert info[source["type"]]["output"][origin_slot] == spec[0] == link_type, link
+                    inputs[name] = [str(origin), origin_slot]
+        assert values == [], f"{node['type']}: widget values left over: {values}"
+        converted[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return converted
+
+
+def inputs_of(workflow: dict, class_type: str) -> dict:
+    (node,) = [n for n in workflow.values() if n["class_type"] == class_type]
+    return node["inputs"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_there_is_an_example_per_strategy():
+    from parallel_runtime.jobs import STRATEGIES
+
+    shown = {inputs_of(load(name, api=True), "LoadShardedTransformer")["strategy"] for name in EXAMPLES}
+    assert shown == set(STRATEGIES)
+    assert {path.stem.removesuffix("_api") for path in (WORKFLOWS / "api").glob("*.json")} == set(EXAMPLES)
+
+
+def test_template_browser_lists_every_ui_workflow_and_no_api_copy(comfyui_server):
+    """ComfyUI lists every example_workflows/*.json of a pack as a template and loads it as a UI graph; the API
+    copies sit in a subfolder so that they are not offered as (empty) templates."""
+    templates = comfyui_server.get_json("/workflow_templates")
+    assert sorted(templates.get(comfyui_server.pack_name, [])) == EXAMPLES, templates
+    for name in EXAMPLES:
+        status, raw = comfyui_server.request("GET", f"/api/workflow_templates/{comfyui_server.pack_name}/{name}.json")
+        assert status == 200 and json.loads(raw) == load(name)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_ui_workflow_matches_object_info_and_the_api_copy(comfyui_server, name):
+    api = load(name, api=True)
+    converted = ui_to_api(load(name), comfyui_server.object_info())
+    assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
+    # What a user with GPUs wants out of the box: full size, placeholder models named like the hub's repos.
+    sampler = inputs_of(api, "ParallelSampler")
+    assert (sampler["width"], sampler["height"]) == (1024, 1024) and sampler["steps"] >= 28
+    assert len({n["inputs"]["model"] for n in api.values() if "model" in n["inputs"]} & set(PLACEHOLDERS)) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_models(comfyui_models_dir) -> dict[str, Path]:
+    """A tiny random model per family under a name of its own (the placeholder names stay unknown to the server,
+    which other tests rely on)."""
+    from parallel_runtime.tiny_models import TINY_MODELS
+
+    made = {}
+    for family in PLACEHOLDERS.values():
+        path = Path(comfyui_models_dir) / f"tiny-{family}-examples"
+        if not (path / "model_index.json").is_file():
+            TINY_MODELS[family](str(path))
+        made[family] = path
+    return made
+
+
+def small(name: str, tiny_models: dict[str, Path]) -> tuple[dict, str]:
+    """The API copy with tiny models, 2 CPU ranks (more if the example needs them), 64×64 and 2 steps."""
+    workflow = load(name, api=True)
+    family = PLACEHOLDERS[inputs_of(workflow, "EncodeOnBalancedGPUs")["model"]]
+    for node in workflow.values():
+        if "model" in node["inputs"]:
+            node["inputs"]["model"] = tiny_models[family].name
+    backend = inputs_of(workflow, "ParallelBackend")
+    backend.update(ranks=max(2, backend["ranks"]), device="cpu")
+    inputs_of(workflow, "EncodeOnBalancedGPUs")["max_sequence_length"] = MAX_SEQUENCE_LENGTH[family]
+    inputs_of(workflow, "ParallelSampler").update(seed=SEED, steps=STEPS, width=SIZE, height=SIZE)
+    inputs_of(workflow, "SaveImage")["filename_prefix"] = f"example_{name}"
+    return workflow, family
+
+
+def reference_images(family: str, model_dir: Path, workflow: dict) -> np.ndarray:
+    """diffusers' one-shot pipeline for the workflow's settings, quantised as ComfyUI's SaveImage does.
+
+    One call per prompt (image i of the whole batch from seed + i): diffusers 0.42.1's QwenImagePipeline tiles the
+    attention mask where it interleaves the embeddings (`encode_prompt`, `prompt_embeds_mask.repeat(1, n, 1)`), so a
+    batched call with prompts of different lengths and num_images_per_prompt > 1 masks the wrong tokens.
+    """
+    from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
+
+    encode, sampler = inputs_of(workflow, "EncodeOnBalancedGPUs"), inputs_of(workflow, "ParallelSampler")
+    prompts = ([line.strip() for line in encode["prompt"].splitlines() if line.strip()]
+               if encode["one_prompt_per_line"] else [encode["prompt"]])
+    per_prompt = sampler["batch_size"]
+    kwargs = {"num_images_per_prompt": per_prompt, "num_inference_steps": sampler["steps"],
+              "width": sampler["width"], "height": sampler["height"],
+              "max_sequence_length": encode["max_sequence_length"], "output_type": "pt"}
+    if family == "qwenimage":
+        pipeline = QwenImagePipeline
+        kwargs.update(negative_prompt=encode["negative_prompt"], true_cfg_scale=sampler["true_cfg_scale"])
+    else:
+        pipeline = FluxPipeline if family == "flux" else Flux2Pipeline
+        kwargs["guidance_scale"] = sampler["guidance_scale"]
+    pipe = pipeline.from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    first = sampler["seed"]
+    images = torch.cat([
+        pipe(prompt=prompt, generator=[torch.Generator("cpu").manual_seed(first + p * per_prompt + i)
+                                       for i in range(per_prompt)], **kwargs).images
+        for p, prompt in enumerate(prompts)])
+    return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
+
+
+def saved_pngs(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
+    from PIL import Image
+
+    pngs = [server.view(**image) for image in server.output_images(prompt_id)]
+    return np.stack([np.asarray(Image.open(io.BytesIO(png)).convert("RGB")) for png in pngs])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.four_ranks] if name in FOUR_RANKS else [])
+                                  for name in EXAMPLES])
+def test_example_runs_headless_and_equals_the_one_shot_pipeline(comfyui_server, tiny_models, name):
+    workflow, family = small(name, tiny_models)
+    prompt_id, _ = comfyui_server.run(workflow, timeout=300)
+    got = saved_pngs(comfyui_server, prompt_id)
+    expected = reference_images(family, tiny_models[family], workflow)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
+    assert diff.max() <= 1, f"{name}: max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"
