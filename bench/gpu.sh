@@ -4,10 +4,10 @@
 #   bench/gpu.sh [--ranks N] [--model-dir DIR] [--build-only] [--double-blocks N --single-blocks M] [...]
 #
 # Builds (once) a FLUX.1 pipeline folder whose transformer has FLUX.1-dev's config (19 double + 38 single blocks,
-# 24 heads x 128, T5 width 4096, CLIP pooled 768, guidance embeddings) with random weights in bfloat16 (~22 GiB; the
-# weights are drawn on the GPU, the folder needs ~24 GB of disk and the build ~30 GB of RAM), with tiny text encoders
-# and VAE of matching output widths, then runs bench/strategies.py on it at 1024x1024 with FLUX.1-dev's 512 text
-# tokens, one rank per visible GPU, and prints ms per step for one GPU and for each strategy.
+# 24 heads x 128, T5 width 4096, CLIP pooled 768, guidance embeddings) with random weights in bfloat16 (~22 GiB, drawn
+# on the first GPU; the folder needs ~24 GB of disk), with tiny text encoders and VAE of matching output widths, then
+# runs bench/strategies.py on it at 1024x1024 with FLUX.1-dev's 512 text tokens, one rank per visible GPU, and prints
+# ms per step for one GPU and for each strategy.
 # Any other option goes to bench/strategies.py and overrides these defaults (see its --help); a folder built with
 # other block counts is refused at the default path, so give such builds their own --model-dir.
 # PYTHON picks the interpreter (default: python); the default folder is under ${XDG_CACHE_HOME:-~/.cache}.

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # FluxTransformer2DModel arguments over make_tiny_flux's transformer config. Both keep in_channels 64 (16 latent
 # channels x 2x2 packing) and guidance_embeds (FLUX.1-dev's distilled guidance); axes_dims_rope sums to the head dim.
 PRESETS: dict[str, dict] = {
-    # For CPU ranks: wide enough that matrix products, not Python, fill a step (~0.3 s on one core at 256²), small
+    # For CPU ranks: wide enough that matrix products, not Python, fill a step (~0.25 s on one core at 256²), small
     # enough that four ranks each hold a full copy (~140 MB in float32). 8 heads: Ulysses and TP split it 2 and 4 ways.
     "bench": {"num_layers": 2, "num_single_layers": 4, "num_attention_heads": 8, "attention_head_dim": 64,
               "axes_dims_rope": (8, 28, 28)},
@@ -48,8 +48,8 @@ def _rebuild(component_dir: str, config, model_cls, device: str) -> None:
 def build(out_dir: str, transformer: dict, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
           seed: int = 0) -> str:
     """Save a FLUX.1 pipeline with a random transformer of ``transformer`` (FluxTransformer2DModel arguments over
-    the tiny one's) in ``dtype`` to ``out_dir``; weights are drawn on ``device`` (a GPU draws 12 B of them in a
-    second, a CPU takes minutes). Deterministic for a seed on one device."""
+    the tiny one's) in ``dtype`` to ``out_dir``; weights are drawn on ``device`` (FLUX.1-dev's 12 B take a CPU minutes,
+    a GPU far less). Deterministic for a seed on one device."""
     from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 

@@ -22,12 +22,14 @@ a load, is dropped, and loading and encoding are never timed. Reported: medians,
 process (below 1: faster than one process). On CPU (default) each strategy's runs alternate with one-process runs
 (which one goes first alternates too), so a noisy moment on a shared machine hits both; the ratio is taken against
 those adjacent runs, and ``paired`` is the median of the per-run ratios. On CUDA the one-process runs come first
-and their model is freed before the backend loads its own: both would not fit one GPU at FLUX.1-dev's size, and
-GPU timings do not drift the way a shared CPU's do. Host-side timestamps pace the GPU once its launch queue is full
-(a FLUX.1-dev step launches far more kernels than the queue holds), so steady-state steps measure GPU time.
+and their model is freed before the backend loads its own: two FLUX.1-dev copies on GPU 0 would not fit a 48 GB
+card, and GPU timings do not drift the way a shared CPU's do. Timestamps are taken on the host without a
+synchronisation; a FLUX.1-dev step launches far more kernels than CUDA's launch queue holds, so from the second step
+on the host should be waiting for the GPU and the intervals be GPU time.
 
-On 2 CPU cores multi-rank runs share the cores with each other (and ranks run with ``--threads`` threads each, like
-the one process), so the ratios measure what a strategy costs on top of the compute, not a speed-up.
+The one process and each rank run ``--threads`` threads, so N ranks use N cores where the one process uses one (the
+GPU picture: N devices against one). On 2 shared CPU cores a ratio below 1 therefore says the second core paid for
+the communication, not what speed-up GPUs give; the ratios measure what each strategy costs on top of the compute.
 
 Parameter bytes: each rank's resident transformer (the backend's ``status``; a TP shard counts its local slice),
 the largest rank against the full model's bytes in this process.
