@@ -168,15 +168,6 @@ def _transformer_on_each_rank(spec) -> list[dict]:
             for r in get_backend(spec).status()["ranks"]]
 
 
-@pytest.mark.multirank
-@pytest.mark.four_ranks
-def test_unified_attention_on_four_ranks(models_dir, one_shot):
-    spec = backend(4)
-    image = generate(spec, "context_parallel", ring_degree=2, ulysses_degree=2)
-    assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
-    assert all(m["parallelism"] == {"ring_degree": 2, "ulysses_degree": 2} for m in _transformer_on_each_rank(spec))
-
-
 FOUR_RANK_CASES = [
     ("unified", "context_parallel", {"ring_degree": 2, "ulysses_degree": 2},
      {"ring_degree": 2, "ulysses_degree": 2}),
@@ -189,16 +180,20 @@ FOUR_RANK_CASES = [
 
 @pytest.mark.multirank
 @pytest.mark.four_ranks
-def test_tp_cp_shards_weights_and_splits_tokens_on_four_ranks(models_dir, one_shot):
-    """TP 2 inside, Ulysses 2 across: each rank holds half of every planned weight and a quarter of the work."""
+def test_tp_cp_and_unified_attention_on_four_ranks(models_dir, one_shot):
+    """TP 2 inside, Ulysses 2 across: each rank holds half of every planned weight and a quarter of the work. Then
+    Unified attention (ring 2 × Ulysses 2), a full replica per rank, on the same backend."""
     spec = backend(4)
     image = generate(spec, "tp_cp", tp_degree=2, ulysses_degree=2)
     assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
     sharded = _transformer_on_each_rank(spec)
     # What diffusers applied, read back from each rank's model: the test fails if either half silently fell away.
     assert all(m["parallelism"] == {"tp_degree": 2, "ring_degree": 1, "ulysses_degree": 2} for m in sharded)
-    generate(spec, "context_parallel", ring_degree=2, ulysses_degree=2)  # full replica per rank, for comparison
-    full = _transformer_on_each_rank(spec)[0]["parameter_bytes"]
+    image = generate(spec, "context_parallel", ring_degree=2, ulysses_degree=2)
+    assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
+    replicas = _transformer_on_each_rank(spec)
+    assert all(m["parallelism"] == {"ring_degree": 2, "ulysses_degree": 2} for m in replicas)
+    full = replicas[0]["parameter_bytes"]
     shares = [m["parameter_bytes"] / full for m in sharded]
     print(f"tp_cp tp2 x ulysses2, 4 ranks: parameter share per rank {[round(s, 3) for s in shares]}")
     assert all(s <= 0.75 for s in shares)
