@@ -52,6 +52,6 @@ class EncodeOnBalancedGPUs:
                max_memory: str = "", dtype: str = "auto", backend=None, negative_prompt: str = "",
                one_prompt_per_line: bool = False, unique_id: str | None = None):
         spec = backend or default_spec()
-        return (comfy.run(jobs.encode_prompt, unique_id=unique_id, spec=spec, model=model, prompt=prompt, prompt_2=prompt_2,
-                          negative_prompt=negative_prompt, max_sequence_length=max_sequence_length,
+        return (comfy.run(jobs.encode_prompt, unique_id=unique_id, spec=spec, model=model, prompt=prompt,
+                          prompt_2=prompt_2, negative_prompt=negative_prompt, max_sequence_length=max_sequence_length,
                           max_memory=max_memory, dtype=dtype, one_prompt_per_line=one_prompt_per_line),)

@@ -12,9 +12,11 @@ What it does, and why:
 
 - ComfyUI runs as ``python main.py --cpu --listen 127.0.0.1 --port <free port>`` in its own process group
   (``start_new_session``), from the ComfyUI directory, with the same python that runs the tests unless
-  told otherwise. ``stop()`` kills the whole group and every descendant psutil still sees (a torchrun
-  backend started by our nodes included), so no process outlives a test session. On Linux the server also
-  gets ``PR_SET_PDEATHSIG`` so that it dies with the test process even if that one is SIGKILLed.
+  told otherwise. ``stop()`` first interrupts the server as Ctrl-C does, so that its atexit handlers shut
+  the pack's backend down (processes, shared memory, run directory), then kills the whole group and every
+  descendant psutil still sees (a torchrun backend included), so no process outlives a test session. On
+  Linux the server also gets ``PR_SET_PDEATHSIG`` so that it dies with the test process even if that one
+  is SIGKILLed.
 - The pack is linked in, not copied: a fresh work directory holds ``custom_nodes/<pack_name>`` as a symlink
   to this repository's root, and an ``extra_model_paths.yaml`` whose ``custom_nodes:`` entry is that
   directory and whose ``diffusers:`` entry is the models directory the test chose.
@@ -28,21 +30,24 @@ What it does, and why:
   with its log tail). Custom nodes are imported before the server listens, so by then the log says whether
   our pack imported: an ``IMPORT FAILED`` line for it fails the start, with the log tail.
 - One websocket (``/ws?clientId=<client_id>``) is opened right after the server is ready and every JSON
-  message is recorded by a background thread. ComfyUI sends a prompt's events only to the client whose
-  ``client_id`` came with the prompt, and ``post_prompt`` always sends ours, so nothing is lost between
-  posting a prompt and following it.
+  message is recorded by a background thread, and so is each node's progress text (a binary frame, recorded
+  as ``{"type": "progress_text", "data": {"node", "text"}}``). ComfyUI sends a prompt's events only to the
+  client whose ``client_id`` came with the prompt, and ``post_prompt`` always sends ours, so nothing is lost
+  between posting a prompt and following it.
 
 Every wait has a deadline. Nothing here mocks ComfyUI.
 """
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import os
 import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -333,8 +338,22 @@ class ComfyUIServer:
             raise ComfyUIError(f"ComfyUI's log does not list {link} among the imported custom nodes"
                                f"\n--- log tail ---\n{self.log_tail(120)}")
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """Stop the server and everything it started; idempotent. Removes the work dir unless kept."""
+    def stop(self, timeout: float = 15.0, graceful: float = 30.0) -> None:
+        """Stop the server and everything it started; idempotent. Removes the work dir unless kept.
+
+        First as Ctrl-C does (SIGINT to the server alone), so that its atexit handlers run, the pack's backend
+        shutdown among them; whatever is still alive after ``graceful`` seconds is killed with its process tree.
+        A server that exited on its own must have left no backend behind (shared memory, run directory): that
+        raises ComfyUIError, after removing it.
+        """
+        exited_pid = None
+        if self.alive():
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=graceful)
+                exited_pid = self.proc.pid
+            except subprocess.TimeoutExpired:
+                pass
         self._ws_stop.set()
         ws = self._ws
         if ws is not None:
@@ -348,7 +367,11 @@ class ComfyUIServer:
         if self._log_file:
             self._log_file.close()
             self._log_file = None
+        tail = self.log_tail() if exited_pid is not None else ""
         self._cleanup_workdir()
+        if exited_pid is not None and (left := remove_backend_leftovers(exited_pid)):
+            raise ComfyUIError(f"ComfyUI exited on SIGINT but its parallel backend left {left} behind (removed now)"
+                               f"\n--- log tail ---\n{tail}")
 
     def _cleanup_workdir(self) -> None:
         if self._own_workdir and not self.keep_workdir and self.workdir.exists():
@@ -572,8 +595,12 @@ class ComfyUIServer:
                         self._messages.append(message)
                         self._cond.notify_all()
                 elif opcode == websocket.ABNF.OPCODE_BINARY:
+                    text = _progress_text(payload)
                     with self._cond:
-                        self._binary_frames += 1  # previews; not recorded
+                        self._binary_frames += 1  # previews are counted, not recorded
+                        if text is not None:
+                            self._messages.append({"type": "progress_text", "data": text, "_received": time.time()})
+                            self._cond.notify_all()
             with self._cond:
                 self._cond.notify_all()
 
@@ -648,6 +675,35 @@ class ComfyUIServer:
         if messages[-1].get("type") != expect:
             raise ExecutionFailed(prompt_id, messages, self.log_tail())
         return prompt_id, messages
+
+
+def _progress_text(frame: bytes) -> dict | None:
+    """``{"node", "text"}`` of a binary frame that carries a node's progress text (ComfyUI's
+    ``send_progress_text``: event type 3, then the node id's length, the node id and the text), else None."""
+    if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != 3:
+        return None
+    (length,) = struct.unpack(">I", frame[4:8])
+    return {"node": frame[8:8 + length].decode(errors="replace"),
+            "text": frame[8 + length:].decode(errors="replace")}
+
+
+def remove_backend_leftovers(client_pid: int) -> list[str]:
+    """Remove and return what backends of the ComfyUI process ``client_pid`` left behind: shared-memory segments
+    and run directories (parallel_runtime.launcher names both after the client's pid)."""
+    from parallel_runtime.launcher import RUN_DIR_PREFIX, SHM_DIR, SHM_PREFIX
+
+    left = glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}-{client_pid}-*"))
+    for path in left:
+        os.unlink(path)
+    for run_dir in glob.glob(os.path.join(tempfile.gettempdir(), RUN_DIR_PREFIX + "*")):
+        try:
+            owner = Path(run_dir, "client.pid").read_text().strip()
+        except OSError:
+            continue
+        if owner == str(client_pid):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            left.append(run_dir)
+    return left
 
 
 def _group_alive(pgid: int) -> bool:

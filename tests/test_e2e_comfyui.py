@@ -5,7 +5,8 @@ runs with it on a 2-rank CPU backend, and the PNG that comes back through /view 
 FluxPipeline after 8-bit quantisation. Also: the UI-format copy of the workflow matches the server's
 /object_info widget by widget and converts to the API copy; the sampler's progress reaches the websocket; a
 second run with a new seed loads no weights; an unknown model is refused with a 400; and when the ComfyUI
-process dies, every rank of its backend exits on its own.
+process dies, every rank of its backend exits on its own. (Progress text, Cancel, errors, the queue and widget
+combinations refused with a 400: test_e2e_queue.py.)
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import glob
 import io
 import json
 import os
-import re
 import shutil
 import signal
 import time
@@ -23,50 +23,22 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_host import REPO_ROOT, ComfyUIServer, PromptRejected
+from comfyui_host import ComfyUIServer, PromptRejected
+from comfyui_workflows import (API_WORKFLOW, DECODER, GUIDANCE, SAMPLER, SAVER, SIZE, STEPS, backend_processes,
+                               backend_run_dirs, load_api, small_workflow, tiny_flux, weight_loads)
 
 pytestmark = pytest.mark.comfyui  # and multirank on the tests that start a backend
 
-WORKFLOWS = REPO_ROOT / "example_workflows"
-UI_WORKFLOW = WORKFLOWS / "flux1_device_map.json"
-API_WORKFLOW = WORKFLOWS / "api" / "flux1_device_map_api.json"  # not in the template browser: see below
+UI_WORKFLOW = API_WORKFLOW.parent.parent / "flux1_device_map.json"  # the API copy is not in the template browser
 PLACEHOLDER_MODEL = "FLUX.1-dev"
-MODEL = "tiny-flux-e2e"
-SIZE, STEPS, GUIDANCE = 64, 3, 3.5
-SAMPLER, DECODER, SAVER = "4", "5", "6"  # node ids in the shipped workflow
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflows, never sent to /prompt
-LOADED = re.compile(r": loaded (\S+) ")  # parallel_runtime.worker.models: "loaded transformer:<model> (...) in 0.2 s"
-BACKEND_UP = re.compile(r"parallel backend up: \d+ ranks on \w+ in [\d.]+ s \((?P<run_dir>[^)]+)\)")
 
 
 @pytest.fixture(scope="module")
 def tiny_model(comfyui_models_dir) -> Path:
-    from parallel_runtime.tiny_models import make_tiny_flux
-
-    path = Path(comfyui_models_dir) / MODEL
-    if not (path / "model_index.json").is_file():
-        make_tiny_flux(str(path))
-    return path
-
-
-def load_api() -> dict:
-    return json.loads(API_WORKFLOW.read_text())
-
-
-def small_workflow(seed: int, *, model: str = MODEL, steps: int = STEPS, prefix: str = "e2e_flux") -> dict:
-    """The shipped API workflow with the tiny model, small sizes and 2 CPU ranks."""
-    workflow = load_api()
-    for node in workflow.values():
-        if "model" in node["inputs"]:
-            node["inputs"]["model"] = model
-    by_type = {node["class_type"]: node["inputs"] for node in workflow.values()}
-    by_type["ParallelBackend"].update(ranks=2, device="cpu", memory_policy="staged")
-    by_type["ParallelSampler"].update(seed=seed, steps=steps, guidance_scale=GUIDANCE, width=SIZE, height=SIZE,
-                                      batch_size=1)
-    by_type["SaveImage"]["filename_prefix"] = prefix
-    return workflow
+    return tiny_flux(comfyui_models_dir)
 
 
 def reference_uint8(model_dir: Path, prompt: str, seed: int) -> np.ndarray:
@@ -93,33 +65,6 @@ def assert_close_uint8(got: np.ndarray, expected: np.ndarray) -> None:
     assert got.shape == expected.shape == (SIZE, SIZE, 3)
     diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
     assert diff.max() <= 1, f"max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"
-
-
-def backend_run_dirs(server: ComfyUIServer) -> list[str]:
-    """Run directories of the backends this server started, from the client's INFO line in ComfyUI's log."""
-    return [m.group("run_dir") for m in BACKEND_UP.finditer(server.log())]
-
-
-def weight_loads(run_dir: str) -> list[str]:
-    """The "loaded <component>:<model>" lines of rank 0's log: one per weight load."""
-    with open(os.path.join(run_dir, "rank0.log"), errors="replace") as f:
-        return [m.group(1) for line in f if (m := LOADED.search(line))]
-
-
-def backend_processes(client_pid: int) -> list:
-    """Live processes of the backends a client started: torchrun's agent and the ranks (they carry its pid)."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if (p.info["status"] != psutil.STATUS_ZOMBIE
-                    and "parallel_runtime.worker" in " ".join(p.info["cmdline"] or [])
-                    and p.environ().get("COMFY_PARALLEL_CLIENT_PID") == str(client_pid)):
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
 
 
 def is_widget(spec: list) -> bool:
@@ -265,17 +210,6 @@ def test_workflow_image_equals_one_shot_pipeline_and_a_new_seed_loads_nothing(co
     assert weight_loads(run_dir) == loads
     assert_close_uint8(saved_png(server, prompt_id), reference_uint8(tiny_model, prompt, seed=8))
     print(f"first run {first_run_s:.1f} s (backend start included), second run {second_run_s:.1f} s")
-
-
-@pytest.mark.multirank
-def test_width_off_the_16_grid_fails_in_the_sampler_naming_the_fix(comfyui_server, tiny_model):
-    """ComfyUI's own validation checks min/max only; the sampler refuses 1000 before anything runs."""
-    workflow = small_workflow(seed=9)
-    workflow[SAMPLER]["inputs"]["width"] = 1000
-    prompt_id, messages = comfyui_server.run(workflow, timeout=120, expect="execution_error")
-    error = messages[-1]["data"]
-    assert error["node_id"] == SAMPLER and error["node_type"] == "ParallelSampler", error
-    assert "width" in error["exception_message"] and "use 992 or 1008" in error["exception_message"], error
 
 
 @pytest.mark.multirank

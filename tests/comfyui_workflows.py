@@ -1,0 +1,104 @@
+"""What the end-to-end tests share on top of comfyui_host: the shipped API workflow made small (a tiny random
+FLUX.1, 64x64, a few steps, 2 CPU ranks), and what the backend behind a ComfyUI server tells about itself (its
+run directories and weight loads from the logs, its ranks from the status route, its processes)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from comfyui_host import REPO_ROOT, ComfyUIServer
+
+API_WORKFLOW = REPO_ROOT / "example_workflows" / "api" / "flux1_device_map_api.json"
+MODEL = "tiny-flux-e2e"
+SIZE, STEPS, GUIDANCE = 64, 3, 3.5
+# Node ids in the shipped workflow.
+BACKEND, ENCODER, TRANSFORMER, SAMPLER, DECODER, SAVER = "1", "2", "3", "4", "5", "6"
+LOADED = re.compile(r": loaded (\S+) ")  # parallel_runtime.worker.models: "loaded transformer:<model> (...) in 0.2 s"
+BACKEND_UP = re.compile(r"parallel backend up: \d+ ranks on \w+ in [\d.]+ s \((?P<run_dir>[^)]+)\)")
+
+
+def tiny_flux(models_dir: str | os.PathLike) -> Path:
+    """The tiny FLUX.1 in the server's diffusers folder, built once per session."""
+    from parallel_runtime.tiny_models import make_tiny_flux
+
+    path = Path(models_dir) / MODEL
+    if not (path / "model_index.json").is_file():
+        make_tiny_flux(str(path))
+    return path
+
+
+def load_api() -> dict:
+    return json.loads(API_WORKFLOW.read_text())
+
+
+def small_workflow(seed: int, *, model: str = MODEL, steps: int = STEPS, prefix: str = "e2e_flux") -> dict:
+    """The shipped API workflow with the tiny model, small sizes and 2 CPU ranks."""
+    workflow = load_api()
+    for node in workflow.values():
+        if "model" in node["inputs"]:
+            node["inputs"]["model"] = model
+    workflow[BACKEND]["inputs"].update(ranks=2, device="cpu", memory_policy="staged")
+    workflow[SAMPLER]["inputs"].update(seed=seed, steps=steps, guidance_scale=GUIDANCE, width=SIZE, height=SIZE,
+                                       batch_size=1)
+    workflow[SAVER]["inputs"]["filename_prefix"] = prefix
+    return workflow
+
+
+def backend_run_dirs(server: ComfyUIServer) -> list[str]:
+    """Run directories of the backends this server started, from the client's INFO line in ComfyUI's log."""
+    return [m.group("run_dir") for m in BACKEND_UP.finditer(server.log())]
+
+
+def weight_loads(run_dir: str) -> list[str]:
+    """The "loaded <component>:<model>" lines of rank 0's log: one per weight load."""
+    with open(os.path.join(run_dir, "rank0.log"), errors="replace") as f:
+        return [m.group(1) for line in f if (m := LOADED.search(line))]
+
+
+def backend_status(server: ComfyUIServer) -> dict:
+    """``GET /parallel_diffusers/status``: running, busy, and per rank its pid and load counts (when idle)."""
+    return server.get_json("/parallel_diffusers/status", timeout=60)
+
+
+def worker_pids(server: ComfyUIServer) -> list[int]:
+    return [rank["pid"] for rank in backend_status(server).get("ranks", [])]
+
+
+def backend_processes(client_pid: int) -> list:
+    """Live processes of the backends a client started: torchrun's agent and the ranks (they carry its pid)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if (p.info["status"] != psutil.STATUS_ZOMBIE
+                    and "parallel_runtime.worker" in " ".join(p.info["cmdline"] or [])
+                    and p.environ().get("COMFY_PARALLEL_CLIENT_PID") == str(client_pid)):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def prompt_window(server: ComfyUIServer, prompt_id: str) -> list[dict]:
+    """Every recorded websocket message from the prompt's ``execution_start`` to its terminal message, including
+    the nodes' progress texts, which carry no prompt id (prompts run one at a time, so the window is this one's)."""
+    messages = server.messages()
+
+    def at(kinds: tuple[str, ...]) -> int:
+        return next(i for i, m in enumerate(messages)
+                    if m.get("type") in kinds and (m.get("data") or {}).get("prompt_id") == prompt_id)
+
+    return messages[at(("execution_start",)):at(("execution_success", "execution_error", "execution_interrupted")) + 1]
+
+
+def progress_texts(window: list[dict], node_id: str) -> list[str]:
+    return [m["data"]["text"] for m in window if m["type"] == "progress_text" and m["data"]["node"] == node_id]
+
+
+def step_progress(window: list[dict], node_id: str, steps: int) -> list[int]:
+    """The values of a node's ``progress`` messages on the scale of ``steps``."""
+    return [m["data"]["value"] for m in window
+            if m["type"] == "progress" and m["data"].get("node") == node_id and m["data"]["max"] == steps]
