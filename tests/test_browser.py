@@ -68,6 +68,9 @@ def test_template_runs_from_the_browser_and_the_panel_lists_two_ranks(comfyui_se
             shutil.copy(shot, SCREENSHOTS / Path(shot).name)
     assert "error" not in report and proc.returncode == 0, context
 
+    # The template browser showed the card with its thumbnail (example_workflows/make_thumbnails.py).
+    assert report["card_thumbnail_width"] == 1024, context
+
     # The widgets changed in the page, and the image the run saved is on the page at that size.
     assert report["widgets"]["ParallelBackend.ranks"] == 2 and report["widgets"]["ParallelSampler.steps"] == 3, context
     image = report["image"]

@@ -73,6 +73,16 @@ try {
   // The template browser lists custom nodes' example_workflows under the pack's name.
   await page.getByRole("button", { name: "Templates", exact: true }).click();
   await page.getByRole("button", { name: PACK, exact: true }).click();
+  // The card's thumbnail is example_workflows/<template>.jpg (make_thumbnails.py); null while there is none.
+  const card = page.getByRole("img", { name: template, exact: true });
+  report.card_thumbnail_width = await card
+    .evaluate((img) => new Promise((done) => {
+      if (img.complete) done(img.naturalWidth || null);
+      img.addEventListener("load", () => done(img.naturalWidth));
+      img.addEventListener("error", () => done(null));
+    }), null, { timeout: 15_000 })
+    .catch(() => null);
+  await shot("templates.png");
   await page.getByText(template, { exact: true }).first().click();
   await page.waitForFunction((name) => window.app.graph.nodes.some((n) => n.type === "ParallelSampler")
     && document.title.includes(name), template, { timeout: UI_TIMEOUT });
@@ -115,11 +125,18 @@ try {
     const api = window.app.api;
     api.addEventListener("executed", ({ detail }) => window.__pd_run.executed.push(detail));
     api.addEventListener("execution_error", ({ detail }) => { window.__pd_run.error = detail; });
+    api.addEventListener("execution_interrupted", ({ detail }) => {
+      window.__pd_run.error = { ...detail, exception_type: "interrupted", exception_message: "" };
+    });
     api.addEventListener("execution_success", () => { window.__pd_run.done = true; });
   });
-  await page.getByRole("button", { name: "Run", exact: true }).click();
-  await page.waitForFunction(() => window.__pd_run.done || window.__pd_run.error, null, { timeout: imageTimeout });
-  const run = await page.evaluate(() => window.__pd_run);
+  // Newer frontends also name the run-mode menu's trigger "Run"; the button itself opens no menu.
+  await page.getByRole("button", { name: "Run", exact: true }).and(page.locator(":not([aria-haspopup])")).click();
+  // A prompt that fails validation never executes: the frontend keeps the server's node errors instead.
+  await page.waitForFunction(() => window.__pd_run.done || window.__pd_run.error
+    || Object.keys(window.app.lastNodeErrors || {}).length, null, { timeout: imageTimeout });
+  const run = await page.evaluate(() => ({ ...window.__pd_run, node_errors: window.app.lastNodeErrors }));
+  if (!run.done && !run.error) throw new Error(`the prompt was refused: ${JSON.stringify(run.node_errors)}`);
   if (run.error) {
     throw new Error(`the workflow failed in node ${run.error.node_id} (${run.error.node_type}): ` +
       `${run.error.exception_type}: ${run.error.exception_message}`);
@@ -150,12 +167,20 @@ try {
     await page.setViewportSize(size);
     await page.waitForFunction(({ width }) => window.app.canvas.canvas.clientWidth === width, size);
     await page.evaluate(async () => {
-      const { setting, command } = window.app.extensionManager;
+      const { setting } = window.app.extensionManager;
       await setting.set("Comfy.Graph.CanvasInfo", false);  // the render statistics in the corner
       await setting.set("Comfy.Graph.CanvasMenu", false);  // the zoom buttons
       window.app.extensionManager.focusMode = true;
-      await command.execute("Comfy.Canvas.FitView");
-      window.app.graph.setDirtyCanvas(true, true);
+      // ComfyUI's "Fit view" leaves a quarter of the picture empty; frame the nodes' bounds tightly instead.
+      const canvas = window.app.canvas, pad = 48;
+      const boxes = window.app.graph.nodes.map((n) => n.getBounding());
+      const x0 = Math.min(...boxes.map((b) => b[0])), y0 = Math.min(...boxes.map((b) => b[1]));
+      const x1 = Math.max(...boxes.map((b) => b[0] + b[2])), y1 = Math.max(...boxes.map((b) => b[1] + b[3]));
+      const width = canvas.canvas.clientWidth, height = canvas.canvas.clientHeight;
+      const scale = Math.min((width - 2 * pad) / (x1 - x0), (height - 2 * pad) / (y1 - y0));
+      canvas.ds.scale = scale;  // screen = (graph + offset) * scale, centred
+      canvas.ds.offset = [width / 2 / scale - (x0 + x1) / 2, height / 2 / scale - (y0 + y1) / 2];
+      canvas.setDirty(true, true);
     });
     await page.waitForFunction(() => new Promise((done) => requestAnimationFrame(() => done(true))));
     await page.screenshot({ path: opt.graph });
