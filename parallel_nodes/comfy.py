@@ -184,12 +184,19 @@ class QueuedNode:
                 raise Unknown(name)
         return values
 
+    def source(self, name: str) -> QueuedNode:
+        """The node linked to an input, to read its widgets (Unknown when the input is not a link to one of ours)."""
+        value = self._value(name)
+        if not _is_link(value):
+            raise Unknown(name)
+        return QueuedNode(self.prompt, str(value[0]))
+
     def input(self, name: str) -> object:
         """What arrives on an input: computed when it comes from a node that loads nothing (LOADS_NOTHING)."""
         value = self._value(name)
         if not _is_link(value):
             return value
-        source = QueuedNode(self.prompt, str(value[0]))
+        source = self.source(name)
         if not getattr(source.cls, "LOADS_NOTHING", False):
             raise Unknown(name)
         try:

@@ -48,6 +48,12 @@ class EncodeOnBalancedGPUs:
             "hidden": comfy.HIDDEN,
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, unique_id: str) -> bool | str:
+        """Prompt, prompt_2 and max_sequence_length against the model's family, before any weights load."""
+        return comfy.validate(unique_id, lambda node: jobs.validate_encode(**node.widgets(
+            "model", "prompt", "prompt_2", "max_sequence_length", "max_memory", "one_prompt_per_line")))
+
     def encode(self, model: str, prompt: str, prompt_2: str = "", max_sequence_length: int = 512,
                max_memory: str = "", dtype: str = "auto", backend=None, negative_prompt: str = "",
                one_prompt_per_line: bool = False, unique_id: str | None = None):

@@ -4,6 +4,15 @@ from . import comfy
 from .types import CATEGORY, CONDITIONING, TRANSFORMER
 
 
+def _prompt_count(node: comfy.QueuedNode) -> int | None:
+    """How many prompts the linked encoder holds (data parallelism needs an image per rank), or None when its prompt
+    comes from another node."""
+    try:
+        return jobs.count_prompts(**node.source("positive").widgets("prompt", "one_prompt_per_line"))
+    except comfy.Unknown:
+        return None
+
+
 class ParallelSampler:
     """Run the denoising loop on the backend that holds the transformer."""
 
@@ -41,7 +50,7 @@ class ParallelSampler:
         """Steps and sizes against the linked transformer's family and strategy (e.g. how context parallelism splits
         the image tokens), before anything runs."""
         return comfy.validate(unique_id, lambda node: jobs.validate_sample(
-            node.input("transformer"), None,
+            node.input("transformer"), None, prompts=_prompt_count(node),
             **node.widgets("steps", "width", "height", "batch_size", "true_cfg_scale")))
 
     def sample(self, transformer, positive, seed: int, steps: int, guidance_scale: float, width: int, height: int,

@@ -134,18 +134,25 @@ def _prompt_list(text: str, one_per_line: bool) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def encode_prompt(spec: BackendSpec, *, model: str, prompt: str, prompt_2: str = "", negative_prompt: str = "",
-                  max_sequence_length: int = 512, max_memory: str = "", dtype: str = "auto",
-                  one_prompt_per_line: bool = False, on_progress: ProgressFn | None = None,
-                  should_cancel: Callable[[], bool] | None = None) -> Conditioning:
-    """Encode ``prompt`` with the model's text encoders placed ``device_map="balanced"`` across the GPUs.
+def count_prompts(prompt: str, one_prompt_per_line: bool) -> int:
+    """How many prompts EncodeOnBalancedGPUs makes of its ``prompt`` widget."""
+    return len(_prompt_list(prompt, one_prompt_per_line))
 
-    With ``one_prompt_per_line`` every non-empty line is a prompt of its own (one embedding row each; the sampler
-    makes ``batch_size`` images of each, and data parallelism spreads them over the ranks); ``prompt_2`` then holds
-    one line per prompt too, or nothing. Families with true CFG (Qwen-Image) also encode ``negative_prompt``, the same
-    for every prompt, empty or not, as ComfyUI encodes an empty negative: whether it is used is the sampler's
-    ``true_cfg_scale``. Other families ignore it.
-    """
+
+@dataclasses.dataclass(frozen=True)
+class EncodeRequest:
+    """EncodeOnBalancedGPUs' widgets, checked: what the encode op needs, minus the backend."""
+
+    model_dir: str
+    family: str
+    prompts: list[str]
+    prompts_2: list[str] | None
+    max_memory: dict[str, str] | None
+
+
+def validate_encode(*, model: str, prompt: str, prompt_2: str = "", max_sequence_length: int = 512,
+                    max_memory: str = "", one_prompt_per_line: bool = False) -> EncodeRequest:
+    """Every check EncodeOnBalancedGPUs can make before it runs (also its VALIDATE_INPUTS)."""
     model_dir = model_folders.resolve(model)
     family = family_of(model_dir)
     rules = FAMILIES[family]
@@ -162,10 +169,28 @@ def encode_prompt(spec: BackendSpec, *, model: str, prompt: str, prompt_2: str =
     if not 1 <= max_sequence_length <= rules.max_sequence_length:
         raise InvalidInput("max_sequence_length", f"{max_sequence_length} is out of range for {rules.name}; use "
                                                   f"1..{rules.max_sequence_length}")
-    args = {"model": model, "model_dir": model_dir, "prompts": prompts, "prompts_2": prompts_2,
-            "max_sequence_length": max_sequence_length, "max_memory": parse_max_memory(max_memory),
+    return EncodeRequest(model_dir, family, prompts, prompts_2, parse_max_memory(max_memory))
+
+
+def encode_prompt(spec: BackendSpec, *, model: str, prompt: str, prompt_2: str = "", negative_prompt: str = "",
+                  max_sequence_length: int = 512, max_memory: str = "", dtype: str = "auto",
+                  one_prompt_per_line: bool = False, on_progress: ProgressFn | None = None,
+                  should_cancel: Callable[[], bool] | None = None) -> Conditioning:
+    """Encode ``prompt`` with the model's text encoders placed ``device_map="balanced"`` across the GPUs.
+
+    With ``one_prompt_per_line`` every non-empty line is a prompt of its own (one embedding row each; the sampler
+    makes ``batch_size`` images of each, and data parallelism spreads them over the ranks); ``prompt_2`` then holds
+    one line per prompt too, or nothing. Families with true CFG (Qwen-Image) also encode ``negative_prompt``, the same
+    for every prompt, empty or not, as ComfyUI encodes an empty negative: whether it is used is the sampler's
+    ``true_cfg_scale``. Other families ignore it.
+    """
+    request = validate_encode(model=model, prompt=prompt, prompt_2=prompt_2, max_sequence_length=max_sequence_length,
+                              max_memory=max_memory, one_prompt_per_line=one_prompt_per_line)
+    prompts, family = request.prompts, request.family
+    args = {"model": model, "model_dir": request.model_dir, "prompts": prompts, "prompts_2": request.prompts_2,
+            "max_sequence_length": max_sequence_length, "max_memory": request.max_memory,
             "dtype": resolve_dtype(dtype, spec), "memory_policy": spec.memory_policy}
-    negative_prompts = (negative_prompt,) * len(prompts) if rules.true_cfg else ()
+    negative_prompts = (negative_prompt,) * len(prompts) if FAMILIES[family].true_cfg else ()
     if negative_prompts:
         args["negative_prompt"] = list(negative_prompts)
     result = get_backend(spec).call("encode", args, on_progress=on_progress, should_cancel=should_cancel)
@@ -297,8 +322,9 @@ def _text_streams(rules: FamilyRules, conditioning: Conditioning, true_cfg_scale
 
 
 def validate_sample(handle: TransformerHandle, conditioning: Conditioning | None, *, steps: int, width: int,
-                    height: int, batch_size: int, true_cfg_scale: float = 1.0) -> None:
-    """Every check ParallelSampler can make before it runs."""
+                    height: int, batch_size: int, true_cfg_scale: float = 1.0, prompts: int | None = 1) -> None:
+    """Every check ParallelSampler can make before it runs. Without a ``conditioning`` (at validation), ``prompts``
+    says how many prompts it will hold; None skips the checks that need to know."""
     rules = FAMILIES[handle.family]
     if steps < rules.min_steps:
         reason = ("would not denoise anything" if rules.min_steps == 1 else
@@ -322,8 +348,8 @@ def validate_sample(handle: TransformerHandle, conditioning: Conditioning | None
                                        "true_cfg_scale to 1")
     strategy = dict(handle.strategy)
     world = handle.backend.world_size
-    prompts = len(conditioning.prompts) if conditioning is not None else 1
-    if strategy["kind"] == "data_parallel" and batch_size * prompts < world:
+    prompts = len(conditioning.prompts) if conditioning is not None else prompts
+    if strategy["kind"] == "data_parallel" and prompts is not None and batch_size * prompts < world:
         made = f"batch_size {batch_size} × {prompts} prompts" if prompts > 1 else f"batch_size {batch_size}"
         raise InvalidInput("batch_size", f"data_parallel gives each of the {world} ranks whole images, so it needs at "
                                          f"least {world} images ({made} makes {batch_size * prompts}); raise "

@@ -2,17 +2,15 @@
 
 A tiny random FLUX.1 goes into the server's ``diffusers`` model folder; example_workflows/api/flux1_device_map_api.json
 runs with it on a 2-rank CPU backend, and the PNG that comes back through /view equals diffusers' one-shot
-FluxPipeline after 8-bit quantisation. Also: the UI-format copy of the workflow matches the server's
-/object_info widget by widget and converts to the API copy; the sampler's progress reaches the websocket; a
-second run with a new seed loads no weights; an unknown model is refused with a 400; and when the ComfyUI
+FluxPipeline after 8-bit quantisation. Also: the sampler's progress reaches the websocket; a second run with a new seed loads no weights; an unknown model is refused with a 400; and when the ComfyUI
 process dies, every rank of its backend exits on its own. (Progress text, Cancel, errors, the queue and widget
-combinations refused with a 400: test_e2e_queue.py.)
+combinations refused with a 400: test_e2e_queue.py. Every example's UI file against /object_info, the
+template browser, and the other examples' runs: test_examples_comfyui.py.)
 """
 from __future__ import annotations
 
 import glob
 import io
-import json
 import os
 import shutil
 import signal
@@ -24,16 +22,11 @@ import pytest
 import torch
 
 from comfyui_host import ComfyUIServer, PromptRejected
-from comfyui_workflows import (API_WORKFLOW, DECODER, GUIDANCE, SAMPLER, SAVER, SIZE, STEPS, backend_processes,
+from comfyui_workflows import (DECODER, GUIDANCE, SAMPLER, SAVER, SIZE, STEPS, backend_processes,
                                backend_run_dirs, load_api, small_workflow, tiny_flux, weight_loads)
 
 pytestmark = pytest.mark.comfyui  # and multirank on the tests that start a backend
 
-UI_WORKFLOW = API_WORKFLOW.parent.parent / "flux1_device_map.json"  # the API copy is not in the template browser
-PLACEHOLDER_MODEL = "FLUX.1-dev"
-WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
-CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
-FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflows, never sent to /prompt
 
 
 @pytest.fixture(scope="module")
@@ -67,88 +60,11 @@ def assert_close_uint8(got: np.ndarray, expected: np.ndarray) -> None:
     assert diff.max() <= 1, f"max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"
 
 
-def is_widget(spec: list) -> bool:
-    kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
-    return (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 def test_pack_imported(comfyui_server):
     ours = [line for line in comfyui_server.import_failures() if comfyui_server.pack_name in line]
     assert ours == [], comfyui_server.log_tail(120)
     assert comfyui_server.pack_import_line() is not None, comfyui_server.log_tail(120)
-
-
-def test_ui_workflow_matches_object_info_and_the_api_copy(comfyui_server, tiny_model):
-    """Widget values sit in INPUT_TYPES order (a seed is followed by its control value); links join matching
-    types; converting the UI workflow the way the frontend does yields exactly the API copy."""
-    ui, api = json.loads(UI_WORKFLOW.read_text()), load_api()
-    assert ui["version"] == 0.4
-    assert ui["last_node_id"] == max(n["id"] for n in ui["nodes"])
-    assert ui["last_link_id"] == max(link[0] for link in ui["links"])
-    info = comfyui_server.object_info()
-    nodes = {n["id"]: n for n in ui["nodes"]}
-    links = {link[0]: link for link in ui["links"]}
-    converted = {}
-    for node in ui["nodes"]:
-        if node["type"] in FRONTEND_ONLY:
-            continue
-        assert node["type"] in info, node["type"]
-        entry = info[node["type"]]
-        values = list(node["widgets_values"])
-        sockets = {i["name"]: i for i in node["inputs"]}
-        inputs = {}
-        for section in ("required", "optional"):
-            for name in entry["input_order"].get(section, []):
-                spec = entry["input"][section][name]
-                if is_widget(spec):
-                    assert values, f"{node['type']}: no widget value left for {name}"
-                    value = values.pop(0)
-                    kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
-                    if isinstance(kind, list):
-                        allowed = kind + ([PLACEHOLDER_MODEL] if name == "model" else [])
-                        assert value in allowed, (node["type"], name, value, kind)
-                    elif kind in ("INT", "FLOAT"):
-                        assert isinstance(value, (int, float)) and not isinstance(value, bool), (name, value)
-                        assert options.get("min", value) <= value <= options.get("max", value), (name, value)
-                    elif kind == "STRING":
-                        assert isinstance(value, str), (name, value)
-                    elif kind == "BOOLEAN":
-                        assert isinstance(value, bool), (name, value)
-                    inputs[name] = value
-                    if options.get("control_after_generate"):
-                        assert values and values.pop(0) in CONTROL_VALUES, f"{node['type']}.{name}: control value"
-                else:
-                    socket = sockets.get(name)
-                    if section == "required":
-                        assert socket is not None and socket["link"] is not None, f"{node['type']}.{name} unlinked"
-                    if socket is None or socket["link"] is None:
-                        continue
-                    assert socket["type"] == spec[0]
-                    link = links[socket["link"]]
-                    _, origin, origin_slot, target, target_slot, link_type = link
-                    assert target == node["id"] and node["inputs"][target_slot]["name"] == name, link
-                    source = nodes[origin]
-                    assert link[0] in source["outputs"][origin_slot]["links"], link
-                    assert info[source["type"]]["output"][origin_slot] == spec[0] == link_type, link
-                    inputs[name] = [str(origin), origin_slot]
-        assert values == [], f"{node['type']}: widget values left over: {values}"
-        converted[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
-    assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
-    # The defaults a user with GPUs wants.
-    sampler = api[SAMPLER]["inputs"]
-    assert (sampler["width"], sampler["height"], sampler["steps"], sampler["guidance_scale"]) == (1024, 1024, 28, 3.5)
-    assert {n["inputs"]["model"] for n in api.values() if "model" in n["inputs"]} == {PLACEHOLDER_MODEL}
-
-
-def test_template_browser_lists_the_ui_workflow_only(comfyui_server):
-    """ComfyUI lists every example_workflows/*.json of a pack as a template and loads it as a UI graph; the API
-    copy sits in a subfolder so that it is not offered as an (empty) template."""
-    templates = comfyui_server.get_json("/workflow_templates")
-    assert templates.get(comfyui_server.pack_name) == ["flux1_device_map"], templates
-    status, raw = comfyui_server.request(
-        "GET", f"/api/workflow_templates/{comfyui_server.pack_name}/flux1_device_map.json")
-    assert status == 200 and json.loads(raw) == json.loads(UI_WORKFLOW.read_text())
 
 
 def test_shipped_workflow_validates_except_for_the_missing_model(comfyui_server, tiny_model):

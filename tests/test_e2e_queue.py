@@ -93,6 +93,17 @@ def _image_tokens_do_not_split_over_the_ranks(w: dict) -> None:
     w[SAMPLER]["inputs"].update(width=48, height=48)  # 3x3 tokens over 2 ranks, anything off
 
 
+def _prompt_2_lines_do_not_match(w: dict) -> None:
+    w[ENCODER]["inputs"].update(prompt="a fox\na lighthouse", prompt_2="one line", one_prompt_per_line=True)
+
+
+def _fewer_images_than_data_parallel_ranks(w: dict) -> None:
+    # The sampler counts the linked encoder's prompts: 3 prompts × 1 image on 4 ranks leaves one rank idle.
+    w[BACKEND]["inputs"]["ranks"] = 4
+    w[TRANSFORMER]["inputs"]["strategy"] = "data_parallel"
+    w[ENCODER]["inputs"].update(prompt="a fox\na lighthouse\na bowl of ramen", one_prompt_per_line=True)
+
+
 BAD_COMBINATIONS = {
     "ulysses_x_ring_is_not_ranks": (_ulysses_times_ring_is_not_ranks, TRANSFORMER, "LoadShardedTransformer",
                                     "ulysses_degree: ", "but the backend has 2 ranks; make the product 2"),
@@ -101,6 +112,10 @@ BAD_COMBINATIONS = {
     "width_off_the_16_grid": (_width_off_the_16_grid, SAMPLER, "ParallelSampler", "width: ", "use 992 or 1008"),
     "cp_image_tokens_do_not_split": (_image_tokens_do_not_split_over_the_ranks, SAMPLER, "ParallelSampler",
                                      "width: ", "turn on anything (Ulysses/Ring-anything) on LoadShardedTransformer"),
+    "prompt_2_lines_do_not_match": (_prompt_2_lines_do_not_match, ENCODER, "EncodeOnBalancedGPUs", "prompt_2: ",
+                                    "give prompt_2 one line per prompt"),
+    "fewer_images_than_data_parallel_ranks": (_fewer_images_than_data_parallel_ranks, SAMPLER, "ParallelSampler",
+                                              "batch_size: ", "batch_size 1 × 3 prompts makes 3"),
 }
 
 

@@ -245,7 +245,7 @@ def test_strategy_validation_names_the_widget(models_dir, widget, args, hint):
     ("width", {"strategy": "context_parallel", "ulysses_degree": 2}, {"width": 48, "height": 80}, "turn on anything"),
     ("width", {"strategy": "tp_cp", "tp_degree": 2, "ulysses_degree": 2, "ranks": 4}, {"width": 48, "height": 80},
      "15 image tokens, which do not split over 2 ranks"),
-    ("batch_size", {"strategy": "data_parallel"}, {"batch_size": 1}, "batch_size ≥ 2"),
+    ("batch_size", {"strategy": "data_parallel"}, {"batch_size": 1}, "needs at least 2 images"),
 ])
 def test_sampler_revalidates_against_the_size(models_dir, widget, strategy, sampler, hint):
     strategy = dict(strategy)
