@@ -48,6 +48,7 @@ class _Progress:
         self.bars: dict[int, object] = {}
         self.text: str | None = None
         self.step = 0
+        self.shown: tuple[int, int] | None = None  # the bar's last (step, total)
         self.cancel_asked_at: int | None = None
 
     def __call__(self, step: int, total: int, text: str | None) -> None:
@@ -56,7 +57,9 @@ class _Progress:
         if total not in self.bars:  # stages report on their own scales (load: 1, denoise: steps)
             self.bars[total] = _utils.ProgressBar(total)
         try:
-            self.bars[total].update_absolute(step, total)  # ComfyUI's hook raises on Cancel
+            if self.shown != (step, total):  # a stage's closing label ("denoised") moves no bar
+                self.bars[total].update_absolute(step, total)  # ComfyUI's hook raises on Cancel
+                self.shown = (step, total)
             _mm.throw_exception_if_processing_interrupted()
         except _mm.InterruptProcessingException:
             # Raised as Cancelled, the client answers with the step every rank stopped at; run() turns it back into

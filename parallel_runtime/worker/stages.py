@@ -99,6 +99,7 @@ def denoise(ctx: OpContext, args: dict, tensors: dict):
                                  policy=args["memory_policy"])
         samples = family.denoise(model_dir, transformer, tensors, seed=args["seed"], batch_size=args["batch_size"],
                                  on_step=_on_step(ctx), **_sampling_args(args))
+        ctx.progress(args["steps"], args["steps"], "denoised")
         return {"shape": list(samples.shape)}, {"samples": samples}
 
     key = ModelKey(args["model"], "transformer", strategies.describe(strategy), dtype)
@@ -116,6 +117,7 @@ def denoise(ctx: OpContext, args: dict, tensors: dict):
                                  on_step=_on_step(ctx), **_sampling_args(args))
     if ctx.rank != 0:
         return None, {}
+    ctx.progress(args["steps"], args["steps"], "denoised")
     return {"shape": list(samples.shape)}, {"samples": samples}
 
 
