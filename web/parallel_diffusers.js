@@ -35,7 +35,7 @@ function table(label, headers, rows) {
 const muted = (text) => el("div", { className: "pd-note", textContent: text });
 
 function device(rank) {
-  return rank.device_name && rank.device_name !== rank.device ? `${rank.device} · ${rank.device_name}` : rank.device;
+  return rank.device_name && rank.device_name !== rank.device ? [rank.device, muted(rank.device_name)] : rank.device;
 }
 
 function memory({ memory: m }) {
@@ -58,8 +58,10 @@ function residentList(ranks) {
   const groups = new Map();
   for (const r of ranks) {
     for (const m of r.resident || []) {
-      const parallel = Object.entries(m.parallelism || {}).map(([k, v]) => `${k.replace("_degree", "")} ${v}`);
-      const where = [m.placement, ...parallel].join(", ");
+      const parallel = Object.entries(m.parallelism || {}).filter(([, v]) => v > 1)
+        .map(([k, v]) => `${k.replace("_degree", "")} ${v}`);
+      // The placement is what was asked for; the degrees are read back from the loaded model.
+      const where = m.placement + (parallel.length ? ` (applied: ${parallel.join(", ")})` : "");
       const key = JSON.stringify([m.model, m.component, where, m.dtype]);
       if (!groups.has(key)) groups.set(key, { ...m, where, ranks: [] });
       groups.get(key).ranks.push(r.rank);
