@@ -170,8 +170,10 @@ class Backend:
             rank = first_dead[0]
         tb = tb or (group.traceback_of(rank) if rank is not None else "")
         tail = group.log_tail(f"rank{rank}.log") if rank is not None else group.log_tail("launcher.log")
+        # The pid of the rank named, which torchrun's account may pick over the first one seen dead.
+        pid = self._pids.get(rank) if rank is not None else None
         self._teardown()
-        who = f"rank {rank}" if rank is not None else "a rank"
+        who = (f"rank {rank}" + (f" (pid {pid})" if pid else "")) if rank is not None else "a rank"
         detail = f"\n{tb.strip().splitlines()[-1]}" if tb.strip() else ""
         return BackendDied(f"the parallel backend failed: {who} {reason}; it was shut down and the next run "
                            f"starts a fresh one.{detail}", rank=rank, log_tail=tail, traceback=tb)
@@ -231,7 +233,7 @@ class Backend:
                 if time.monotonic() >= next_health_check:
                     next_health_check = time.monotonic() + HEALTH_S
                     if dead := self._dead_ranks():
-                        raise self._die(f"exited (pid {self._pids.get(dead[0], '?')})")
+                        raise self._die("exited")
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(f"op {call_id} ran past its deadline; the backend was shut down. "
                                            f"{self._die('was still running at the deadline')}")
