@@ -292,22 +292,30 @@ def generate_family(spec, name: str, strategy: str, *, seed=3, batch_size=1, wid
 
 
 FAMILY_CASES = [
-    ("ulysses", "context_parallel", {"ulysses_degree": 2}, 1, 1e-4),
-    ("ring", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 1, 1e-4),
-    ("tp", "tensor_parallel", {"tp_degree": 2}, 1, 1e-4),
+    ("ulysses", "context_parallel", {"ulysses_degree": 2}, 1, 1e-4, (64, 64)),
+    ("ring", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 1, 1e-4, (64, 64)),
+    # 48x80: 15 image tokens (FLUX.2's 16x-patched latent: 3x5) that do not split evenly over 2 ranks.
+    ("ulysses_anything_odd", "context_parallel", {"ulysses_degree": 2, "anything": True}, 1, 1e-4, (48, 80)),
+    ("ring_anything_odd", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1, "anything": True}, 1, 1e-4,
+     (48, 80)),
+    ("tp", "tensor_parallel", {"tp_degree": 2}, 1, 1e-4, (64, 64)),
     # Not bit-exact: CPU GEMM kernels block differently for another batch size and thread count.
-    ("data_parallel", "data_parallel", {}, 2, 1e-5),
+    ("data_parallel", "data_parallel", {}, 2, 1e-5, (64, 64)),
 ]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", sorted(NEW_FAMILIES))
-@pytest.mark.parametrize("case, strategy, args, batch_size, tolerance", FAMILY_CASES, ids=[c[0] for c in FAMILY_CASES])
+@pytest.mark.parametrize("case, strategy, args, batch_size, tolerance, size", FAMILY_CASES,
+                         ids=[c[0] for c in FAMILY_CASES])
 def test_new_family_strategy_matches_one_shot(models_dir, family_one_shot, name, case, strategy, args, batch_size,
-                                              tolerance):
-    latent, image = generate_family(backend(2), name, strategy, batch_size=batch_size, **args)
-    assert latent.shape == ((batch_size, 128, 4, 4) if name == "flux2" else (batch_size, 16, 1, 8, 8))
-    diff = (image - family_one_shot(name, 3, batch_size)).abs().max().item()
+                                              tolerance, size):
+    width, height = size
+    latent, image = generate_family(backend(2), name, strategy, batch_size=batch_size, width=width, height=height,
+                                    **args)
+    h, w = (height // 16, width // 16) if name == "flux2" else (height // 8, width // 8)
+    assert latent.shape == ((batch_size, 128, h, w) if name == "flux2" else (batch_size, 16, 1, h, w))
+    diff = (image - family_one_shot(name, 3, batch_size, width=width, height=height)).abs().max().item()
     print(f"{name} {case}: max |diff| vs one-shot {diff:.3g}")
     assert diff <= tolerance
 
