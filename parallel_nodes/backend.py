@@ -1,5 +1,6 @@
 from parallel_runtime import default_spec
 
+from . import comfy
 from .types import BACKEND, CATEGORY
 
 
@@ -28,7 +29,12 @@ class ParallelBackend:
                                                                   "transformer loads and vice versa (fits big "
                                                                   "models). resident: keep everything loaded "
                                                                   "(faster prompt changes)."}),
-        }}
+        }, "hidden": comfy.HIDDEN}
 
-    def configure(self, ranks: int, device: str, memory_policy: str):
+    @classmethod
+    def VALIDATE_INPUTS(cls, unique_id: str) -> bool | str:
+        """Ranks and device against the GPUs this process sees, before anything starts."""
+        return comfy.validate(unique_id, lambda node: node.run())
+
+    def configure(self, ranks: int, device: str, memory_policy: str, unique_id: str | None = None):
         return (default_spec(device=device, ranks=ranks, memory_policy=memory_policy),)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .errors import InvalidInput
+
 DEVICES = ("cpu", "cuda")
 MEMORY_POLICIES = ("staged", "resident")
 
@@ -61,6 +63,13 @@ def default_spec(device: str = "auto", ranks: int = 0, memory_policy: str = "sta
         ranks = int(os.environ.get("COMFY_PARALLEL_RANKS", "0") or 0)
     if device == "auto":
         device = "cuda" if cuda_device_count() > 0 else "cpu"
+    gpus = cuda_device_count() if device == "cuda" else 0
+    if device == "cuda" and not gpus:
+        raise InvalidInput("device", "cuda was chosen but this process sees no GPU (check CUDA_VISIBLE_DEVICES and "
+                                     "the driver); choose auto or cpu")
+    if device == "cuda" and ranks > gpus:
+        raise InvalidInput("ranks", f"{ranks} ranks need one GPU each, but this process sees {gpus}; use 0 (one per "
+                                    f"GPU) or at most {gpus}")
     if not ranks:
-        ranks = cuda_device_count() if device == "cuda" else 2
+        ranks = gpus or 2
     return BackendSpec(ranks=ranks, device=device, memory_policy=memory_policy)

@@ -104,6 +104,10 @@ def _fewer_images_than_data_parallel_ranks(w: dict) -> None:
     w[ENCODER]["inputs"].update(prompt="a fox\na lighthouse\na bowl of ramen", one_prompt_per_line=True)
 
 
+def _cuda_without_a_gpu(w: dict) -> None:
+    w[BACKEND]["inputs"]["device"] = "cuda"
+
+
 BAD_COMBINATIONS = {
     "ulysses_x_ring_is_not_ranks": (_ulysses_times_ring_is_not_ranks, TRANSFORMER, "LoadShardedTransformer",
                                     "ulysses_degree: ", "but the backend has 2 ranks; make the product 2"),
@@ -116,6 +120,7 @@ BAD_COMBINATIONS = {
                                     "give prompt_2 one line per prompt"),
     "fewer_images_than_data_parallel_ranks": (_fewer_images_than_data_parallel_ranks, SAMPLER, "ParallelSampler",
                                               "batch_size: ", "batch_size 1 × 3 prompts makes 3"),
+    "cuda_without_a_gpu": (_cuda_without_a_gpu, BACKEND, "ParallelBackend", "device: ", "choose auto or cpu"),
 }
 
 
@@ -123,6 +128,10 @@ BAD_COMBINATIONS = {
 def test_bad_widget_combination_is_refused_with_400_naming_the_node_and_the_fix(comfyui_server, tiny_model, case):
     """ComfyUI's own validation checks each widget's min/max only; VALIDATE_INPUTS checks the combinations (across
     linked nodes too) with the same rules the nodes apply when they run, and starts nothing."""
+    from parallel_runtime.spec import cuda_device_count
+
+    if case == "cuda_without_a_gpu" and cuda_device_count():
+        pytest.skip("this machine has a GPU")
     change, node_id, class_type, widget, fix = BAD_COMBINATIONS[case]
     workflow = small_workflow(seed=0)
     change(workflow)
