@@ -151,7 +151,7 @@ try {
     const img = node?.imgs?.[0];
     return img?.complete && img.naturalWidth > 0 && img.src.includes(encodeURIComponent(file));
   }, filename, { timeout: UI_TIMEOUT });
-  // ...and the page shows it as an element: the queue's latest-result preview.
+  // ...and the page shows it as an element (frontend 1.32: the queue's latest-result preview).
   const shown = page.locator(`img[src*="filename=${encodeURIComponent(filename)}"]`).first();
   await shown.waitFor({ state: "visible", timeout: UI_TIMEOUT });
   await page.waitForFunction((img) => img.complete && img.naturalWidth > 0, await shown.elementHandle());
@@ -162,7 +162,7 @@ try {
   await shot(`${template}_run.png`);
 
   if (opt.graph) {
-    // Only the graph, every node in view: focus mode hides ComfyUI's menus and panels, then "Fit view".
+    // Only the graph, every node in view: focus mode hides ComfyUI's menus and panels.
     const size = { width: 2048, height: 1152 };
     await page.setViewportSize(size);
     await page.waitForFunction(({ width }) => window.app.canvas.canvas.clientWidth === width, size);
