@@ -13,6 +13,7 @@ from aiohttp import web
 from server import PromptServer
 
 import parallel_runtime
+from parallel_runtime.client import last_error
 
 EVENT = "parallel_diffusers.status"
 
@@ -20,7 +21,7 @@ EVENT = "parallel_diffusers.status"
 def snapshot() -> dict:
     backend = parallel_runtime.current_backend()
     if backend is None:
-        return {"running": False, "busy": False, "spec": None, "last_error": None}
+        return {"running": False, "busy": False, "spec": None, "last_error": last_error()}
     return backend.snapshot()
 
 

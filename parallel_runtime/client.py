@@ -60,7 +60,6 @@ class Backend:
         self._current_call: str | None = None
         self._pids: dict[int, int] = {}
         self.startup_s: float | None = None
-        self.last_error: dict | None = None  # the last failure, for the status panel
         self._last_status: dict | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -188,12 +187,13 @@ class Backend:
         cancelled on every rank and the exception re-raised once the ranks have stopped. ``should_cancel``
         is polled while waiting. Raises OpFailed, Cancelled, BackendDied or DeadlineExceeded.
         """
+        global _last_error
         with self._lock:
             try:
                 return self._call(op, args, tensors, on_progress, should_cancel, timeout)
             except (BackendDied, BackendStartError, DeadlineExceeded, OpFailed) as e:
-                self.last_error = {"op": op, "type": type(e).__name__, "message": str(e),
-                                   "rank": getattr(e, "rank", None), "time": time.time()}
+                _last_error = {"op": op, "type": type(e).__name__, "message": str(e),
+                               "rank": getattr(e, "rank", None), "time": time.time()}
                 raise
 
     def _call(self, op: str, args: dict | None, tensors: dict[str, torch.Tensor] | None,
@@ -232,7 +232,7 @@ class Backend:
                     self.cancel()
                 if time.monotonic() >= next_health_check:
                     next_health_check = time.monotonic() + HEALTH_S
-                    if dead := self._dead_ranks():
+                    if self._dead_ranks():
                         raise self._die("exited")
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(f"op {call_id} ran past its deadline; the backend was shut down. "
@@ -279,14 +279,14 @@ class Backend:
         """Status without waiting: fresh when the backend is idle, the last one seen (``busy``) while an op runs,
         and never a reason to start a backend."""
         view = {"running": self.running, "busy": False, "spec": dataclasses.asdict(self.spec),
-                "last_error": self.last_error}
+                "last_error": _last_error}
         if not self._lock.acquire(blocking=False):
             return {**view, "busy": True, **(self._last_status or {})}
         try:
             if self.running:
                 view.update(self.status())
         except ParallelRuntimeError:
-            view.update(running=self.running, last_error=self.last_error)
+            view.update(running=self.running, last_error=_last_error)
         finally:
             self._lock.release()
         return view
@@ -295,6 +295,7 @@ class Backend:
 # -- the process-wide backend -------------------------------------------------------------------------
 _current: Backend | None = None
 _current_lock = threading.Lock()
+_last_error: dict | None = None  # the last failure of any backend, for the status panel
 
 
 def get_backend(spec: BackendSpec) -> Backend:
@@ -312,6 +313,12 @@ def get_backend(spec: BackendSpec) -> Backend:
 
 def current_backend() -> Backend | None:
     return _current
+
+
+def last_error() -> dict | None:
+    """The last failure of any backend of this process: the status panel keeps showing it after the backend that
+    failed was shut down or replaced."""
+    return _last_error
 
 
 def shutdown_backend() -> None:

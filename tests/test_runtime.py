@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from parallel_runtime import (Backend, BackendDied, BackendSpec, Cancelled, OpFailed)
+from parallel_runtime.client import last_error
 from parallel_runtime import launcher
 from parallel_runtime.arena import SHM_DIR
 from parallel_runtime.protocol import Channel
@@ -135,6 +136,9 @@ def test_error_on_one_rank_names_it_and_keeps_the_backend(backend):
     assert "Traceback" in info.value.traceback
     assert backend.worker_pids == pids
     assert backend.status()["world_size"] == 2
+    # The status panel shows it; kept process-wide, so it outlives the backend that failed.
+    assert backend.snapshot()["last_error"]["rank"] == 1
+    assert last_error()["message"] == str(info.value)
 
 
 def test_wrong_token_is_refused(backend):
