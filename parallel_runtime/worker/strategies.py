@@ -57,10 +57,21 @@ def _context_parallel_config(strategy: dict, mesh=None):
                                  ulysses_anything=anything and ulysses > 1, ring_anything=anything and ring > 1)
 
 
+def _set_attention_backend(transformer: torch.nn.Module, backend: str) -> None:
+    """``transformer.set_attention_backend(backend)`` for this model only. diffusers also makes it the process-wide
+    default, which in a persistent rank leaks into every model loaded later: after a Ring run, a data-parallel
+    Qwen-Image batch with a text mask failed on a backend that takes no mask."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    default = _AttentionBackendRegistry.get_active_backend()[0]
+    transformer.set_attention_backend(backend)
+    _AttentionBackendRegistry.set_active_backend(default)
+
+
 def _enable_context_parallel(transformer: torch.nn.Module, strategy: dict, device: torch.device, mesh=None) -> None:
     backend = _attention_backend(strategy, device)
     if backend is not None:
-        transformer.set_attention_backend(backend)
+        _set_attention_backend(transformer, backend)
     transformer.enable_parallelism(config=_context_parallel_config(strategy, mesh))
 
 
