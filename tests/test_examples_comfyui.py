@@ -3,7 +3,7 @@
 Each UI-format file must match the server's /object_info widget by widget and convert, the way the frontend
 converts it, to its API copy; the template browser must list exactly the UI files. Then each example runs headless
 through /prompt with its placeholder models swapped for tiny random ones of the same family, 2 CPU ranks (the TP×CP
-example keeps its 4: opt-in, ``-m four_ranks``), 64×64 and 2 steps, and every saved PNG must equal diffusers'
+example keeps its 4, marked ``four_ranks``), 64×64 and 2 steps, and every saved PNG must equal diffusers'
 one-shot pipeline after 8-bit quantisation (±1 level).
 """
 from __future__ import annotations
