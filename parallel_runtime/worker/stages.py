@@ -8,6 +8,7 @@ replaces. Context, tensor and data parallel denoising run on every rank (see str
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -87,34 +88,28 @@ def denoise(ctx: OpContext, args: dict, tensors: dict):
     model_dir, dtype, strategy = args["model_dir"], args["dtype"], args["strategy"]
     family = family_of(model_dir)
     models = _models(ctx)
-    if strategy["kind"] == "device_map":
+    if strategy["kind"] == "device_map":  # a rank-0 stage
         placement, where = _placement(ctx, "auto", args.get("max_memory"))
         key = ModelKey(args["model"], "transformer", where, dtype)
         if ctx.rank != 0:
             models.make_room(key, policy=args["memory_policy"])
             return None, {}
         ctx.alone()
-        ctx.progress(0, args["steps"], "loading transformer")
-        transformer = models.get(key, lambda: family.load_transformer(model_dir, DTYPES[dtype], placement),
-                                 policy=args["memory_policy"])
-        samples = family.denoise(model_dir, transformer, tensors, seed=args["seed"], batch_size=args["batch_size"],
-                                 on_step=_on_step(ctx), **_sampling_args(args))
-        ctx.progress(args["steps"], args["steps"], "denoised")
-        return {"shape": list(samples.shape)}, {"samples": samples}
-
-    key = ModelKey(args["model"], "transformer", strategies.describe(strategy), dtype)
+        load = functools.partial(family.load_transformer, model_dir, DTYPES[dtype], placement)
+    else:  # context / tensor / data parallel: every rank loads its part together
+        key = ModelKey(args["model"], "transformer", strategies.describe(strategy), dtype)
+        load = functools.partial(strategies.load_transformer, model_dir, DTYPES[dtype], ctx.device, strategy)
     ctx.progress(0, args["steps"], "loading transformer")
-    transformer = models.get(key, lambda: strategies.load_transformer(model_dir, DTYPES[dtype], ctx.device, strategy),
-                             policy=args["memory_policy"])
-    if strategy["kind"] == "data_parallel":
-        start, count = strategies.share(args["batch_size"], ctx.rank, ctx.world_size)
-        local = family.denoise(model_dir, transformer, strategies.slice_batch(tensors, args["batch_size"], start, count),
-                               seed=args["seed"] + start, batch_size=count, on_step=_on_step(ctx),
-                               **_sampling_args(args))
-        samples = strategies.gather_batch(local, args["batch_size"], ctx.world_size)
-    else:  # context / tensor parallel: every rank runs the same loop on identical inputs
-        samples = family.denoise(model_dir, transformer, tensors, seed=args["seed"], batch_size=args["batch_size"],
-                                 on_step=_on_step(ctx), **_sampling_args(args))
+    transformer = models.get(key, load, policy=args["memory_policy"])
+
+    # Data parallelism gives each rank a consecutive slice of the images; otherwise every rank (CP / TP) or rank 0
+    # alone (device_map) runs the whole batch on identical inputs.
+    batch_size, data_parallel = args["batch_size"], strategy["kind"] == "data_parallel"
+    start, count = strategies.share(batch_size, ctx.rank, ctx.world_size) if data_parallel else (0, batch_size)
+    samples = family.denoise(model_dir, transformer, strategies.slice_batch(tensors, batch_size, start, count),
+                             seed=args["seed"] + start, batch_size=count, on_step=_on_step(ctx), **_sampling_args(args))
+    if data_parallel:
+        samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:
         return None, {}
     ctx.progress(args["steps"], args["steps"], "denoised")

@@ -13,6 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .families import expand_batch
+
 
 def describe(strategy: dict) -> str:
     """A short, stable name for the resident-model key."""
@@ -131,13 +133,9 @@ def share(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def slice_batch(tensors: dict[str, torch.Tensor], batch_size: int, start: int, count: int) -> dict[str, torch.Tensor]:
-    """Images ``start .. start + count`` of a batch's conditioning. Every tensor holds one row per prompt and the
-    batch is prompt by prompt (``batch_size / prompts`` images each, as ``num_images_per_prompt`` orders them), so a
-    rank's slice may span prompts."""
-    def rows(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.repeat_interleave(batch_size // tensor.shape[0], dim=0)[start:start + count]
-
-    return {name: rows(tensor) for name, tensor in tensors.items()}
+    """Images ``start .. start + count`` of a batch's conditioning (laid out as ``families.expand_batch`` does: prompt
+    by prompt), so a rank's slice may span prompts."""
+    return {name: rows[start:start + count] for name, rows in expand_batch(tensors, batch_size).items()}
 
 
 def gather_batch(local: torch.Tensor, batch_size: int, world_size: int) -> torch.Tensor | None:

@@ -2,12 +2,14 @@
 how to pack / unpack latents and the VAE's scale and shift. The backend's stage ops are family-agnostic and call
 these.
 
-This module holds what the adapters share: how a `placement` dict becomes `from_pretrained` arguments.
+This module holds what the adapters share: how a `placement` dict becomes `from_pretrained` arguments, how a
+batch's conditioning, noise and step reports are laid out, and how a decoded image becomes a ComfyUI IMAGE.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, TypedDict
 
 import torch
@@ -59,3 +61,38 @@ def load_placed(cls: Any, model_dir: str, dtype: torch.dtype, placement: Placeme
     if "device_map" not in placed:
         loaded.to(placement.get("device", "cpu"))
     return loaded
+
+
+def expand_batch(embeds: dict[str, torch.Tensor], batch_size: int) -> dict[str, torch.Tensor]:
+    """One row per image: every conditioning tensor holds one row per prompt, repeated here for that prompt's
+    ``batch_size / prompts`` images, prompt by prompt (the order of the pipelines' ``num_images_per_prompt``)."""
+    prompts = next(iter(embeds.values())).shape[0]
+    if batch_size % prompts:
+        raise ValueError(f"batch_size {batch_size} is not a multiple of the number of prompts {prompts}.")
+    return {name: tensor.repeat_interleave(batch_size // prompts, dim=0) for name, tensor in embeds.items()}
+
+
+def generators(seed: int, batch_size: int) -> list[torch.Generator]:
+    """Image ``i`` draws its noise from its own CPU generator seeded ``seed + i``: the same noise on every device and
+    rank, and an image that does not depend on how a batch is split (data parallelism gives each rank a slice)."""
+    return [torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)]
+
+
+def step_callback(on_step: Callable[[int, int], None] | None) -> Callable[..., dict]:
+    """A pipeline's ``callback_on_step_end`` that calls ``on_step(step_index, total)`` after each step; an exception
+    raised from ``on_step`` stops the loop, which is how a caller cancels."""
+
+    def step_end(pipeline: Any, step_index: int, timestep: torch.Tensor, callback_kwargs: dict) -> dict:
+        if on_step is not None:
+            on_step(step_index, pipeline.num_timesteps)
+        return {}
+
+    return step_end
+
+
+def comfy_image(decoded: torch.Tensor) -> torch.Tensor:
+    """A VAE's [B, 3, H, W] output in [-1, 1] as a ComfyUI IMAGE [B, H, W, 3] float32 in 0..1 on the CPU: the
+    pipelines' own post-processing (clamped); only the layout is ComfyUI's."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor().postprocess(decoded, output_type="pt").permute(0, 2, 3, 1).float().cpu()

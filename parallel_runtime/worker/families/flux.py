@@ -20,9 +20,8 @@ from typing import Callable
 import torch
 
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from diffusers.image_processor import VaeImageProcessor
 
-from . import Placement, load_placed
+from . import Placement, comfy_image, expand_batch, generators, load_placed, step_callback
 
 
 def load_text_encoders(model_dir: str, dtype: torch.dtype, placement: Placement) -> FluxPipeline:
@@ -75,10 +74,6 @@ def denoise(
     # silently round down instead, giving a latent that is not height/8 x width/8.
     if height % 16 or width % 16:
         raise ValueError(f"FLUX.1 needs width and height divisible by 16, got {width}x{height}.")
-    prompt_embeds, pooled_prompt_embeds = embeds["prompt_embeds"], embeds["pooled_prompt_embeds"]
-    num_prompts = prompt_embeds.shape[0]
-    if batch_size % num_prompts:
-        raise ValueError(f"batch_size {batch_size} is not a multiple of the number of prompts {num_prompts}.")
 
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
@@ -94,26 +89,17 @@ def denoise(
 
     # Passed-in embeddings are used as given (the pipeline repeats only the ones it encodes itself), and their dtype
     # sets the latents' dtype.
-    repeats = batch_size // num_prompts
-    prompt_embeds = prompt_embeds.repeat_interleave(repeats, dim=0).to(device=device, dtype=transformer.dtype)
-    pooled_prompt_embeds = pooled_prompt_embeds.repeat_interleave(repeats, dim=0).to(device, transformer.dtype)
-
-    def step_end(pipeline: FluxPipeline, step_index: int, timestep: torch.Tensor, callback_kwargs: dict) -> dict:
-        if on_step is not None:
-            on_step(step_index, pipeline.num_timesteps)
-        return {}
-
+    batch = expand_batch(embeds, batch_size)
     packed = pipe(
-        prompt_embeds=prompt_embeds,
-        pooled_prompt_embeds=pooled_prompt_embeds,
+        prompt_embeds=batch["prompt_embeds"].to(device=device, dtype=transformer.dtype),
+        pooled_prompt_embeds=batch["pooled_prompt_embeds"].to(device=device, dtype=transformer.dtype),
         num_inference_steps=steps,
         guidance_scale=guidance_scale,
         height=height,
         width=width,
-        # CPU generators draw the same noise on every device and every rank.
-        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        generator=generators(seed, batch_size),
         output_type="latent",
-        callback_on_step_end=step_end,
+        callback_on_step_end=step_callback(on_step),
     ).images
 
     # What FluxPipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's weights.
@@ -132,7 +118,4 @@ def load_vae(model_dir: str, dtype: torch.dtype, device: str) -> AutoencoderKL:
 @torch.no_grad()
 def decode(vae: AutoencoderKL, samples: torch.Tensor) -> torch.Tensor:
     """Decode LATENT samples (un-normalised, unpacked) to an IMAGE [B, H, W, 3] float32 in 0..1 on the CPU."""
-    image = vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0]
-    # The pipeline's own post-processing: [-1, 1] -> [0, 1], clamped; only the layout is ComfyUI's.
-    image = VaeImageProcessor().postprocess(image, output_type="pt")
-    return image.permute(0, 2, 3, 1).float().cpu()
+    return comfy_image(vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0])

@@ -23,9 +23,8 @@ from typing import Callable
 import torch
 
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
-from diffusers.image_processor import VaeImageProcessor
 
-from . import Placement, load_placed
+from . import Placement, comfy_image, expand_batch, generators, load_placed, step_callback
 
 
 def load_text_encoders(model_dir: str, dtype: torch.dtype, placement: Placement) -> Flux2Pipeline:
@@ -81,10 +80,6 @@ def denoise(
     # silently round down instead, giving a latent that is not height/16 x width/16.
     if height % 16 or width % 16:
         raise ValueError(f"FLUX.2 needs width and height divisible by 16, got {width}x{height}.")
-    prompt_embeds = embeds["prompt_embeds"]
-    num_prompts = prompt_embeds.shape[0]
-    if batch_size % num_prompts:
-        raise ValueError(f"batch_size {batch_size} is not a multiple of the number of prompts {num_prompts}.")
 
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
@@ -96,26 +91,18 @@ def denoise(
     pipe.set_progress_bar_config(disable=True)
     device = pipe._execution_device
 
-    # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself: `repeat` on one
-    # prompt is `repeat_interleave`), and their dtype sets the latents' dtype.
-    prompt_embeds = prompt_embeds.repeat_interleave(batch_size // num_prompts, dim=0)
-    prompt_embeds = prompt_embeds.to(device=device, dtype=transformer.dtype)
-
-    def step_end(pipeline: Flux2Pipeline, step_index: int, timestep: torch.Tensor, callback_kwargs: dict) -> dict:
-        if on_step is not None:
-            on_step(step_index, pipeline.num_timesteps)
-        return {}
-
+    # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself), and their dtype sets
+    # the latents' dtype.
+    prompt_embeds = expand_batch(embeds, batch_size)["prompt_embeds"]
     packed = pipe(
-        prompt_embeds=prompt_embeds,
+        prompt_embeds=prompt_embeds.to(device=device, dtype=transformer.dtype),
         num_inference_steps=steps,
         guidance_scale=guidance_scale,
         height=height,
         width=width,
-        # CPU generators draw the same noise on every device and every rank.
-        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        generator=generators(seed, batch_size),
         output_type="latent",
-        callback_on_step_end=step_end,
+        callback_on_step_end=step_callback(on_step),
     ).images
 
     # Undo `Flux2Pipeline._pack_latents` ([B, C, h, w] -> [B, h*w, C], tokens in raster order; the pipeline's
@@ -141,7 +128,4 @@ def decode(vae: AutoencoderKLFlux2, samples: torch.Tensor) -> torch.Tensor:
     bn_mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
     bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device, latents.dtype)
     latents = Flux2Pipeline._unpatchify_latents(latents * bn_std + bn_mean)
-    image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-    # The pipeline's own post-processing: [-1, 1] -> [0, 1], clamped; only the layout is ComfyUI's.
-    image = VaeImageProcessor().postprocess(image, output_type="pt")
-    return image.permute(0, 2, 3, 1).float().cpu()
+    return comfy_image(vae.decode(latents.to(vae.dtype), return_dict=False)[0])

@@ -30,9 +30,8 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from diffusers.image_processor import VaeImageProcessor
 
-from . import Placement, load_placed
+from . import Placement, comfy_image, expand_batch, generators, load_placed, step_callback
 
 
 def load_text_encoders(model_dir: str, dtype: torch.dtype, placement: Placement) -> QwenImagePipeline:
@@ -114,9 +113,6 @@ def denoise(
     # The scheduler's `shift_terminal` stretch divides by (1 - last sigma), which is 0 on a one-step schedule: NaN.
     if steps < 2:
         raise ValueError(f"Qwen-Image needs at least 2 steps, got {steps}.")
-    num_prompts = embeds["prompt_embeds"].shape[0]
-    if batch_size % num_prompts:
-        raise ValueError(f"batch_size {batch_size} is not a multiple of the number of prompts {num_prompts}.")
     do_true_cfg = true_cfg_scale > 1 and "negative_prompt_embeds" in embeds
 
     pipe = QwenImagePipeline(
@@ -129,26 +125,19 @@ def denoise(
     pipe.set_progress_bar_config(disable=True)
     device = pipe._execution_device
 
-    # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself: `repeat` on one
-    # prompt is `repeat_interleave`), and their dtype sets the latents' dtype.
-    repeats = batch_size // num_prompts
-
-    def batch(name: str, dtype: torch.dtype) -> torch.Tensor:
-        return embeds[name].repeat_interleave(repeats, dim=0).to(device=device, dtype=dtype)
-
+    # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself), and their dtype sets
+    # the latents' dtype.
+    batch = expand_batch(embeds, batch_size)
     conditioning = {
-        "prompt_embeds": batch("prompt_embeds", transformer.dtype),
-        "prompt_embeds_mask": batch("prompt_embeds_mask", torch.long),
+        "prompt_embeds": batch["prompt_embeds"].to(device=device, dtype=transformer.dtype),
+        "prompt_embeds_mask": batch["prompt_embeds_mask"].to(device=device, dtype=torch.long),
     }
     # Negative embeddings only with true CFG on: the pipeline would warn about an unused negative prompt otherwise.
     if do_true_cfg:
-        conditioning["negative_prompt_embeds"] = batch("negative_prompt_embeds", transformer.dtype)
-        conditioning["negative_prompt_embeds_mask"] = batch("negative_prompt_embeds_mask", torch.long)
-
-    def step_end(pipeline: QwenImagePipeline, step_index: int, timestep: torch.Tensor, callback_kwargs: dict) -> dict:
-        if on_step is not None:
-            on_step(step_index, pipeline.num_timesteps)
-        return {}
+        conditioning["negative_prompt_embeds"] = batch["negative_prompt_embeds"].to(device=device,
+                                                                                   dtype=transformer.dtype)
+        conditioning["negative_prompt_embeds_mask"] = batch["negative_prompt_embeds_mask"].to(device=device,
+                                                                                             dtype=torch.long)
 
     packed = pipe(
         **conditioning,
@@ -160,10 +149,9 @@ def denoise(
         width=width,
         # The embeddings were already cut at encode time; the pipeline cuts again at its default (512) otherwise.
         max_sequence_length=pipe.tokenizer_max_length,
-        # CPU generators draw the same noise on every device and every rank.
-        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        generator=generators(seed, batch_size),
         output_type="latent",
-        callback_on_step_end=step_end,
+        callback_on_step_end=step_callback(on_step),
     ).images
 
     # What QwenImagePipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's weights:
@@ -191,7 +179,4 @@ def decode(vae: AutoencoderKLQwenImage, samples: torch.Tensor) -> torch.Tensor:
         samples = samples.unsqueeze(2)
     if samples.shape[2] != 1:
         raise ValueError(f"Qwen-Image LATENTs hold one frame; got {samples.shape[2]} in {list(samples.shape)}.")
-    image = vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0][:, :, 0]
-    # The pipeline's own post-processing: [-1, 1] -> [0, 1], clamped; only the layout is ComfyUI's.
-    image = VaeImageProcessor().postprocess(image, output_type="pt")
-    return image.permute(0, 2, 3, 1).float().cpu()
+    return comfy_image(vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0][:, :, 0])
