@@ -198,11 +198,11 @@ def encode_prompt(spec: BackendSpec, *, model: str, prompt: str, prompt_2: str =
                         negative_prompts=negative_prompts)
 
 
-def _parallel_plans(model_dir: str) -> tuple[str, bool, bool]:
-    """(transformer class name, has a context-parallel plan, has a tensor-parallel plan)."""
+def _parallel_plans(config: dict) -> tuple[str, bool, bool]:
+    """(transformer class name, has a context-parallel plan, has a tensor-parallel plan) of a transformer config."""
     import diffusers
 
-    name = model_folders.read_config(model_dir, "transformer")["_class_name"]
+    name = config["_class_name"]
     cls = getattr(diffusers, name, None)
     return name, getattr(cls, "_cp_plan", None) is not None, getattr(cls, "_tp_plan", None) is not None
 
@@ -214,11 +214,12 @@ def _models_with_plan(attribute: str) -> str:
     return ", ".join(sorted(names))
 
 
-def _context_parallel_plan(model_dir: str, *, cp_ranks: int, heads: int | None, ring_degree: int,
+def _context_parallel_plan(config: dict, *, cp_ranks: int, ring_degree: int,
                            ulysses_degree: int, anything: bool, attention_backend: str, tp_degree: int = 1) -> dict:
     """Validated context-parallel settings over ``cp_ranks`` ranks (the whole backend, or one TP slice's worth under
     tp_cp, where each rank holds ``heads / tp_degree`` heads for Ulysses to split)."""
-    name, has_cp, _ = _parallel_plans(model_dir)
+    name, has_cp, _ = _parallel_plans(config)
+    heads = config.get("num_attention_heads")
     if not has_cp:
         raise InvalidInput("strategy", f"{name} has no context-parallel plan (_cp_plan) in this diffusers; use "
                                        f"tensor_parallel or data_parallel, or a model that has one: "
@@ -254,9 +255,10 @@ def _context_parallel_plan(model_dir: str, *, cp_ranks: int, heads: int | None, 
             "attention_backend": attention_backend}
 
 
-def _tensor_parallel_degree(model_dir: str, *, heads: int | None, tp_degree: int) -> int:
+def _tensor_parallel_degree(config: dict, *, tp_degree: int) -> int:
     """A validated TP degree (the caller checks how it fits the backend's ranks)."""
-    name, _, has_tp = _parallel_plans(model_dir)
+    name, _, has_tp = _parallel_plans(config)
+    heads = config.get("num_attention_heads")
     if not has_tp:
         raise InvalidInput("strategy", f"{name} has no tensor-parallel plan (_tp_plan) in this diffusers; use "
                                        f"context_parallel or data_parallel. Models with one: "
@@ -280,26 +282,25 @@ def load_transformer(spec: BackendSpec, *, model: str, strategy: str = "device_m
         raise InvalidInput("strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     budget = parse_max_memory(max_memory)
     config = model_folders.read_config(model_dir, "transformer")
-    heads = config.get("num_attention_heads")
     world = spec.world_size
     plan: dict = {"kind": strategy}
-    cp_args = {"heads": heads, "ring_degree": ring_degree, "ulysses_degree": ulysses_degree, "anything": anything,
+    cp_args = {"ring_degree": ring_degree, "ulysses_degree": ulysses_degree, "anything": anything,
                "attention_backend": attention_backend}
     if strategy == "context_parallel":
-        plan.update(_context_parallel_plan(model_dir, cp_ranks=world, **cp_args))
+        plan.update(_context_parallel_plan(config, cp_ranks=world, **cp_args))
     elif strategy == "tensor_parallel":
         tp_degree = tp_degree or world
         if tp_degree != world:
             raise InvalidInput("tp_degree", f"tp_degree {tp_degree} must equal the backend's {world} ranks "
                                             "(0 uses them all; tp_cp combines TP with context parallelism)")
-        plan.update(tp_degree=_tensor_parallel_degree(model_dir, heads=heads, tp_degree=tp_degree))
+        plan.update(tp_degree=_tensor_parallel_degree(config, tp_degree=tp_degree))
     elif strategy == "tp_cp":
         if tp_degree < 2 or world % tp_degree or world // tp_degree < 2:
             raise InvalidInput("tp_degree", f"tp_cp needs tp_degree ≥ 2 dividing the backend's {world} ranks and "
                                             f"leaving ≥ 2 for context parallelism (e.g. tp_degree 2 on 4 ranks); got "
                                             f"{tp_degree}. With fewer ranks use tensor_parallel or context_parallel")
-        plan.update(tp_degree=_tensor_parallel_degree(model_dir, heads=heads, tp_degree=tp_degree))
-        plan.update(_context_parallel_plan(model_dir, cp_ranks=world // tp_degree, tp_degree=tp_degree, **cp_args))
+        plan.update(tp_degree=_tensor_parallel_degree(config, tp_degree=tp_degree))
+        plan.update(_context_parallel_plan(config, cp_ranks=world // tp_degree, tp_degree=tp_degree, **cp_args))
     return TransformerHandle(backend=spec, model=model, model_dir=model_dir, strategy=tuple(sorted(plan.items())),
                              max_memory=tuple(sorted(budget.items())) if budget else None,
                              dtype=resolve_dtype(dtype, spec), config=tuple(sorted(config.items(), key=lambda kv: kv[0])),
