@@ -34,7 +34,7 @@ class ParallelBackend:
     @classmethod
     def VALIDATE_INPUTS(cls, unique_id: str) -> bool | str:
         """Ranks and device against the GPUs this process sees, before anything starts."""
-        return comfy.validate(unique_id, lambda node: node.run())
+        return comfy.validate(unique_id, comfy.QueuedNode.run)
 
     def configure(self, ranks: int, device: str, memory_policy: str, unique_id: str | None = None):
         return (default_spec(device=device, ranks=ranks, memory_policy=memory_policy),)
