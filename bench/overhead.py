@@ -5,8 +5,9 @@
 
 The same tiny FLUX.1 generation (prompt, seed, steps, guidance, size) two ways:
 
-* ``nodes``: the four nodes called as plain Python (EncodeOnBalancedGPUs → LoadShardedTransformer →
-  ParallelSampler → VAEDecodeSingleGPU) on a warm 1-rank CPU backend with ``memory_policy=resident``, so a
+* ``nodes``: the four nodes' steps (``parallel_runtime.jobs``: encode → plan transformer → sample → decode, what
+  EncodeOnBalancedGPUs → LoadShardedTransformer → ParallelSampler → VAEDecodeSingleGPU call) on a warm 1-rank CPU
+  backend with ``memory_policy=resident``, so a
   timed run loads nothing: it is encode + denoise + decode with resident models, plus the pack's socket,
   shared-memory and process hops.
 * ``direct``: diffusers' one-shot ``FluxPipeline`` in this process, loaded once, called with the same
@@ -73,16 +74,14 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from typing import Callable  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
 # Runnable as a plain script from a checkout: the package is not necessarily installed in the venv.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel_nodes import (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelBackend,  # noqa: E402
-                            ParallelSampler, VAEDecodeSingleGPU)
-from parallel_runtime import get_backend, shutdown_backend  # noqa: E402
+from parallel_runtime import default_spec, get_backend, jobs, shutdown_backend  # noqa: E402  # noqa: E402
 from parallel_runtime.arena import SHM_DIR  # noqa: E402
 
 MODEL = "tiny-flux"
@@ -152,14 +151,14 @@ class NodePath:
 
     def __call__(self) -> tuple[dict[str, dict[str, float]], torch.Tensor]:
         marks = [self._clock()]
-        (positive,) = EncodeOnBalancedGPUs().encode(MODEL, PROMPT, backend=self.spec)
+        positive = jobs.encode_prompt(self.spec, model=MODEL, prompt=PROMPT)
         marks.append(self._clock())
-        (transformer,) = LoadShardedTransformer().load(MODEL, "device_map", backend=self.spec)
+        transformer = jobs.plan_transformer(self.spec, model=MODEL, strategy="device_map")
         marks.append(self._clock())
-        (latent,) = ParallelSampler().sample(transformer, positive, seed=self.seed, steps=self.steps,
-                                             guidance_scale=self.guidance, width=self.size, height=self.size)
+        latent = jobs.sample(transformer, positive, seed=self.seed, steps=self.steps, guidance_scale=self.guidance,
+                             width=self.size, height=self.size)
         marks.append(self._clock())
-        (image,) = VAEDecodeSingleGPU().decode(latent, MODEL, backend=self.spec)
+        image = jobs.decode(self.spec, model=MODEL, samples=latent)
         marks.append(self._clock())
         t: dict[str, dict[str, float]] = {"wall": {}, "cpu": {}, "cpu_wait": {}, "faults": {}}
         for i, kind in enumerate(t):
@@ -313,12 +312,14 @@ def print_report(report: dict) -> None:
 def main() -> int:
     args = ARGS
     torch.set_num_threads(args.threads)
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     from diffusers import FluxPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    from parallel_runtime.tiny_models import make_tiny_flux
+    from parallel_runtime.testing.tiny_models import make_tiny_flux
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
@@ -328,7 +329,7 @@ def main() -> int:
             [root] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p])
         pipe = FluxPipeline.from_pretrained(model_dir)
         pipe.set_progress_bar_config(disable=True)
-        (spec,) = ParallelBackend().configure(ranks=1, device="cpu", memory_policy="resident")
+        spec = default_spec(ranks=1, device="cpu", memory_policy="resident")
         try:
             backend = get_backend(spec)
             backend.start()
@@ -342,8 +343,7 @@ def main() -> int:
                 report["sizes"].append(bench_size(spec, rank0_pid, pipe, size, args, log))
             with open("/proc/loadavg") as f:  # at the end: how busy the machine was while it ran
                 report["loadavg"] = " ".join(f.read().split()[:3])
-            status = backend.status()["ranks"][0]
-            report["load_counts"] = status["load_counts"]
+            report["load_counts"] = backend.status().ranks[0].load_counts
         finally:
             shutdown_backend()
     # Warm runs must load nothing: each component once, in the first warm-up.

@@ -2,12 +2,12 @@
 
     python bench/random_flux.py DIR [--preset bench|flux1-dev] [--double-blocks N] [--single-blocks N]
 
-``tiny_models.make_tiny_flux`` gives a complete pipeline that the real ``FluxPipeline`` loads (tokenizers, scheduler,
-a 16-channel 8x VAE, CLIP and T5). This replaces its transformer with one built from a preset config with random
-weights, and where that transformer takes wider text embeddings than the tiny encoders give (32), rebuilds CLIP and
-T5 from their own saved configs at the transformer's widths (CLIP's pooled output feeds ``pooled_projection_dim``,
-T5's hidden states ``joint_attention_dim``). The encoders stay one or two layers deep: only their output widths
-matter to the transformer, and they never run in a timed step.
+``testing.tiny_models.make_tiny_flux`` gives a complete pipeline that the real ``FluxPipeline`` loads (tokenizers,
+scheduler, a 16-channel 8x VAE, CLIP and T5). This replaces its transformer with one built from a preset config with
+random weights, and where that transformer takes wider text embeddings than the tiny encoders give (32), rebuilds CLIP
+and T5 from their own saved configs at the transformer's widths (CLIP's pooled output feeds ``pooled_projection_dim``,
+T5's hidden states ``joint_attention_dim``). The encoders stay one or two layers deep: only their output widths matter
+to the transformer, and they never run in a timed step.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def build(out_dir: str, transformer: dict, *, dtype: torch.dtype = torch.float32
     from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from parallel_runtime.tiny_models import make_tiny_flux
+    from parallel_runtime.testing.tiny_models import make_tiny_flux
 
     make_tiny_flux(out_dir, seed=seed)
     config = dict(FluxTransformer2DModel.load_config(os.path.join(out_dir, "transformer")), **transformer)

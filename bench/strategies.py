@@ -88,7 +88,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from typing import Callable  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -96,11 +96,20 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.random_flux import PRESET_DTYPES, PRESETS, build, preset_config  # noqa: E402
-from parallel_runtime import BackendSpec, InvalidInput, ParallelRuntimeError, get_backend, jobs  # noqa: E402
-from parallel_runtime import shutdown_backend  # noqa: E402
+from parallel_runtime import (  # noqa: E402
+    BackendSpec,
+    InvalidInput,
+    ParallelRuntimeError,
+    get_backend,
+    jobs,
+    shutdown_backend,
+)
 from parallel_runtime.arena import DTYPES  # noqa: E402
-from parallel_runtime.model_folders import read_config  # noqa: E402
-from parallel_runtime.worker.families import flux  # noqa: E402
+from parallel_runtime.families import Placement, family  # noqa: E402
+from parallel_runtime.strategy import Strategy as Kind  # noqa: E402
+from parallel_runtime.wire import Sampling  # noqa: E402
+
+flux = family("flux")
 
 PROMPT = "a photo of a red cat on a blue sky"
 
@@ -109,7 +118,7 @@ PROMPT = "a photo of a red cat on a blue sky"
 class Strategy:
     name: str
     ranks: int  # ranks doing the work (device_map: rank 0 alone)
-    load: dict  # jobs.load_transformer keyword arguments
+    load: dict  # jobs.plan_transformer keyword arguments
     images: int = 1  # images per run; the reported step time is per image
 
 
@@ -141,13 +150,14 @@ class OneProcess:
 
     def __init__(self, model_dir: str, dtype: str, device: str):
         self.model_dir = model_dir
-        self.transformer = flux.load_transformer(model_dir, DTYPES[dtype], {"device": device})
+        self.transformer = flux.load_transformer(model_dir, DTYPES[dtype], Placement(device))
         self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.transformer.parameters())
 
     def run(self, conditioning: jobs.Conditioning, args: argparse.Namespace) -> list[float]:
         marks: list[float] = []
-        flux.denoise(self.model_dir, self.transformer, conditioning.tensors, seed=args.seed, steps=args.steps,
-                     guidance_scale=args.guidance, width=args.width, height=args.height, batch_size=1,
+        sampling = Sampling(seed=args.seed, steps=args.steps, guidance_scale=args.guidance, width=args.width,
+                            height=args.height)
+        flux.denoise(self.model_dir, self.transformer, conditioning.tensors, sampling,
                      on_step=lambda step, total: marks.append(time.perf_counter()))
         return _intervals(marks)
 
@@ -167,8 +177,13 @@ def backend_run(handle: jobs.TransformerHandle, conditioning: jobs.Conditioning,
 
 
 def _transformer_bytes_per_rank(spec: BackendSpec) -> list[int]:
-    ranks = get_backend(spec).status()["ranks"]
-    return [sum(m["parameter_bytes"] for m in r["resident"] if m["component"] == "transformer") for r in ranks]
+    ranks = get_backend(spec).status().ranks
+    return [sum(m.parameter_bytes for m in r.resident if m.component == "transformer") for r in ranks]
+
+
+def _transformer_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
+        return json.load(f)
 
 
 def _median_ms(runs: list[list[float]], per: int = 1) -> float:
@@ -179,11 +194,11 @@ def bench_strategy(strategy: Strategy, spec: BackendSpec, model: str, conditioni
                    one: OneProcess | None, args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     """One row: the strategy's runs, alternating with one-process runs when ``one`` is given."""
     row: dict = {"name": strategy.name, "ranks": strategy.ranks, "images": strategy.images, "load": strategy.load}
-    if strategy.load["strategy"] not in jobs.STRATEGIES:
+    if strategy.load["strategy"] not in {k.value for k in Kind}:
         row["skipped"] = f"the runtime has no strategy {strategy.load['strategy']!r} yet"
         return row
     try:
-        handle = jobs.load_transformer(spec, model=model, **strategy.load)
+        handle = jobs.plan_transformer(spec, model=model, **strategy.load)
         sides: list[tuple[str, Callable[[], list[float]]]] = [
             ("strategy", lambda: backend_run(handle, conditioning, args, strategy.images))]
         if one is not None:
@@ -219,7 +234,7 @@ def _model_dir(args: argparse.Namespace, scratch: str, log: Callable[[str], None
     wanted = preset_config(args.preset, args.double_blocks, args.single_blocks)
     model_dir = os.path.abspath(args.model_dir or os.path.join(scratch, f"flux-{args.preset}"))
     if os.path.isfile(os.path.join(model_dir, "model_index.json")):
-        config = read_config(model_dir, "transformer")
+        config = _transformer_config(model_dir)
         differs = {k: config.get(k) for k, v in wanted.items() if json.loads(json.dumps(v)) != config.get(k)}
         if differs:
             raise SystemExit(f"{model_dir} holds another transformer ({differs} where {args.preset} asks for "
@@ -244,14 +259,13 @@ def run(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]) ->
     os.environ["COMFY_PARALLEL_MODELS"] = os.pathsep.join(
         [os.path.dirname(model_dir)] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p])
     spec = BackendSpec(ranks=args.ranks, device=args.device, memory_policy="staged")
-    dtype = jobs.resolve_dtype("auto", spec)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"  # what the nodes' dtype "auto" resolves to
     device = "cuda:0" if args.device == "cuda" else "cpu"
     rows = [s for s in strategies_for(args.ranks) if not args.strategies or s.name in args.strategies]
     report = {"device": args.device, "ranks": args.ranks, "width": args.width, "height": args.height,
               "steps": args.steps, "repeats": args.repeats, "max_sequence_length": args.max_sequence_length,
               "threads": args.threads, "dtype": dtype, "model_dir": model_dir,
-              "transformer": {k: v for k, v in read_config(model_dir, "transformer").items()
-                              if not k.startswith("_")},
+              "transformer": {k: v for k, v in _transformer_config(model_dir).items() if not k.startswith("_")},
               "interleaved": args.device == "cpu", "cpus": os.cpu_count(), "rows": []}
     try:
         backend = get_backend(spec)
@@ -322,7 +336,9 @@ def print_report(report: dict) -> None:
 def main() -> int:
     args = ARGS
     torch.set_num_threads(args.threads)
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     if args.device == "cuda" and not args.build_only and torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"--device cuda --ranks {args.ranks} needs {args.ranks} GPUs; "
                          f"this machine has {torch.cuda.device_count()}")

@@ -34,7 +34,7 @@ import pickle
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -42,8 +42,9 @@ import torch
 # (The backend's ranks find it on their own: the launcher puts the package root on their PYTHONPATH.)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel_runtime import Backend, BackendSpec  # noqa: E402
-from parallel_runtime.arena import SHM_DIR  # noqa: E402
+from parallel_runtime import Backend, BackendSpec
+from parallel_runtime.arena import SHM_DIR
+from parallel_runtime.wire import EchoArgs, StatusArgs
 
 MB = 1 << 20
 # Where the ratio targets apply. Below ~16 MB a round trip costs the op's fixed latency (~1 ms, measured
@@ -114,11 +115,11 @@ def bench_size(backend: Backend, pipe: PipeEcho, size_mb: int, repeats: int) -> 
 
     # Warm-up, discarded: the first echo of a size grows both arena segments and faults their pages in.
     # It also checks that the data really made the trip, so what is timed is a working transport.
-    if not torch.equal(backend.call("echo", tensors={"x": src}).tensors["x"], src):
+    if not torch.equal(backend.call(EchoArgs(), tensors={"x": src}).tensors["x"], src):
         raise AssertionError(f"arena echo of {size_mb} MB came back different")
 
     def arena() -> float:
-        return _seconds(lambda: backend.call("echo", tensors={"x": src}))
+        return _seconds(lambda: backend.call(EchoArgs(), tensors={"x": src}))
 
     def memcpy() -> float:
         # On one thread, as the ranks copy (torchrun sets OMP_NUM_THREADS=1 for them). On a busy machine a
@@ -168,8 +169,8 @@ def bench_size(backend: Backend, pipe: PipeEcho, size_mb: int, repeats: int) -> 
 def bench_latency(backend: Backend, calls: int) -> dict:
     """p50/p99 ms of whole ops without tensors, alternating so both see the same machine load."""
     for _ in range(10):  # warm-up: first calls pay for imports and store connections on the ranks
-        backend.call("status")
-        backend.call("echo")
+        backend.call(StatusArgs())
+        backend.call(EchoArgs())
     times: dict[str, list[float]] = {"status": [], "echo": []}
     for _ in range(calls):
         for op in times:

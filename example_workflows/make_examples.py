@@ -22,7 +22,10 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from parallel_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+# The nodes need ComfyUI's comfy_api: run with COMFYUI_DIR set (.ci/install-comfyui.sh makes a ComfyUI tree).
+if os.environ.get("COMFYUI_DIR"):
+    sys.path.append(os.environ["COMFYUI_DIR"])
+from parallel_nodes import NODES_BY_ID  # noqa: E402
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 PACK = {"cnr_id": "comfyui-parallel-diffusers", "ver": "0.1.0"}
@@ -139,9 +142,8 @@ def note(example: Example) -> str:
 def describe(class_name: str):
     if class_name == "SaveImage":
         return SAVE_IMAGE["INPUT_TYPES"], SAVE_IMAGE["RETURN_TYPES"], SAVE_IMAGE["RETURN_NAMES"], SAVE_IMAGE["title"]
-    cls = NODE_CLASS_MAPPINGS[class_name]
-    return (cls.INPUT_TYPES(), cls.RETURN_TYPES, getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES,
-            NODE_DISPLAY_NAME_MAPPINGS.get(class_name, class_name))
+    cls = NODES_BY_ID[class_name]
+    return cls.INPUT_TYPES(include_hidden=False), cls.RETURN_TYPES, cls.RETURN_NAMES, cls.define_schema().display_name
 
 
 def is_widget(spec) -> bool:
@@ -155,6 +157,8 @@ def default_of(spec):
         return options["default"]
     if isinstance(kind, (list, tuple)):
         return kind[0] if kind else None
+    if kind == "COMBO":  # a V3 combo: its options travel beside it
+        return options["options"][0] if options["options"] else None
     return {"INT": 0, "FLOAT": 0.0, "STRING": "", "BOOLEAN": False}[kind]
 
 

@@ -27,14 +27,14 @@ WORKFLOWS = REPO_ROOT / "example_workflows"
 DRIVER = REPO_ROOT / "tests" / "browser" / "run_template.mjs"
 THUMBNAIL_SIZE = (1024, 576)
 # The placeholder model names the examples ship with, and the tiny model of that family.
-PLACEHOLDERS = {"FLUX.1-dev": "make_tiny_flux", "FLUX.2-dev": "make_tiny_flux2", "Qwen-Image": "make_tiny_qwenimage"}
+PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}  # model -> family
 
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
-from comfyui_host import ComfyUIServer
-from PIL import Image
+from comfyui_host import ComfyUIServer  # noqa: E402
+from PIL import Image  # noqa: E402
 
-from parallel_runtime import tiny_models
+from parallel_runtime.families import family  # noqa: E402
 
 
 def placeholders(workflow: Path) -> set[str]:
@@ -77,7 +77,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pd-thumbnails-") as tmp:
         work, models = Path(tmp), Path(tmp) / "models"
         for model in sorted(set().union(*(placeholders(WORKFLOWS / f"{n}.json") for n in names))):
-            getattr(tiny_models, PLACEHOLDERS[model])(str(models / model))
+            family(PLACEHOLDERS[model]).make_tiny_model(str(models / model))
         server = ComfyUIServer(args.comfyui, diffusers_dir=models).start()
         failed = []
         try:

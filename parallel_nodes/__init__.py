@@ -1,8 +1,13 @@
-"""ComfyUI node classes of the pack. Thin: they declare widgets and call parallel_runtime.jobs."""
-try:  # inside ComfyUI: register the status panel's routes on its server
-    from . import routes  # noqa: F401
-except ImportError:  # plain Python (demo, tests): no server to register on
-    pass
+"""The pack's ComfyUI nodes, each declared once in ComfyUI's V3 schema (``define_schema``) and listed in ``NODES``.
+
+Thin: a node declares its inputs, outputs and tooltips and calls one step of ``parallel_runtime.jobs``.
+
+The package is called ``parallel_nodes``, not ``nodes``: ComfyUI imports its own top-level ``nodes`` module first, and
+the pack's root is on ``sys.path``, so a package of that name would shadow ComfyUI's (or be shadowed by it).
+"""
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
 
 from .backend import ParallelBackend
 from .encode import EncodeOnBalancedGPUs
@@ -10,18 +15,28 @@ from .sampler import ParallelSampler
 from .transformer import LoadShardedTransformer
 from .vae import VAEDecodeSingleGPU
 
-NODE_CLASS_MAPPINGS: dict[str, type] = {
-    "ParallelBackend": ParallelBackend,
-    "EncodeOnBalancedGPUs": EncodeOnBalancedGPUs,
-    "LoadShardedTransformer": LoadShardedTransformer,
-    "ParallelSampler": ParallelSampler,
-    "VAEDecodeSingleGPU": VAEDecodeSingleGPU,
-}
+NODES: list[type[io.ComfyNode]] = [
+    ParallelBackend,
+    EncodeOnBalancedGPUs,
+    LoadShardedTransformer,
+    ParallelSampler,
+    VAEDecodeSingleGPU,
+]
+NODES_BY_ID: dict[str, type[io.ComfyNode]] = {node.define_schema().node_id: node for node in NODES}
 
-NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
-    "ParallelBackend": "Parallel Backend",
-    "EncodeOnBalancedGPUs": "Encode on Balanced GPUs",
-    "LoadShardedTransformer": "Load Sharded Transformer",
-    "ParallelSampler": "Parallel Sampler",
-    "VAEDecodeSingleGPU": "VAE Decode (single GPU)",
-}
+
+class ParallelDiffusersExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)
+
+
+async def comfy_entrypoint() -> ParallelDiffusersExtension:
+    """ComfyUI's entry point: the pack's nodes, and (inside a server) its routes and the validation hook."""
+    from . import routes
+
+    routes.register()
+    return ParallelDiffusersExtension()
+
+
+__all__ = ["NODES", "NODES_BY_ID", "EncodeOnBalancedGPUs", "LoadShardedTransformer", "ParallelBackend",
+           "ParallelSampler", "VAEDecodeSingleGPU", "comfy_entrypoint"]

@@ -1,40 +1,47 @@
+from __future__ import annotations
+
+from comfy_api.latest import io
+
 from parallel_runtime import default_spec
+from parallel_runtime.spec import MEMORY_POLICIES
 
 from . import comfy
-from .types import BACKEND, CATEGORY
+from .types import CATEGORY, Backend
 
 
-class ParallelBackend:
+class ParallelBackend(io.ComfyNode):
     """Which ranks and devices the other nodes run on. Nodes wired to the same settings share one backend."""
 
-    CATEGORY = CATEGORY
-    RETURN_TYPES = (BACKEND,)
-    RETURN_NAMES = ("backend",)
-    FUNCTION = "configure"
-    LOADS_NOTHING = True  # VALIDATE_INPUTS of the nodes it feeds may run it (parallel_nodes.comfy)
-    DESCRIPTION = ("A persistent multi-rank backend (torchrun). It starts on first use, keeps models resident "
-                   "between runs, and is replaced when these settings change.")
+    LOADS_NOTHING = True  # validate_inputs of the nodes it feeds may run it (parallel_nodes.comfy)
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "ranks": ("INT", {"default": 0, "min": 0, "max": 64,
-                              "tooltip": "Ranks (processes) on this machine, one GPU each. 0: one per visible GPU, "
-                                         "or 2 on CPU."}),
-            "device": (["auto", "cuda", "cpu"], {"default": "auto",
-                                                 "tooltip": "auto: CUDA when a GPU is visible, else CPU (slow; for "
-                                                            "trying things out)."}),
-            "memory_policy": (["staged", "resident"], {"default": "staged",
-                                                       "tooltip": "staged: free the text encoders before the "
-                                                                  "transformer loads and vice versa (fits big "
-                                                                  "models). resident: keep everything loaded "
-                                                                  "(faster prompt changes)."}),
-        }, "hidden": comfy.HIDDEN}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ParallelBackend",
+            display_name="Parallel Backend",
+            category=CATEGORY,
+            description=("A persistent multi-rank backend (torchrun). It starts on first use, keeps models resident "
+                         "between runs, and is replaced when these settings change."),
+            inputs=[
+                io.Int.Input("ranks", default=0, min=0, max=64, tooltip=(
+                    "Ranks (processes) on this machine, one GPU each. 0: one per visible GPU, or 2 on CPU.")),
+                io.Combo.Input("device", options=["auto", "cuda", "cpu"], default="auto", tooltip=(
+                    "auto: CUDA when a GPU is visible, else CPU (slow; for trying things out).")),
+                io.Combo.Input("memory_policy", options=list(MEMORY_POLICIES), default="staged", tooltip=(
+                    "staged: free the text encoders before the transformer loads and vice versa (fits big models). "
+                    "resident: keep everything loaded (faster prompt changes).")),
+            ],
+            outputs=[Backend.Output(display_name="backend", tooltip=(
+                "The backend's settings: wire it into the other nodes of the pack so they share one backend."))],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def VALIDATE_INPUTS(cls, unique_id: str) -> bool | str:
+    def validate_inputs(cls, input_types: dict) -> bool | str:
         """Ranks and device against the GPUs this process sees, before anything starts."""
-        return comfy.validate(unique_id, comfy.QueuedNode.run)
+        return comfy.validate(cls, input_types, comfy.QueuedNode.run)
 
-    def configure(self, ranks: int, device: str, memory_policy: str, unique_id: str | None = None):
-        return (default_spec(device=device, ranks=ranks, memory_policy=memory_policy),)
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        w = comfy.with_defaults(cls, inputs)
+        return io.NodeOutput(default_spec(device=w["device"], ranks=w["ranks"], memory_policy=w["memory_policy"]))

@@ -1,39 +1,46 @@
-"""Where the nodes meet ComfyUI's runtime: its progress bar and node text, its Cancel, its errors, and its
-validation of a queued prompt (VALIDATE_INPUTS).
+"""Where the nodes meet ComfyUI's runtime: its progress bar and node text, its Cancel, its errors, the schema defaults
+of inputs a prompt leaves out, and its validation of a queued prompt (``validate_inputs``).
 
-All of it is optional, so the nodes also run as plain Python (the demo, the tests) where ComfyUI is absent.
+ComfyUI's runtime modules (``comfy.model_management``, ``comfy.utils``, ``server``) are used only once ComfyUI itself
+has loaded them (``sys.modules``): the pack never imports them, so the nodes also run outside a ComfyUI server (their
+tests), where importing ``comfy.model_management`` would try to initialise a GPU.
 """
 from __future__ import annotations
 
 import contextvars
-import inspect
 import logging
+import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from comfy_api.latest import io
 
 from parallel_runtime import BackendDied, Cancelled, InvalidInput, OpFailed
 
 T = TypeVar("T")
 log = logging.getLogger("parallel_nodes")
 
-try:
-    import comfy.model_management as _mm
-    import comfy.utils as _utils
-except ImportError:
-    _mm = _utils = None
-try:
-    from server import PromptServer
-except ImportError:
-    PromptServer = None
+
+def _loaded(module: str) -> Any:
+    return sys.modules.get(module)
 
 
-# The hidden input every node of the pack declares: ComfyUI passes the node's id, which its progress text and its
-# VALIDATE_INPUTS need.
-HIDDEN = {"unique_id": "UNIQUE_ID"}
+def _server() -> Any:
+    server = _loaded("server")
+    return getattr(getattr(server, "PromptServer", None), "instance", None)
 
 
-def _server():
-    return getattr(PromptServer, "instance", None)
+def unique_id(node: type[io.ComfyNode]) -> str | None:
+    """The node's id in the running prompt (ComfyUI's hidden input), or None outside ComfyUI's execution."""
+    hidden = getattr(node, "hidden", None)
+    return getattr(hidden, "unique_id", None) if hidden is not None else None
+
+
+def with_defaults(node: type[io.ComfyNode], given: dict[str, Any]) -> dict[str, Any]:
+    """The node's inputs with the schema's defaults for those the prompt leaves out (an API prompt may omit optional
+    widgets): the schema is the one place a default is written."""
+    schema = node.define_schema()
+    return {**{i.id: getattr(i, "default", None) for i in schema.inputs}, **given}
 
 
 class _Progress:
@@ -43,9 +50,10 @@ class _Progress:
     unlabelled and fill the bar.
     """
 
-    def __init__(self, unique_id: str | None):
-        self.unique_id = unique_id
-        self.bars: dict[int, object] = {}
+    def __init__(self, node_id: str | None, utils: Any, mm: Any):
+        self.node_id = node_id
+        self.utils, self.mm = utils, mm
+        self.bars: dict[int, Any] = {}
         self.text: str | None = None
         self.step = 0
         self.shown: tuple[int, int] | None = None  # the bar's last (step, total)
@@ -55,13 +63,13 @@ class _Progress:
         self.step = step
         self._show(text or ("denoising" if step else None))
         if total not in self.bars:  # stages report on their own scales (load: 1, denoise: steps)
-            self.bars[total] = _utils.ProgressBar(total)
+            self.bars[total] = self.utils.ProgressBar(total)
         try:
             if self.shown != (step, total):  # a stage's closing label ("denoised") moves no bar
                 self.bars[total].update_absolute(step, total)  # ComfyUI's hook raises on Cancel
                 self.shown = (step, total)
-            _mm.throw_exception_if_processing_interrupted()
-        except _mm.InterruptProcessingException:
+            self.mm.throw_exception_if_processing_interrupted()
+        except self.mm.InterruptProcessingException:
             # Raised as Cancelled, the client answers with the step every rank stopped at; run() turns it back into
             # ComfyUI's interrupt.
             self.cancel_asked_at = step
@@ -69,34 +77,32 @@ class _Progress:
 
     def _show(self, text: str | None) -> None:
         server = _server()
-        if not text or text == self.text or self.unique_id is None or server is None:
+        if not text or text == self.text or self.node_id is None or server is None:
             return
         self.text = text
         if hasattr(server, "send_progress_text"):  # ComfyUI 0.3.75 and later
-            server.send_progress_text(text, self.unique_id, server.client_id)
+            server.send_progress_text(text, self.node_id, server.client_id)
 
 
-def interrupted() -> bool:
-    return _mm is not None and _mm.processing_interrupted()
-
-
-def run(call: Callable[..., T], *, unique_id: str | None = None, **kwargs) -> T:
-    """``call(**kwargs, on_progress=..., should_cancel=...)`` for the node ``unique_id``; a cancel becomes
-    ComfyUI's interrupt, a rank's failure an error that carries that rank's traceback.
+def run(node: type[io.ComfyNode], call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call(*args, **kwargs, on_progress=..., should_cancel=...)`` for ``node``: progress on its bar and text, a
+    cancel becomes ComfyUI's interrupt, a rank's failure an error that carries that rank's traceback.
 
     ComfyUI's InterruptProcessingException (a BaseException, raised by its progress hook) travels through the client
     as Cancelled: the client cancels the op on every rank, waits until they have stopped and says at which step;
     here it becomes InterruptProcessingException again, so ComfyUI always gets its interrupt, never swallowed.
     """
-    progress = _Progress(unique_id) if _utils is not None else None
+    mm, utils = _loaded("comfy.model_management"), _loaded("comfy.utils")
+    progress = _Progress(unique_id(node), utils, mm) if mm is not None and utils is not None else None
+    interrupted = (lambda: mm.processing_interrupted()) if mm is not None else (lambda: False)
     try:
-        return call(**kwargs, on_progress=progress, should_cancel=interrupted)
+        return call(*args, **kwargs, on_progress=progress, should_cancel=interrupted)
     except Cancelled as e:
         if progress is not None:  # where the Cancel landed, for the log (and the tests)
             log.info("parallel_diffusers: cancel asked at step %d; the ranks stopped at steps %s",
                      progress.cancel_asked_at or progress.step, e.steps_by_rank)
-        if _mm is not None:
-            raise _mm.InterruptProcessingException() from None
+        if mm is not None:
+            raise mm.InterruptProcessingException() from None
         raise
     except (OpFailed, BackendDied) as e:
         # ComfyUI shows the message and its own (client-side) traceback: the rank's account goes into the message.
@@ -105,35 +111,27 @@ def run(call: Callable[..., T], *, unique_id: str | None = None, **kwargs) -> T:
             e.args = (f"{e}\n\n--- rank {e.rank if e.rank is not None else '?'} ---\n{details}",)
         raise
     finally:
-        _push_status()
+        if _server() is not None:
+            from .routes import push_status
+
+            push_status()
 
 
-def _push_status() -> None:
-    """Refresh the backend status panel, when running inside ComfyUI's server."""
-    try:
-        from .routes import push_status
-    except ImportError:
-        return
-    push_status()
-
-
-# -- VALIDATE_INPUTS ----------------------------------------------------------------------------------------------
-# ComfyUI (0.3.75 and 0.26) hands VALIDATE_INPUTS the node's constant widget values only: linked inputs arrive as
-# None and the hidden PROMPT as {}. Checks that span nodes (the ranks of the ParallelBackend that feeds
-# LoadShardedTransformer; the strategy that feeds ParallelSampler) read the prompt being queued instead: an
-# on_prompt handler keeps it for the request, which validates it next in the same asyncio task. Declaring a widget
-# as an argument of VALIDATE_INPUTS would switch off ComfyUI's own min/max/list checks of that widget, so the nodes
-# declare only the hidden unique_id and read their widgets from the prompt as well.
+# -- validate_inputs --------------------------------------------------------------------------------------------
+# ComfyUI (0.3.75 and 0.26) hands validate_inputs the node's constant inputs only: linked inputs arrive as None and the
+# hidden prompt as {}. Checks that span nodes (the ranks of the ParallelBackend that feeds LoadShardedTransformer; the
+# strategy that feeds ParallelSampler) read the prompt being queued instead: an on_prompt handler keeps it for the
+# request, which validates it next in the same asyncio task. Declaring a widget as an argument of validate_inputs
+# would switch off ComfyUI's own min/max/list checks of that widget, so the nodes declare only ``input_types`` (which
+# makes ComfyUI call them, and hands them the types linked into them) and read their widgets from the prompt as well.
+# ``input_types`` also switches off ComfyUI's check that a link's type fits its input: ``validate`` makes it.
 _queued: contextvars.ContextVar[dict | None] = contextvars.ContextVar("parallel_diffusers_queued", default=None)
 
 
-def _keep_queued_prompt(json_data: dict) -> dict:
+def keep_queued_prompt(json_data: dict) -> dict:
+    """ComfyUI's on_prompt handler: remember the prompt being queued for the validation that follows."""
     _queued.set(json_data)
     return json_data
-
-
-if _server() is not None:
-    _server().add_on_prompt_handler(_keep_queued_prompt)
 
 
 class Unknown(Exception):
@@ -145,11 +143,16 @@ def _is_link(value: object) -> bool:
     return isinstance(value, list) and len(value) == 2
 
 
+# ComfyUI checks a V3 combo's value against its options since the change that also put DynamicCombo into comfy_api's io
+# (0.7, December 2025). Older ones (0.3.75, CI's host) do not, so there validate() makes that check itself.
+COMFY_CHECKS_COMBOS = hasattr(io, "DynamicCombo")
+
+
 def _comfy_refuses(options: tuple, value: object) -> bool:
     """ComfyUI's own checks (value in the list, min/max) refuse it and say so: no second message from us."""
     kind, extra = options[0], (options[1] if len(options) > 1 else None) or {}
-    if isinstance(kind, list):
-        return value not in kind
+    if kind == io.Combo.io_type:
+        return value not in extra.get("options", [])
     try:
         return value < extra.get("min", value) or value > extra.get("max", value)
     except TypeError:
@@ -160,43 +163,46 @@ class QueuedNode:
     """One of the pack's nodes in the prompt being queued, with its values as execution will see them."""
 
     def __init__(self, prompt: dict, node_id: str):
-        from . import NODE_CLASS_MAPPINGS  # here: the package imports this module first
+        from . import NODES_BY_ID  # here: the package imports this module first
 
         node = prompt.get(node_id)
-        self.cls = NODE_CLASS_MAPPINGS.get(node.get("class_type")) if isinstance(node, dict) else None
+        self.cls = NODES_BY_ID.get(node.get("class_type")) if isinstance(node, dict) else None
         if self.cls is None:
             raise Unknown(node_id)  # not one of ours: only execution knows what it makes
-        self.prompt, self.node_id, self.inputs = prompt, node_id, node.get("inputs") or {}
+        self.prompt, self.node_id = prompt, node_id
+        self.inputs = with_defaults(self.cls, node.get("inputs") or {})
         types = self.cls.INPUT_TYPES()
         self.options = {**types.get("required", {}), **types.get("optional", {})}
+        self.given = set(node.get("inputs") or {})
 
-    def _value(self, name: str) -> object:
-        """The prompt's value of an input, or the node function's default when it is left out."""
-        if name in self.inputs:
-            return self.inputs[name]
-        default = inspect.signature(getattr(self.cls, self.cls.FUNCTION)).parameters[name].default
-        if default is inspect.Parameter.empty:
-            raise Unknown(name)  # a required input is missing: ComfyUI says so
-        return default
+    def check_combos(self) -> None:
+        """On a ComfyUI that does not check V3 combos: every combo value the prompt gives is one of its options."""
+        for name in self.given:
+            kind, extra = self.options[name][0], (self.options[name][1:] or [{}])[0] or {}
+            value, choices = self.inputs[name], extra.get("options", [])
+            if kind == io.Combo.io_type and not _is_link(value) and value not in choices:
+                shown = ", ".join(map(repr, choices[:8])) + (", ..." if len(choices) > 8 else "")
+                raise InvalidInput(name, f"{value!r} is not one of the choices ({shown or 'none'}); pick one from the "
+                                         "list")
 
     def widgets(self, *names: str) -> dict:
         """The named widgets' values; Unknown when one is linked or refused by ComfyUI's own checks."""
-        values = {name: self._value(name) for name in names}
+        values = {name: self.inputs.get(name) for name in names}
         for name, value in values.items():
-            if _is_link(value) or (name in self.inputs and _comfy_refuses(self.options[name], value)):
+            if _is_link(value) or (name in self.given and _comfy_refuses(self.options[name], value)):
                 raise Unknown(name)
         return values
 
     def source(self, name: str) -> QueuedNode:
         """The node linked to an input, to read its widgets (Unknown when the input is not a link to one of ours)."""
-        value = self._value(name)
+        value = self.inputs.get(name)
         if not _is_link(value):
             raise Unknown(name)
         return QueuedNode(self.prompt, str(value[0]))
 
     def input(self, name: str) -> object:
         """What arrives on an input: computed when it comes from a node that loads nothing (LOADS_NOTHING)."""
-        value = self._value(name)
+        value = self.inputs.get(name)
         if not _is_link(value):
             return value
         source = self.source(name)
@@ -208,27 +214,46 @@ class QueuedNode:
             raise Unknown(name) from None  # that node's own validation reports it
 
     def run(self) -> tuple:
-        """The node's function on the prompt's values: only for nodes that load nothing."""
+        """The node's execute on the prompt's values: only for nodes that load nothing."""
         if not getattr(self.cls, "LOADS_NOTHING", False):
             raise TypeError(f"{self.cls.__name__} does work when it runs; validation must not run it")
-        present = [name for name in self.options if name in self.inputs]
-        kwargs = {name: self.input(name) for name in present if _is_link(self.inputs[name])}
-        kwargs.update(self.widgets(*(name for name in present if name not in kwargs)))
-        return getattr(self.cls(), self.cls.FUNCTION)(**kwargs)
+        values = {name: self.input(name) if _is_link(value) else value for name, value in self.inputs.items()}
+        self.widgets(*(name for name, value in self.inputs.items() if not _is_link(value)))
+        return self.cls.execute(**values).args
 
 
-def validate(unique_id: str, check: Callable[[QueuedNode], object]) -> bool | str:
-    """What a node's VALIDATE_INPUTS returns: True, or the text of the InvalidInput that ``check(node)`` raised
-    (it names the widget and the fix; ComfyUI answers the POST /prompt with a 400 naming the node).
+def _link_type_error(node: type[io.ComfyNode], input_types: dict[str, str]) -> str | None:
+    """ComfyUI's own link-type check, which declaring ``input_types`` turns off."""
+    from comfy_execution.validation import validate_node_input  # ComfyUI's, present since 0.3.4x
+
+    expected = {i.id: i.get_io_type() for i in node.define_schema().inputs}
+    for name, received in (input_types or {}).items():
+        if name in expected and not validate_node_input(received, expected[name]):
+            wanted = expected[name]
+            return f"{name}: a {received} is linked in, but this input takes a {wanted}; link a {wanted}"
+    return None
+
+
+def validate(node: type[io.ComfyNode], input_types: dict[str, str] | None,
+             check: Callable[[QueuedNode], object]) -> bool | str:
+    """What a node's validate_inputs returns: True, or the text of the InvalidInput that ``check(node)`` raised (it
+    names the widget and the fix; ComfyUI answers the POST /prompt with a 400 naming the node).
 
     A check that needs a value only execution knows is skipped here; the node makes every check again when it runs.
     """
+    wrong_link = _link_type_error(node, input_types or {})
+    if wrong_link:
+        return wrong_link
     json_data = _queued.get()
     prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
-    if not isinstance(prompt, dict) or str(unique_id) not in prompt:
+    node_id = unique_id(node)
+    if not isinstance(prompt, dict) or node_id is None or str(node_id) not in prompt:
         return True
     try:
-        check(QueuedNode(prompt, str(unique_id)))
+        queued = QueuedNode(prompt, str(node_id))
+        if not COMFY_CHECKS_COMBOS:
+            queued.check_combos()
+        check(queued)
     except Unknown:
         return True
     except InvalidInput as e:

@@ -8,14 +8,18 @@ After every node run the panel is pushed a fresh status as the ``parallel_diffus
 from __future__ import annotations
 
 import asyncio
+import sys
+from collections.abc import Callable
 
 from aiohttp import web
-from server import PromptServer
 
 import parallel_runtime
 from parallel_runtime.client import last_error
 
+from . import comfy
+
 EVENT = "parallel_diffusers.status"
+_registered = False
 
 
 def snapshot() -> dict:
@@ -25,24 +29,36 @@ def snapshot() -> dict:
     return backend.snapshot()
 
 
+def _server():
+    return sys.modules["server"].PromptServer.instance
+
+
 def push_status() -> None:
     """Send the panel a fresh status (from the node's thread; send_sync is thread-safe)."""
-    PromptServer.instance.send_sync(EVENT, snapshot())
+    _server().send_sync(EVENT, snapshot())
 
 
-async def _in_thread(fn):
+async def _in_thread(fn: Callable[[], dict]) -> dict:
     return await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
-routes = PromptServer.instance.routes
+def register() -> None:
+    """Add the routes and the validation hook to ComfyUI's running server; nothing outside one (the tests)."""
+    global _registered
+    server = comfy._server()
+    if server is None or _registered:
+        return
+    _registered = True
+    server.add_on_prompt_handler(comfy.keep_queued_prompt)
+    server.routes.get("/parallel_diffusers/status")(status)
+    server.routes.post("/parallel_diffusers/shutdown")(shutdown)
+    server.routes.post("/parallel_diffusers/free")(free)
 
 
-@routes.get("/parallel_diffusers/status")
 async def status(request: web.Request) -> web.Response:
     return web.json_response(await _in_thread(snapshot))
 
 
-@routes.post("/parallel_diffusers/shutdown")
 async def shutdown(request: web.Request) -> web.Response:
     def stop() -> dict:
         backend = parallel_runtime.current_backend()
@@ -52,18 +68,17 @@ async def shutdown(request: web.Request) -> web.Response:
         return snapshot()
 
     data = await _in_thread(stop)
-    PromptServer.instance.send_sync(EVENT, data)
+    _server().send_sync(EVENT, data)
     return web.json_response(data)
 
 
-@routes.post("/parallel_diffusers/free")
 async def free(request: web.Request) -> web.Response:
     def unload() -> dict:
         backend = parallel_runtime.current_backend()
         if backend is not None and backend.running:
-            backend.call("free", timeout=120.0)
+            backend.free()
         return snapshot()
 
     data = await _in_thread(unload)
-    PromptServer.instance.send_sync(EVENT, data)
+    _server().send_sync(EVENT, data)
     return web.json_response(data)

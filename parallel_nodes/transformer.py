@@ -1,7 +1,12 @@
-from parallel_runtime import default_spec, jobs, model_folders
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from parallel_runtime import default_spec, jobs
+from parallel_runtime.strategy import ATTENTION_BACKENDS, Strategy
 
 from . import comfy
-from .types import BACKEND_INPUT, CATEGORY, DTYPE_INPUT, MAX_MEMORY_INPUT, TRANSFORMER
+from .types import CATEGORY, Transformer, backend_input, dtype_input, max_memory_input, model_input
 
 STRATEGY_TOOLTIP = (
     "How the transformer is split over the backend's ranks.\n"
@@ -18,59 +23,56 @@ STRATEGY_TOOLTIP = (
 )
 
 
-class LoadShardedTransformer:
+class LoadShardedTransformer(io.ComfyNode):
     """Choose how the transformer is split across GPUs. Lazy: checks the choice, loads on first use."""
 
-    CATEGORY = CATEGORY
-    RETURN_TYPES = (TRANSFORMER,)
-    RETURN_NAMES = ("transformer",)
-    FUNCTION = "load"
-    LOADS_NOTHING = True  # it only validates: VALIDATE_INPUTS (its own and ParallelSampler's) may run it
-    DESCRIPTION = ("Validates the strategy against the model's config and the backend's ranks and returns a handle; "
-                   "the backend loads the weights when ParallelSampler first needs them, so the text encoders never "
-                   "have to share the GPUs with it. Changing only the strategy reloads only the transformer.")
+    LOADS_NOTHING = True  # it only validates: validate_inputs (its own and ParallelSampler's) may run it
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": (model_folders.list_models(), {"tooltip": "A diffusers pipeline folder from models/diffusers."}),
-                "strategy": (list(jobs.STRATEGIES), {"default": "device_map", "tooltip": STRATEGY_TOOLTIP}),
-            },
-            "optional": {
-                "ring_degree": ("INT", {"default": 1, "min": 1, "max": 64,
-                                        "tooltip": "context_parallel: ranks on the ring axis (Ring attention passes "
-                                                   "keys/values around; tolerant of slower links). 1: no ring."}),
-                "ulysses_degree": ("INT", {"default": 0, "min": 0, "max": 64,
-                                           "tooltip": "context_parallel: ranks on the Ulysses axis (all-to-all over "
-                                                      "heads; fastest on NVLink). 0: every rank the ring does not "
-                                                      "use. Both > 1: Unified attention on a 2-D mesh."}),
-                "anything": ("BOOLEAN", {"default": False,
-                                         "tooltip": "context_parallel: Ulysses-anything / Ring-anything, for sizes "
-                                                    "whose token count does not divide by the degree (e.g. 1008×1008)."}),
-                "attention_backend": (list(jobs.ATTENTION_BACKENDS),
-                                      {"default": "auto", "tooltip": "context_parallel: diffusers attention backend. "
-                                                                     "auto: the default for Ulysses, one that returns "
-                                                                     "the log-sum-exp for Ring."}),
-                "tp_degree": ("INT", {"default": 0, "min": 0, "max": 64,
-                                      "tooltip": "tensor_parallel / tp_cp: ranks sharing each weight matrix; must "
-                                                 "divide the attention heads. 0: every rank (tensor_parallel only). "
-                                                 "Under tp_cp, ring_degree × ulysses_degree × tp_degree = ranks."}),
-                "max_memory": MAX_MEMORY_INPUT,
-                "dtype": DTYPE_INPUT,
-                "backend": BACKEND_INPUT,
-            },
-            "hidden": comfy.HIDDEN,
-        }
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LoadShardedTransformer",
+            display_name="Load Sharded Transformer",
+            category=CATEGORY,
+            description=("Validates the strategy against the model's config and the backend's ranks and returns a "
+                         "handle; the backend loads the weights when ParallelSampler first needs them, so the text "
+                         "encoders never have to share the GPUs with it. Changing only the strategy reloads only the "
+                         "transformer."),
+            inputs=[
+                model_input("A diffusers pipeline folder from models/diffusers."),
+                io.Combo.Input("strategy", options=[s.value for s in Strategy], default="device_map",
+                               tooltip=STRATEGY_TOOLTIP),
+                io.Int.Input("ring_degree", default=1, min=1, max=64, optional=True, tooltip=(
+                    "context_parallel: ranks on the ring axis (Ring attention passes keys/values around; tolerant of "
+                    "slower links). 1: no ring.")),
+                io.Int.Input("ulysses_degree", default=0, min=0, max=64, optional=True, tooltip=(
+                    "context_parallel: ranks on the Ulysses axis (all-to-all over heads; fastest on NVLink). 0: every "
+                    "rank the ring does not use. Both > 1: Unified attention on a 2-D mesh.")),
+                io.Boolean.Input("anything", default=False, optional=True, tooltip=(
+                    "context_parallel: Ulysses-anything / Ring-anything, for sizes whose token count does not divide "
+                    "by the degree (e.g. 1008×1008).")),
+                io.Combo.Input("attention_backend", options=list(ATTENTION_BACKENDS), default="auto", optional=True,
+                               tooltip=("context_parallel: diffusers attention backend. auto: the default for "
+                                        "Ulysses, one that returns the log-sum-exp for Ring.")),
+                io.Int.Input("tp_degree", default=0, min=0, max=64, optional=True, tooltip=(
+                    "tensor_parallel / tp_cp: ranks sharing each weight matrix; must divide the attention heads. 0: "
+                    "every rank (tensor_parallel only). Under tp_cp, ring_degree × ulysses_degree × tp_degree = "
+                    "ranks.")),
+                max_memory_input(),
+                dtype_input(),
+                backend_input(),
+            ],
+            outputs=[Transformer.Output(display_name="transformer", tooltip=(
+                "The checked choice of model, strategy and dtype (nothing loaded yet): feed ParallelSampler."))],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def VALIDATE_INPUTS(cls, unique_id: str) -> bool | str:
+    def validate_inputs(cls, input_types: dict) -> bool | str:
         """The strategy against the model's config and the linked backend's ranks, before anything runs."""
-        return comfy.validate(unique_id, comfy.QueuedNode.run)
+        return comfy.validate(cls, input_types, comfy.QueuedNode.run)
 
-    def load(self, model: str, strategy: str, ring_degree: int = 1, ulysses_degree: int = 0, anything: bool = False,
-             attention_backend: str = "auto", tp_degree: int = 0, max_memory: str = "", dtype: str = "auto",
-             backend=None, unique_id: str | None = None):  # unique_id: ComfyUI's, for VALIDATE_INPUTS
-        return (jobs.load_transformer(backend or default_spec(), model=model, strategy=strategy, max_memory=max_memory,
-                                      dtype=dtype, ring_degree=ring_degree, ulysses_degree=ulysses_degree,
-                                      anything=anything, attention_backend=attention_backend, tp_degree=tp_degree),)
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        w = comfy.with_defaults(cls, inputs)
+        return io.NodeOutput(jobs.plan_transformer(w.pop("backend") or default_spec(), **w))

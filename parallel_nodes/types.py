@@ -1,14 +1,34 @@
-"""Socket types and the category shared by the pack's nodes."""
+"""The pack's socket types, its category, and the inputs several nodes share (declared once, here)."""
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from parallel_runtime import jobs
 
 CATEGORY = "parallel_diffusers"
-BACKEND = "PD_BACKEND"  # a parallel_runtime.BackendSpec
-CONDITIONING = "PD_CONDITIONING"  # a parallel_runtime.jobs.Conditioning
-TRANSFORMER = "PD_TRANSFORMER"  # a parallel_runtime.jobs.TransformerHandle
+# The io_type strings are what saved workflows hold: they never change.
+Backend = io.Custom("PD_BACKEND")  # a parallel_runtime.BackendSpec
+Conditioning = io.Custom("PD_CONDITIONING")  # a parallel_runtime.jobs.Conditioning
+Transformer = io.Custom("PD_TRANSFORMER")  # a parallel_runtime.jobs.TransformerHandle
 
-BACKEND_INPUT = (BACKEND, {"tooltip": "Which backend runs this (a ParallelBackend node). Without it: every visible "
-                                      "GPU, or 2 CPU ranks when there is none (COMFY_PARALLEL_RANKS / "
-                                      "COMFY_PARALLEL_DEVICE override)."})
-DTYPE_INPUT = (["auto", "bfloat16", "float16", "float32"],
-               {"default": "auto", "tooltip": "Weights' dtype. auto: bfloat16 on GPUs, float32 on CPU."})
-MAX_MEMORY_INPUT = ("STRING", {"default": "", "tooltip": "Per-device budget for device_map placement, e.g. "
-                                                        "0:16GB,1:16GB (GPU index or cpu). Empty: no limit."})
+
+def backend_input() -> io.Input:
+    return Backend.Input("backend", optional=True, tooltip=(
+        "Which backend runs this (a ParallelBackend node). Without it: every visible GPU, or 2 CPU ranks when there "
+        "is none (COMFY_PARALLEL_RANKS / COMFY_PARALLEL_DEVICE override)."))
+
+
+def dtype_input() -> io.Input:
+    return io.Combo.Input("dtype", options=list(jobs.DTYPES), default="auto", optional=True,
+                          tooltip="Weights' dtype. auto: bfloat16 on GPUs, float32 on CPU.")
+
+
+def max_memory_input() -> io.Input:
+    return io.String.Input("max_memory", default="", optional=True, tooltip=(
+        "Per-device budget for device_map placement, e.g. 0:16GB,1:16GB (GPU index or cpu). Empty: no limit."))
+
+
+def model_input(tooltip: str) -> io.Input:
+    from parallel_runtime import model_folders
+
+    return io.Combo.Input("model", options=model_folders.list_models(), tooltip=tooltip)

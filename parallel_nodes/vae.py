@@ -1,34 +1,44 @@
-from parallel_runtime import default_spec, jobs, model_folders
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from parallel_runtime import default_spec, jobs
 
 from . import comfy
-from .types import BACKEND_INPUT, CATEGORY, DTYPE_INPUT
+from .types import CATEGORY, backend_input, dtype_input, model_input
 
 
-class VAEDecodeSingleGPU:
+class VAEDecodeSingleGPU(io.ComfyNode):
     """Decode a LATENT with the model's VAE on one device."""
 
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("IMAGE",)
-    FUNCTION = "decode"
-    DESCRIPTION = "Decodes on one device of the backend. Accepts LATENTs from ParallelSampler or from ComfyUI's samplers."
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="VAEDecodeSingleGPU",
+            display_name="VAE Decode (single GPU)",
+            category=CATEGORY,
+            description=("Decodes on one device of the backend. Accepts LATENTs from ParallelSampler or from "
+                         "ComfyUI's samplers."),
+            inputs=[
+                io.Latent.Input("samples", tooltip="Un-normalised VAE-space latents (ComfyUI's convention)."),
+                model_input("The pipeline folder whose VAE decodes."),
+                io.Combo.Input("device", options=jobs.decode_device_choices(), default="auto",
+                               tooltip="auto: the first GPU, or the CPU without one."),
+                dtype_input(),
+                backend_input(),
+            ],
+            outputs=[io.Image.Output(tooltip="The decoded images, [B, H, W, 3] in 0..1, on the CPU.")],
+            hidden=[io.Hidden.unique_id],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "samples": ("LATENT", {"tooltip": "Un-normalised VAE-space latents (ComfyUI's convention)."}),
-                "model": (model_folders.list_models(), {"tooltip": "The pipeline folder whose VAE decodes."}),
-                "device": (jobs.decode_device_choices(), {"default": "auto",
-                                                          "tooltip": "auto: the first GPU, or the CPU without one."}),
-            },
-            "optional": {
-                "dtype": DTYPE_INPUT,
-                "backend": BACKEND_INPUT,
-            },
-            "hidden": comfy.HIDDEN,
-        }
+    def validate_inputs(cls, input_types: dict) -> bool | str:
+        """The model's VAE and the device, before anything runs."""
+        return comfy.validate(cls, input_types, lambda node: jobs.validate_decode(**node.widgets("model", "device")))
 
-    def decode(self, samples: dict, model: str, device: str = "auto", dtype: str = "auto", backend=None,
-               unique_id: str | None = None):
-        return (comfy.run(jobs.decode, unique_id=unique_id, spec=backend or default_spec(), model=model,
-                          samples=samples["samples"], device=device, dtype=dtype),)
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        w = comfy.with_defaults(cls, inputs)
+        spec = w.pop("backend") or default_spec()
+        samples = w.pop("samples")["samples"]
+        return io.NodeOutput(comfy.run(cls, jobs.decode, spec, samples=samples, **w))

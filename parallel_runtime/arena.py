@@ -13,6 +13,8 @@ creates shares its prefix, so ``remove_segments(prefix)`` clears it after a shut
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import errno
 import glob
 import math
 import mmap
@@ -30,6 +32,35 @@ DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDesc:
+    """Where a tensor lies in an arena segment, as a message carries it (checked: a frame with a negative dimension or
+    an unknown dtype is refused before anything maps memory for it)."""
+
+    segment: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} cannot travel through the arena; supported: {sorted(DTYPES)}")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"shape {list(self.shape)} has a negative dimension")
+        if self.offset < 0:
+            raise ValueError(f"offset {self.offset} is negative")
+        if "/" in self.segment or self.segment in (".", "..") or (not self.segment and self.nbytes):
+            raise ValueError(f"bad segment name {self.segment!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -81,22 +112,32 @@ class Arena:
         self.name: str | None = None
         self.capacity = 0
         self._mm: mmap.mmap | None = None
+        self._fd = -1
+        self._reserved = 0  # bytes of the segment backed by reserved pages
 
     def _grow(self, needed: int) -> None:
         self.close()
         capacity = max(_MIN_CAPACITY, 1 << (needed - 1).bit_length())
         name = f"{self.prefix}-{secrets.token_hex(8)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, capacity)
-            self._mm = mmap.mmap(fd, capacity)
-            self._base = _address(self._mm)
-        finally:
-            os.close(fd)
-        self.name, self.capacity = name, capacity
+        self._fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.name = name
+        os.ftruncate(self._fd, capacity)
+        self._mm = mmap.mmap(self._fd, capacity)
+        self._base = _address(self._mm)
+        self.capacity = capacity
 
-    def write(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    def _reserve(self, end: int) -> None:
+        """Back the first ``end`` bytes with pages now. A sparse segment on a full /dev/shm kills the process that
+        first touches a missing page with SIGBUS and no Python error (on the client's side, ComfyUI itself)."""
+        if end <= self._reserved:
+            return
+        try:
+            os.posix_fallocate(self._fd, 0, end)
+        except OSError as e:
+            raise SharedMemoryFull(end) from e
+        self._reserved = end
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorDesc]:
         """Copy ``tensors`` into the segment; returns their descriptors (valid until the next write)."""
         layout, end = [], 0
         for key, t in tensors.items():
@@ -107,12 +148,13 @@ class Arena:
             end = (end + nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         if end > self.capacity:
             self._grow(end)
+        self._reserve(end)
         descs = {}
         for key, t, offset, nbytes in layout:
             if nbytes:
                 src = t.detach().to("cpu").contiguous()
                 ctypes.memmove(self._base + offset, src.data_ptr(), nbytes)
-            descs[key] = {"segment": self.name, "offset": offset, "dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+            descs[key] = TensorDesc(self.name or "", offset, _dtype_name(t.dtype), tuple(t.shape))
         return descs
 
     def close(self) -> None:
@@ -120,6 +162,9 @@ class Arena:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd, self._reserved = -1, 0
         if self.name is not None:
             try:
                 os.unlink(os.path.join(SHM_DIR, self.name))
@@ -137,54 +182,65 @@ class ArenaReader:
 
     def _segment(self, name: str) -> mmap.mmap:
         if name != self._name:
-            if "/" in name or not name:
-                raise ValueError(f"bad segment name {name!r}")
             self.close()
             path = os.path.join(SHM_DIR, name)
             self._mm = _map(path, os.stat(path).st_size)
             self._name = name
         return self._mm
 
-    def _locate(self, key: str, d: dict) -> tuple[torch.dtype, int, mmap.mmap | None]:
-        """A descriptor's dtype, byte count and segment (None for an empty tensor), checked."""
-        dtype = DTYPES.get(d["dtype"])
-        if dtype is None:
-            raise TypeError(f"tensor {key!r} has unsupported dtype {d['dtype']!r}")
-        nbytes = math.prod(d["shape"]) * dtype.itemsize
-        if not nbytes:
-            return dtype, 0, None
-        segment = self._segment(d["segment"])
-        if d["offset"] < 0 or d["offset"] + nbytes > len(segment):
-            raise ValueError(f"tensor {key!r} lies outside segment {d['segment']}")
-        return dtype, nbytes, segment
+    def _locate(self, key: str, d: TensorDesc) -> mmap.mmap | None:
+        """The segment holding a described tensor (None for an empty one), checked to hold all of it."""
+        if not d.nbytes:
+            return None
+        segment = self._segment(d.segment)
+        if d.offset + d.nbytes > len(segment):
+            raise ValueError(f"tensor {key!r} lies outside segment {d.segment}")
+        return segment
 
-    def read(self, descs: dict[str, dict]) -> dict[str, torch.Tensor]:
+    def read(self, descs: dict[str, TensorDesc]) -> dict[str, torch.Tensor]:
         """Copies of the described tensors: they stay valid after the writer reuses its segment."""
         out = {}
         for key, d in descs.items():
-            dtype, nbytes, segment = self._locate(key, d)
-            out[key] = _empty(d["shape"], dtype, nbytes)
-            if nbytes:
-                ctypes.memmove(out[key].data_ptr(), _address(segment) + d["offset"], nbytes)
+            segment = self._locate(key, d)
+            out[key] = _empty(list(d.shape), d.torch_dtype, d.nbytes)
+            if segment is not None:
+                ctypes.memmove(out[key].data_ptr(), _address(segment) + d.offset, d.nbytes)
         return out
 
-    def view(self, descs: dict[str, dict]) -> dict[str, torch.Tensor]:
+    def view(self, descs: dict[str, TensorDesc]) -> dict[str, torch.Tensor]:
         """The described tensors as views of the segment, without copying. Valid only until the writer
         reuses its segment: rank 0 reads its inputs this way, because the client writes again only after
         it has the reply. An op that keeps an input past its call must clone it."""
         out = {}
         for key, d in descs.items():
-            dtype, nbytes, segment = self._locate(key, d)
-            if nbytes:
-                raw = torch.frombuffer(segment, dtype=torch.uint8, count=nbytes, offset=d["offset"])
-                out[key] = raw.view(dtype).reshape(d["shape"])
+            segment = self._locate(key, d)
+            if segment is not None:
+                raw = torch.frombuffer(segment, dtype=torch.uint8, count=d.nbytes, offset=d.offset)
+                out[key] = raw.view(d.torch_dtype).reshape(d.shape)
             else:
-                out[key] = torch.empty(d["shape"], dtype=dtype)
+                out[key] = torch.empty(d.shape, dtype=d.torch_dtype)
         return out
 
     def close(self) -> None:
         # Dropped, not closed: a view handed out by ``view`` holds the mapping and keeps it valid.
         self._name, self._mm = None, None
+
+
+def shm_free_bytes() -> int:
+    """Free space in /dev/shm, where the arena's segments live."""
+    stats = os.statvfs(SHM_DIR)
+    return stats.f_bavail * stats.f_frsize
+
+
+class SharedMemoryFull(OSError):
+    """/dev/shm has no room for a segment; the message says how much was needed, what is free and the fix."""
+
+    def __init__(self, needed: int):
+        super().__init__(errno.ENOSPC, f"{SHM_DIR} has no room for a {needed / 2**20:.0f} MiB shared-memory segment "
+                                       f"({shm_free_bytes() / 2**20:.0f} MiB free). Give it more room (Docker: "
+                                       "--shm-size=8g or more; Linux: mount -o remount,size=16G /dev/shm), or make "
+                                       "the batch or the image smaller")
+        self.needed = needed
 
 
 def remove_segments(prefix: str) -> list[str]:

@@ -6,36 +6,42 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
+
+from .families import REGISTRY, family
 
 
 def doctor(ranks: int, device: str) -> dict:
     """Start a backend, run status + a collective + an arena round trip, shut it down; a report dict."""
     from . import Backend, ParallelRuntimeError
+    from .arena import shm_free_bytes
     from .spec import default_spec
+    from .wire import AllreduceArgs, EchoArgs
 
     spec = default_spec(device=device, ranks=ranks)
     report: dict = {"world_size": None, "device": spec.device, "ranks": [], "startup_s": None,
-                    "collective_ok": False, "roundtrip_ok": False, "errors": []}
+                    "collective_ok": False, "roundtrip_ok": False, "shm_free_gib": round(shm_free_bytes() / 2**30, 2),
+                    "errors": []}
     backend = Backend(spec)
     try:
         backend.start()
         report["startup_s"] = round(backend.startup_s, 3)
         status = backend.status()
-        report["world_size"] = status["world_size"]
-        report["ranks"] = [{"rank": r["rank"], "device": r["device"], "device_name": r["device_name"],
-                            "pid": r["pid"], "hostname": r["hostname"],
-                            "memory_free_gib": round(r["memory"]["free_bytes"] / 2**30, 2),
-                            "memory_total_gib": round(r["memory"]["total_bytes"] / 2**30, 2)} for r in status["ranks"]]
+        report["world_size"] = status.world_size
+        report["ranks"] = [{"rank": r.rank, "device": r.device, "device_name": r.device_name, "pid": r.pid,
+                            "hostname": r.hostname, "memory_free_gib": round(r.memory.free_bytes / 2**30, 2),
+                            "memory_total_gib": round(r.memory.total_bytes / 2**30, 2)} for r in status.ranks]
         x = torch.arange(1024, dtype=torch.float32)
-        reduced = backend.call("allreduce", tensors={"x": x})
-        report["collective_ok"] = torch.equal(reduced.tensors["x"], x * reduced.result["expected_factor"])
+        reduced = backend.call(AllreduceArgs(), tensors={"x": x})
+        report["collective_ok"] = torch.equal(reduced.tensors["x"], x * reduced.result.expected_factor)
         sent = {"float32": torch.randn(64, 64), "bfloat16": torch.randn(8, 8).bfloat16(),
                 "uint8": torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8), "bool": torch.rand(9) > 0.5,
                 "int64": torch.arange(5), "big": torch.randn(16 << 20 >> 2)}
         t0 = time.perf_counter()
-        back = backend.call("echo", tensors=sent).tensors
+        back = backend.call(EchoArgs(), tensors=sent).tensors
         report["roundtrip_s"] = round(time.perf_counter() - t0, 4)
         report["roundtrip_ok"] = all(torch.equal(back[k], v) for k, v in sent.items())
     except ParallelRuntimeError as e:
@@ -53,6 +59,7 @@ def _print_doctor(report: dict) -> None:
         print(f"  rank {r['rank']}: {r['device']} ({r['device_name']}) pid {r['pid']} on {r['hostname']}, "
               f"{r['memory_free_gib']} of {r['memory_total_gib']} GiB free")
     print(f"collective (all-reduce): {'ok' if report['collective_ok'] else 'FAILED'}")
+    print(f"/dev/shm free: {report['shm_free_gib']} GiB (tensors to and from the backend live there)")
     print(f"shared-memory round trip: {'ok' if report['roundtrip_ok'] else 'FAILED'}"
           + (f" ({report['roundtrip_s'] * 1000:.1f} ms for 16 MB + small tensors)" if "roundtrip_s" in report else ""))
     for e in report["errors"]:
@@ -60,43 +67,41 @@ def _print_doctor(report: dict) -> None:
     print("OK" if report["ok"] else "FAILED")
 
 
+T = TypeVar("T")
 DEFAULT_MODELS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "comfyui-parallel-diffusers", "models")
 DEMO_MODEL = "tiny-flux"
 
 
 def demo(ranks: int, device: str, out: str, models_dir: str, steps: int, size: int, seed: int) -> dict:
-    """The four nodes' path on a tiny random FLUX.1 (built offline if missing); writes ``out`` and returns timings."""
-    from parallel_nodes import (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelBackend, ParallelSampler,
-                                VAEDecodeSingleGPU)
-
-    from . import current_backend, get_backend, shutdown_backend
-    from .tiny_models import make_tiny_flux
+    """The nodes' steps (``jobs``, what each node calls) on a tiny random FLUX.1 (built offline if missing): writes
+    ``out`` and returns timings."""
+    from . import current_backend, default_spec, get_backend, jobs, shutdown_backend
 
     timings: dict[str, float] = {}
     model_dir = os.path.join(models_dir, DEMO_MODEL)
     if not os.path.isfile(os.path.join(model_dir, "model_index.json")):
         t0 = time.perf_counter()
-        make_tiny_flux(model_dir)
+        family("flux").make_tiny_model(model_dir)
         timings["build tiny model"] = time.perf_counter() - t0
     os.environ["COMFY_PARALLEL_MODELS"] = os.pathsep.join(
         [models_dir] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p])
 
-    def timed(stage: str, fn, *args, **kwargs):
+    def timed(stage: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         t0 = time.perf_counter()
         result = fn(*args, **kwargs)
         timings[stage] = time.perf_counter() - t0
-        return result[0]
+        return result
 
     try:
-        (backend,) = ParallelBackend().configure(ranks=ranks, device=device, memory_policy="staged")
-        timed("start backend", lambda: (get_backend(backend).start(),))
-        positive = timed("encode (text encoders)", EncodeOnBalancedGPUs().encode, DEMO_MODEL,
-                         "a red cat on a blue sky", backend=backend)
-        transformer = timed("validate transformer", LoadShardedTransformer().load, DEMO_MODEL, "device_map",
-                            backend=backend)
-        latent = timed("sample (load + denoise)", ParallelSampler().sample, transformer, positive, seed=seed,
-                       steps=steps, guidance_scale=3.5, width=size, height=size)
-        image = timed("decode (VAE)", VAEDecodeSingleGPU().decode, latent, DEMO_MODEL, backend=backend)
+        backend = default_spec(device=device, ranks=ranks, memory_policy="staged")
+        timed("start backend", lambda: get_backend(backend).start())
+        positive = timed("encode (text encoders)", jobs.encode_prompt, backend, model=DEMO_MODEL,
+                         prompt="a red cat on a blue sky")
+        transformer = timed("validate transformer", jobs.plan_transformer, backend, model=DEMO_MODEL,
+                            strategy="device_map")
+        latent = timed("sample (load + denoise)", jobs.sample, transformer, positive, seed=seed, steps=steps,
+                       guidance_scale=3.5, width=size, height=size)
+        image = timed("decode (VAE)", jobs.decode, backend, model=DEMO_MODEL, samples=latent)
         status = current_backend().status()
     finally:
         shutdown_backend()
@@ -105,9 +110,9 @@ def demo(ranks: int, device: str, out: str, models_dir: str, steps: int, size: i
     pixels = (image[0].clamp(0, 1) * 255).round().to(torch.uint8).numpy()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     Image.fromarray(pixels).save(out)
-    return {"out": os.path.abspath(out), "timings_s": timings, "world_size": status["world_size"],
-            "devices": [r["device"] for r in status["ranks"]], "image_shape": list(image.shape),
-            "load_counts": status["ranks"][0]["load_counts"]}
+    return {"out": os.path.abspath(out), "timings_s": timings, "world_size": status.world_size,
+            "devices": [r.device for r in status.ranks], "image_shape": list(image.shape),
+            "load_counts": status.ranks[0].load_counts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,26 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=0, help="ranks on this machine (default: one per GPU, or 2 on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p = sub.add_parser("demo", help="generate an image with the four nodes on a tiny offline FLUX.1 model")
+    p = sub.add_parser("demo", help="generate an image with the nodes' steps on a tiny offline FLUX.1 model")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="demo.png", help="where to write the PNG")
-    p.add_argument("--models", default=DEFAULT_MODELS_DIR, help="folder of diffusers models (the tiny one is built here)")
+    p.add_argument("--models", default=DEFAULT_MODELS_DIR,
+                   help="folder of diffusers models (the tiny one is built here)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--size", type=int, default=256, help="width and height, a multiple of 16")
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("make-tiny-model", help="build a tiny random-weight pipeline offline (for tests and demos)")
-    p.add_argument("family", help="flux (more families come with their adapters)")
+    p.add_argument("family", help="one of: " + ", ".join(f"{a.key} ({a.name})" for a in REGISTRY))
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     if args.command == "make-tiny-model":
-        from .tiny_models import TINY_MODELS  # imports diffusers: only for this command
-
-        if args.family not in TINY_MODELS:
-            parser.error(f"unknown family {args.family!r}; choose one of {', '.join(sorted(TINY_MODELS))}")
-        print(TINY_MODELS[args.family](args.dir, args.seed))
+        if args.family not in {a.key for a in REGISTRY}:
+            parser.error(f"unknown family {args.family!r}; choose one of {', '.join(a.key for a in REGISTRY)}")
+        print(family(args.family).make_tiny_model(args.dir, args.seed))
         return 0
     if args.command == "demo":
         result = demo(args.ranks, args.device, args.out, args.models, args.steps, args.size, args.seed)

@@ -15,16 +15,35 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
 from . import launcher
 from .arena import Arena, ArenaReader
-from .errors import (BackendDied, BackendStartError, Cancelled, DeadlineExceeded, OpFailed, ParallelRuntimeError,
-                     Refused)
-from .protocol import Channel, ChannelClosed
+from .errors import BackendDied, BackendStartError, Cancelled, DeadlineExceeded, OpFailed, ParallelRuntimeError, Refused
+from .processes import process_alive
+from .protocol import (
+    BadFrame,
+    Bye,
+    Call,
+    Cancel,
+    CancelledReply,
+    Channel,
+    ChannelClosed,
+    Error,
+    Fatal,
+    Hello,
+    Progress,
+    Result,
+    Shutdown,
+    Welcome,
+)
+from .protocol import Refused as RefusedFrame
+from .serial import from_json, to_json
 from .spec import BackendSpec
+from .wire import FreeArgs, OpArgs, RankStatus, StatusArgs
 
 log = logging.getLogger("parallel_runtime.client")
 
@@ -36,13 +55,26 @@ HEALTH_S = 0.5  # how often the ranks' processes are looked at while waiting
 DEATH_REPORT_S = 3.0
 
 ProgressFn = Callable[[int, int, "str | None"], None]
+R = TypeVar("R")
 
 
-@dataclasses.dataclass
-class CallResult:
-    result: object  # rank 0's JSON result
-    per_rank: list  # every rank's JSON result, by rank
+@dataclasses.dataclass(frozen=True)
+class CallResult(Generic[R]):
+    """An op's answer: rank 0's result, every rank's (None where a rank has nothing to say), rank 0's tensors."""
+
+    result: R | None
+    per_rank: tuple[R | None, ...]
     tensors: dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendStatus:
+    """What ``Backend.status`` reports: every rank's device, memory and resident models."""
+
+    world_size: int
+    device: str
+    ranks: tuple[RankStatus, ...]
+    startup_s: float | None
 
 
 class Backend:
@@ -100,11 +132,12 @@ class Backend:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(group.socket_path)
             channel = Channel(sock)
-            channel.send({"type": "hello", "token": group.token})
+            channel.send(Hello(token=group.token))
             reply = channel.recv(max(1.0, deadline - time.monotonic()))
-            if not reply or reply.get("type") != "welcome":
+            if not isinstance(reply, Welcome):
                 channel.close()
-                raise BackendStartError(self._start_failure(f"did not accept the client: {reply}"))
+                reason = reply.reason if isinstance(reply, RefusedFrame) else f"answered {reply}"
+                raise BackendStartError(self._start_failure(f"did not accept the client: {reason}"))
         except BaseException:
             self._teardown()
             raise
@@ -128,11 +161,10 @@ class Backend:
                 return
             if self._channel is not None and self._group.proc.poll() is None:
                 try:
-                    self._channel.send({"type": "shutdown"})
+                    self._channel.send(Shutdown())
                     deadline = time.monotonic() + timeout
                     while time.monotonic() < deadline:
-                        msg = self._channel.recv(POLL_S)
-                        if msg and msg.get("type") == "bye":
+                        if isinstance(self._channel.recv(POLL_S), Bye):
                             break
                     launcher.wait_exit(self._group, max(0.0, deadline - time.monotonic()))
                 except (OSError, ChannelClosed, ValueError):
@@ -156,7 +188,7 @@ class Backend:
     def _dead_ranks(self) -> list[int]:
         if self._group.proc.poll() is not None:
             return sorted(self._pids) or [0]
-        return [r for r, pid in sorted(self._pids.items()) if not launcher.process_alive(pid)]
+        return [r for r, pid in sorted(self._pids.items()) if not process_alive(pid)]
 
     def _die(self, reason: str, rank: int | None = None, tb: str = "") -> BackendDied:
         """Tear the group down and build the error that says which rank failed and why."""
@@ -178,10 +210,10 @@ class Backend:
                            f"starts a fresh one.{detail}", rank=rank, log_tail=tail, traceback=tb)
 
     # -- calls ----------------------------------------------------------------------------------------
-    def call(self, op: str, args: dict | None = None, tensors: dict[str, torch.Tensor] | None = None, *,
+    def call(self, args: OpArgs, tensors: dict[str, torch.Tensor] | None = None, *,
              on_progress: ProgressFn | None = None, should_cancel: Callable[[], bool] | None = None,
              timeout: float = CALL_TIMEOUT_S) -> CallResult:
-        """Run ``op`` on the backend (starting it if needed) and return its result.
+        """Run the op ``args`` names on the backend (starting it if needed) and return its result.
 
         ``on_progress(step, total, text)`` is called for each progress event; if it raises, the op is
         cancelled on every rank and the exception re-raised once the ranks have stopped. ``should_cancel``
@@ -190,22 +222,22 @@ class Backend:
         global _last_error
         with self._lock:
             try:
-                return self._call(op, args, tensors, on_progress, should_cancel, timeout)
+                return self._call(args, tensors, on_progress, should_cancel, timeout)
             except (BackendDied, BackendStartError, DeadlineExceeded, OpFailed) as e:
-                _last_error = {"op": op, "type": type(e).__name__, "message": str(e),
+                _last_error = {"op": args.op, "type": type(e).__name__, "message": str(e),
                                "rank": getattr(e, "rank", None), "time": time.time()}
                 raise
 
-    def _call(self, op: str, args: dict | None, tensors: dict[str, torch.Tensor] | None,
-              on_progress: ProgressFn | None, should_cancel: Callable[[], bool] | None, timeout: float) -> CallResult:
+    def _call(self, args: OpArgs, tensors: dict[str, torch.Tensor] | None, on_progress: ProgressFn | None,
+              should_cancel: Callable[[], bool] | None, timeout: float) -> CallResult:
         if self._group is None:
             self._start()
         call_id = f"c{next(self._ids)}"
         descs = self._arena.write(tensors or {})
         self._current_call = call_id
         try:
-            self._channel.send({"type": "call", "id": call_id, "op": op, "args": args or {}, "tensors": descs})
-            return self._wait(call_id, on_progress, should_cancel, time.monotonic() + timeout)
+            self._channel.send(Call(id=call_id, op=args.op, args=to_json(args), tensors=descs))
+            return self._wait(args, call_id, on_progress, should_cancel, time.monotonic() + timeout)
         except (OSError, ChannelClosed) as e:
             raise self._die(f"closed the control connection ({e})") from None
         finally:
@@ -216,16 +248,20 @@ class Backend:
         call_id, channel = self._current_call, self._channel
         if call_id is not None and channel is not None:
             try:
-                channel.send({"type": "cancel", "id": call_id})
+                channel.send(Cancel(id=call_id))
             except OSError:
                 pass
 
-    def _wait(self, call_id: str, on_progress: ProgressFn | None, should_cancel: Callable[[], bool] | None,
-              deadline: float) -> CallResult:
+    def _wait(self, args: OpArgs, call_id: str, on_progress: ProgressFn | None,
+              should_cancel: Callable[[], bool] | None, deadline: float) -> CallResult:
         pending_exc: BaseException | None = None
         next_health_check = 0.0
         while True:
-            msg = self._channel.recv(POLL_S)
+            try:
+                msg = self._channel.recv(POLL_S)
+            except BadFrame as e:
+                log.warning("ignored a control frame from rank 0: %s", e)
+                continue
             if msg is None:
                 if pending_exc is None and should_cancel is not None and should_cancel():
                     pending_exc = Cancelled("cancelled by the user", steps_by_rank=[])
@@ -238,53 +274,58 @@ class Backend:
                     raise DeadlineExceeded(f"op {call_id} ran past its deadline; the backend was shut down. "
                                            f"{self._die('was still running at the deadline')}")
                 continue
-            kind = msg.get("type")
-            if msg.get("id") not in (call_id, None):
+            if getattr(msg, "id", None) not in (call_id, None):
                 continue  # a late event of an earlier, abandoned call
-            if kind == "progress":
+            if isinstance(msg, Progress):
                 if on_progress is not None and pending_exc is None:
                     try:
-                        on_progress(msg["step"], msg["total"], msg.get("text"))
+                        on_progress(msg.step, msg.total, msg.text)
                     except BaseException as e:  # e.g. ComfyUI's InterruptProcessingException
                         pending_exc = e
                         self.cancel()
-            elif kind == "result":
-                tensors = self._outputs.read(msg.get("tensors") or {})
+            elif isinstance(msg, Result):
+                tensors = self._outputs.read(msg.tensors)
                 if pending_exc is not None:
                     raise pending_exc
-                return CallResult(msg.get("result"), msg.get("per_rank") or [], tensors)
-            elif kind == "cancelled":
+                kind = args.result
+                return CallResult(None if msg.result is None else from_json(kind, msg.result),
+                                  tuple(None if r is None else from_json(kind, r) for r in msg.per_rank), tensors)
+            elif isinstance(msg, CancelledReply):
                 if pending_exc is not None and not isinstance(pending_exc, Cancelled):
                     raise pending_exc
-                raise Cancelled(f"cancelled at step {msg['steps_by_rank'][0]}", steps_by_rank=msg["steps_by_rank"])
-            elif kind == "error":
+                raise Cancelled(f"cancelled at step {msg.steps_by_rank[0]}", steps_by_rank=list(msg.steps_by_rank))
+            elif isinstance(msg, Error):
                 if pending_exc is not None:
                     raise pending_exc
-                raise OpFailed(f"rank {msg['rank']}: {msg['error_type']}: {msg['message']}", rank=msg["rank"],
-                               error_type=msg["error_type"], traceback=msg.get("traceback", ""))
-            elif kind == "fatal":
-                raise self._die(f"failed and left the group stuck: {msg.get('message')}", rank=msg.get("rank"),
-                                tb=msg.get("traceback", ""))
-            elif kind == "refused":
-                raise Refused(f"the backend refused this client: {msg.get('reason')}")
+                who = f"rank {msg.rank}" if msg.rank is not None else "the backend"
+                raise OpFailed(f"{who}: {msg.error_type}: {msg.message}", rank=msg.rank, error_type=msg.error_type,
+                               traceback=msg.traceback)
+            elif isinstance(msg, Fatal):
+                raise self._die(f"failed and left the group stuck: {msg.message}", rank=msg.rank, tb=msg.traceback)
+            elif isinstance(msg, RefusedFrame):
+                raise Refused(f"the backend refused this client: {msg.reason}")
 
-    def status(self) -> dict:
+    def status(self) -> BackendStatus:
         """World size, and per rank: device, pid, memory, resident models."""
-        r = self.call("status", timeout=60.0)
-        self._last_status = {"world_size": len(r.per_rank), "device": self.spec.device, "ranks": r.per_rank,
-                             "startup_s": self.startup_s}
+        r = self.call(StatusArgs(), timeout=60.0)
+        self._last_status = BackendStatus(world_size=len(r.per_rank), device=self.spec.device, ranks=r.per_rank,
+                                          startup_s=self.startup_s)
         return self._last_status
 
+    def free(self) -> None:
+        """Unload every resident model on every rank; the ranks stay up."""
+        self.call(FreeArgs(), timeout=120.0)
+
     def snapshot(self) -> dict:
-        """Status without waiting: fresh when the backend is idle, the last one seen (``busy``) while an op runs,
-        and never a reason to start a backend."""
+        """Status as JSON (the status panel's), without waiting: fresh when the backend is idle, the last one seen
+        (``busy``) while an op runs, and never a reason to start a backend."""
         view = {"running": self.running, "busy": False, "spec": dataclasses.asdict(self.spec),
                 "last_error": _last_error}
         if not self._lock.acquire(blocking=False):
-            return {**view, "busy": True, **(self._last_status or {})}
+            return {**view, "busy": True, **(to_json(self._last_status) if self._last_status else {})}
         try:
             if self.running:
-                view.update(self.status())
+                view.update(to_json(self.status()))
         except ParallelRuntimeError:
             view.update(running=self.running, last_error=_last_error)
         finally:

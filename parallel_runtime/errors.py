@@ -25,9 +25,10 @@ class BackendDied(ParallelRuntimeError):
 
 
 class OpFailed(ParallelRuntimeError):
-    """An op raised on a rank, every rank got back in step, and the backend is still usable."""
+    """An op raised on a rank (``rank``; None when rank 0 refused the call before any rank ran it), every rank got back
+    in step, and the backend is still usable."""
 
-    def __init__(self, message: str, *, rank: int, error_type: str, traceback: str = ""):
+    def __init__(self, message: str, *, rank: int | None, error_type: str, traceback: str = ""):
         super().__init__(message)
         self.rank = rank
         self.error_type = error_type

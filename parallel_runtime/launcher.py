@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from .arena import SHM_DIR, remove_segments
+from .processes import process_alive
 from .spec import BackendSpec
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,15 +77,6 @@ def _worker_pids(run_dir: str) -> dict[int, int]:
     return pids
 
 
-def process_alive(pid: int) -> bool:
-    """True for a running process; False for a gone or zombie one."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 RUN_DIR_PREFIX = "comfy-parallel-"
 
 
@@ -110,9 +102,11 @@ def sweep_stale() -> list[str]:
     return removed
 
 
-def torchrun_command(spec: BackendSpec) -> list[str]:
+def torchrun_command(spec: BackendSpec, run_dir: str) -> list[str]:
+    # torchrun's own logs go into the run directory, which teardown removes: by default it leaves a torchelastic_*
+    # directory in /tmp behind for every launch.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.ranks),
-           "--max-restarts", "0", "--monitor-interval", "0.2"]
+           "--max-restarts", "0", "--monitor-interval", "0.2", "--log-dir", os.path.join(run_dir, "torchelastic")]
     if spec.nnodes == 1:
         cmd += ["--standalone"]
     else:
@@ -138,6 +132,7 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
         "COMFY_PARALLEL_RUN_DIR": run_dir,
         "COMFY_PARALLEL_CLIENT_PID": str(os.getpid()),
         "COMFY_PARALLEL_DEVICE": spec.device,
+        "COMFY_PARALLEL_MEMORY_POLICY": spec.memory_policy,
         "COMFY_PARALLEL_SHM_PREFIX": shm_prefix,
         "PYTHONUNBUFFERED": "1",
     })
@@ -155,7 +150,7 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(16 << 30))
     log = open(os.path.join(run_dir, "launcher.log"), "ab")
     try:
-        proc = subprocess.Popen(torchrun_command(spec), env=env, stdin=subprocess.DEVNULL, stdout=log,
+        proc = subprocess.Popen(torchrun_command(spec, run_dir), env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
     finally:
         log.close()

@@ -1,85 +1,135 @@
 """Where models come from: diffusers ``save_pretrained`` folders under known roots, safetensors only.
 
-Roots are ComfyUI's ``diffusers`` model folders (``folder_paths``, when running inside ComfyUI) followed by
-the directories in ``COMFY_PARALLEL_MODELS`` (os.pathsep-separated). A model is named by its folder name; a
-name that resolves outside every root is refused.
+Roots are ComfyUI's ``diffusers`` model folders (``folder_paths``, when ComfyUI has loaded it) followed by the
+directories in ``COMFY_PARALLEL_MODELS`` (os.pathsep-separated). A model is named by its folder's path below its root
+(``FLUX.1-dev``, ``black-forest-labs/FLUX.1-dev``). What is confined is the widget's string: only a listed name
+resolves (no ``..``, no absolute path); a model folder that is a symbolic link the user put into a root (models kept
+on another disk) is the user's choice and loads.
 """
 from __future__ import annotations
 
-import glob
 import json
+import logging
 import os
+import sys
 
+from . import families
 from .errors import InvalidInput
+from .families import FamilyAdapter
+from .wire import ModelRef
 
-# model_index.json's _class_name -> (family adapter module in worker/families, the family's name for users).
-PIPELINES = {
-    "FluxPipeline": ("flux", "FLUX.1"),
-    "Flux2Pipeline": ("flux2", "FLUX.2"),
-    "QwenImagePipeline": ("qwenimage", "Qwen-Image"),
-}
-_UNSAFE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+log = logging.getLogger(__name__)
+
+_UNSAFE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_DEPTH = 3  # folder levels searched below a root: "name" and "org/name" are the usual layouts
+_warned: set[str] = set()
 
 
 def roots() -> list[str]:
     found = []
-    try:
-        import folder_paths  # ComfyUI's; absent outside ComfyUI
-
-        found += folder_paths.get_folder_paths("diffusers")
-    except (ImportError, KeyError):
-        pass
+    folder_paths = sys.modules.get("folder_paths")  # ComfyUI's, once ComfyUI has loaded it
+    if folder_paths is not None:
+        try:
+            found += folder_paths.get_folder_paths("diffusers")
+        except KeyError:
+            pass
     found += [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p]
-    return [os.path.realpath(p) for p in dict.fromkeys(found)]
+    return [os.path.abspath(p) for p in dict.fromkeys(found)]
+
+
+def _warn_once(path: str, why: str) -> None:
+    if path not in _warned:
+        _warned.add(path)
+        log.warning("parallel_diffusers: skipping %s: %s", path, why)
 
 
 def pipeline_class(model_dir: str) -> str | None:
-    """model_index.json's _class_name, or None when the folder is no diffusers pipeline."""
+    """model_index.json's _class_name, or None when the folder holds no readable diffusers pipeline (logged once)."""
+    index = os.path.join(model_dir, "model_index.json")
     try:
-        with open(os.path.join(model_dir, "model_index.json")) as f:
-            return json.load(f).get("_class_name")
-    except (OSError, ValueError):
+        with open(index) as f:
+            data = json.load(f)
+    except OSError:
         return None
+    except (ValueError, RecursionError) as e:
+        _warn_once(index, f"not valid JSON ({type(e).__name__})")
+        return None
+    name = data.get("_class_name") if isinstance(data, dict) else None
+    if not isinstance(name, str):
+        _warn_once(index, "no _class_name string in it")
+        return None
+    return name
+
+
+def _pipeline_folders(root: str):
+    """Folders below ``root`` that hold a model_index.json, as (name, path); symbolic links followed, loops not."""
+    seen: set[str] = set()
+    for here, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(here)
+        depth = 0 if here == root else os.path.relpath(here, root).count(os.sep) + 1
+        if real in seen or depth > MAX_DEPTH:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        if "model_index.json" in files:
+            dirs[:] = []  # a pipeline's components are not pipelines of their own
+            yield os.path.relpath(here, root).replace(os.sep, "/"), here
+        dirs.sort()
 
 
 def list_models() -> list[str]:
-    """Names of the supported pipelines found under the roots, sorted."""
+    """Names of the supported pipelines found under the roots, sorted. One broken folder is skipped (with a warning
+    naming it), never a reason for the node list to fail."""
     names = set()
     for root in roots():
-        for index in glob.glob(os.path.join(root, "**", "model_index.json"), recursive=True):
-            model_dir = os.path.dirname(index)
-            if pipeline_class(model_dir) in PIPELINES:
-                names.add(os.path.relpath(model_dir, root))
+        for name, path in _pipeline_folders(root):
+            class_name = pipeline_class(path)
+            if families.for_pipeline(class_name) is not None:
+                names.add(name)
+            elif class_name is not None:
+                _warn_once(path, f"{class_name} is not a supported pipeline ({families.supported()})")
     return sorted(names)
 
 
-def resolve(name: str, widget: str = "model") -> str:
-    """The folder of model ``name``, checked: inside a root, a supported pipeline, safetensors weights only."""
+def _confined(name: str, widget: str) -> str:
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or ".." in parts or "" in parts:
+        raise InvalidInput(widget, f"{name!r} is not a model name; pick a folder name from the list")
+    return os.path.join(*parts)
+
+
+def resolve(name: str, widget: str = "model") -> ModelRef:
+    """Model ``name`` checked: a listed folder below a root, a supported pipeline, safetensors weights only."""
     if not name:
         raise InvalidInput(widget, "no model selected; put a diffusers folder (save_pretrained) in "
                                    "models/diffusers or COMFY_PARALLEL_MODELS and pick it here")
-    for root in roots():
-        model_dir = os.path.realpath(os.path.join(root, name))
-        if os.path.commonpath([root, model_dir]) != root:
-            raise InvalidInput(widget, f"{name!r} points outside the model folders; pick a folder name from the list")
-        if os.path.isfile(os.path.join(model_dir, "model_index.json")):
-            break
-    else:
+    relative = _confined(name, widget)
+    model_dir = next((os.path.join(root, relative) for root in roots()
+                      if os.path.isfile(os.path.join(root, relative, "model_index.json"))), None)
+    if model_dir is None:
         where = ", ".join(roots()) or "no model folder is configured (set COMFY_PARALLEL_MODELS)"
         raise InvalidInput(widget, f"unknown model {name!r}; models are diffusers folders in: {where}")
     class_name = pipeline_class(model_dir)
-    if class_name not in PIPELINES:
-        raise InvalidInput(widget, f"{name!r} is a {class_name}; supported pipelines: "
-                                   + ", ".join(f"{label} ({k})" for k, (_, label) in PIPELINES.items()))
+    adapter = families.for_pipeline(class_name)
+    if adapter is None:
+        what = f"a {class_name}" if class_name else "not a readable diffusers pipeline (see the log)"
+        raise InvalidInput(widget, f"{name!r} is {what}; supported pipelines: {families.supported()}")
     for component in sorted(os.listdir(model_dir)):
         sub = os.path.join(model_dir, component)
-        unsafe = [p for pattern in _UNSAFE_WEIGHTS for p in glob.glob(os.path.join(sub, pattern))]
-        if unsafe and not glob.glob(os.path.join(sub, "*.safetensors")):
-            raise InvalidInput(widget, f"{name}/{component} has only pickle weights ({os.path.basename(unsafe[0])}); "
-                                       "only safetensors are loaded — re-save it with save_pretrained(safe_serialization=True)")
-    return model_dir
+        if not os.path.isdir(sub):
+            continue
+        files = os.listdir(sub)
+        unsafe = sorted(f for f in files if f.endswith(_UNSAFE_WEIGHTS))
+        if unsafe and not any(f.endswith(".safetensors") for f in files):
+            raise InvalidInput(widget, f"{name}/{component} has only pickle weights ({unsafe[0]}); only safetensors "
+                                       "are loaded — re-save it with save_pretrained(safe_serialization=True)")
+    return ModelRef(name=name, path=model_dir, family=adapter.key)
 
 
-def read_config(model_dir: str, component: str) -> dict:
-    with open(os.path.join(model_dir, component, "config.json")) as f:
+def family_of(model: ModelRef) -> FamilyAdapter:
+    return families.family(model.family)
+
+
+def read_config(model: ModelRef, component: str) -> dict:
+    with open(os.path.join(model.path, component, "config.json")) as f:
         return json.load(f)

@@ -12,10 +12,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from diffusers import ContextParallelConfig, FluxPipeline, FluxTransformer2DModel, TensorParallelConfig
-from parallel_runtime.cpu_shims import CPU_RING_ATTENTION_BACKEND, apply_cpu_shims
 
+from parallel_runtime.worker.cpu_shims import CPU_RING_ATTENTION_BACKEND, apply_cpu_shims
 
 # name -> (parallel config factory, latent grid (h, w) in 2x2 patches, text tokens). The "anything" cases use odd
 # lengths that no degree divides, which is what they exist for.

@@ -57,8 +57,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACK_NAME = "comfyui-parallel-diffusers"
@@ -239,7 +240,7 @@ class ComfyUIServer:
             lines.append(f"    {key}: {json.dumps(chr(10).join(paths))}")
         self.config_path.write_text("\n".join(lines) + "\n")
 
-    def start(self) -> "ComfyUIServer":
+    def start(self) -> ComfyUIServer:
         if self.proc is not None:
             raise ComfyUIError("already started")
         self._prepare_workdir()
@@ -309,7 +310,7 @@ class ComfyUIServer:
                     if r.status == 200:
                         json.loads(r.read())
                         return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout, json.JSONDecodeError):
+            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
                 pass
             if time.monotonic() > deadline:
                 raise ComfyUIError(f"ComfyUI did not answer /system_stats within {self.startup_timeout:.0f} s"
@@ -317,8 +318,11 @@ class ComfyUIServer:
             time.sleep(0.25)
 
     def import_failures(self) -> list[str]:
-        """Log lines that report a failed import of a custom node pack (ComfyUI's ``IMPORT FAILED``)."""
-        return [line for line in self.log().splitlines() if "IMPORT FAILED" in line]
+        """Log lines that report a custom node pack that failed to load: ComfyUI's ``IMPORT FAILED``, and the warnings
+        its V3 loader logs when a pack's ``comfy_entrypoint`` or node list fails (such a pack still "imports")."""
+        marks = ("IMPORT FAILED", "Error while calling comfy_entrypoint", "did not return a ComfyExtension",
+                 "did not return a list of nodes")
+        return [line for line in self.log().splitlines() if any(mark in line for mark in marks)]
 
     def pack_import_line(self) -> str | None:
         """The line of ComfyUI's "Import times for custom nodes" table for our pack, if any."""
@@ -413,7 +417,7 @@ class ComfyUIServer:
                 break
         self.proc = None
 
-    def __enter__(self) -> "ComfyUIServer":
+    def __enter__(self) -> ComfyUIServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -463,7 +467,7 @@ class ComfyUIServer:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
-        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout) as e:
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise ComfyUIError(f"{method} {path}: no answer ({e}); server alive: {self.alive()}"
                                f"\n--- log tail ---\n{self.log_tail()}") from e
 

@@ -5,7 +5,26 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from comfyui_host import SKIP_MESSAGE, ComfyUIServer  # noqa: E402
+from comfyui_host import SKIP_MESSAGE, ComfyUIServer
+
+# The backends the tests start serve the fault-injection op ("fail"); a production backend refuses it.
+os.environ["COMFY_PARALLEL_TEST_OPS"] = "1"
+# The nodes need ComfyUI's public API (comfy_api); with a ComfyUI checkout named, tests can import them. Appended, so
+# ComfyUI's top-level modules never shadow the project's.
+if os.environ.get("COMFYUI_DIR") and os.environ["COMFYUI_DIR"] not in sys.path:
+    sys.path.append(os.environ["COMFYUI_DIR"])
+
+
+@pytest.fixture(scope="session")
+def nodes():
+    """The pack's node classes by node id; skips the test without ComfyUI's comfy_api (COMFYUI_DIR)."""
+    try:
+        import comfy_api.latest  # noqa: F401
+    except ImportError:
+        pytest.skip(SKIP_MESSAGE)
+    from parallel_nodes import NODES_BY_ID
+
+    return NODES_BY_ID
 
 
 # --- real ComfyUI end-to-end host (tests/comfyui_host.py) -------------------------------------------

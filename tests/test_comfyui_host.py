@@ -8,7 +8,6 @@ import os
 import sys
 
 import pytest
-
 from comfyui_host import REPO_ROOT, ComfyUIError, ComfyUIServer, PromptRejected
 
 pytestmark = pytest.mark.comfyui
@@ -42,12 +41,12 @@ def test_object_info_lists_core_and_our_nodes(comfyui_server):
     # Every node class the pack exports is registered, under our module.
     sys.path.insert(0, str(REPO_ROOT))
     try:
-        from parallel_nodes import NODE_CLASS_MAPPINGS
+        from parallel_nodes import NODES_BY_ID
     finally:
         sys.path.remove(str(REPO_ROOT))
     module = f"custom_nodes.{comfyui_server.pack_name}"
     ours = {name for name, entry in info.items() if entry.get("python_module") == module}
-    assert ours == set(NODE_CLASS_MAPPINGS), (ours, sorted(NODE_CLASS_MAPPINGS))
+    assert ours == set(NODES_BY_ID), (ours, sorted(NODES_BY_ID))
 
 
 def test_core_prompt_runs_and_image_comes_back(comfyui_server):

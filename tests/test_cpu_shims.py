@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from diffusers.models import attention_dispatch
 from diffusers.models.modeling_utils import ModelMixin
-from parallel_runtime.cpu_shims import apply_cpu_shims
-from parallel_runtime.tiny_models import make_tiny_flux
 
+from parallel_runtime.testing.tiny_models import make_tiny_flux
+from parallel_runtime.worker.cpu_shims import apply_cpu_shims
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK_SCRIPT = Path(__file__).with_name("_cp_check.py")

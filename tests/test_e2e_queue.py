@@ -25,11 +25,25 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from comfyui_host import PromptRejected
-from comfyui_workflows import (BACKEND, DECODER, ENCODER, MODEL, SAMPLER, STEPS, TRANSFORMER, backend_run_dirs,
-                               backend_status, progress_texts, prompt_window, small_workflow, step_progress,
-                               tiny_flux, weight_loads, worker_pids)
+from comfyui_workflows import (
+    BACKEND,
+    DECODER,
+    ENCODER,
+    MODEL,
+    SAMPLER,
+    STEPS,
+    TRANSFORMER,
+    backend_run_dirs,
+    backend_status,
+    progress_texts,
+    prompt_window,
+    small_workflow,
+    step_progress,
+    tiny_flux,
+    weight_loads,
+    worker_pids,
+)
 
 pytestmark = pytest.mark.comfyui  # and multirank on the tests that start a backend
 

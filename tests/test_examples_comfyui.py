@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from comfyui_host import REPO_ROOT, ComfyUIServer
 
 pytestmark = pytest.mark.comfyui
@@ -69,8 +68,9 @@ def ui_to_api(ui: dict, info: dict) -> dict:
                     assert values, f"{node['type']}: no widget value left for {name}"
                     value = values.pop(0)
                     kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
-                    if isinstance(kind, list):
-                        allowed = kind + (list(PLACEHOLDERS) if name == "model" else [])
+                    if isinstance(kind, list) or kind == "COMBO":  # a V1 list, or a V3 combo with its options
+                        choices = kind if isinstance(kind, list) else options["options"]
+                        allowed = choices + (list(PLACEHOLDERS) if name == "model" else [])
                         assert value in allowed, (node["type"], name, value, kind)
                     elif kind in ("INT", "FLOAT"):
                         assert isinstance(value, (int, float)) and not isinstance(value, bool), (name, value)
@@ -108,10 +108,10 @@ def inputs_of(workflow: dict, class_type: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------
 def test_there_is_an_example_per_strategy():
-    from parallel_runtime.jobs import STRATEGIES
+    from parallel_runtime.strategy import Strategy
 
     shown = {inputs_of(load(name, api=True), "LoadShardedTransformer")["strategy"] for name in EXAMPLES}
-    assert shown == set(STRATEGIES)
+    assert shown == {s.value for s in Strategy}
     assert {path.stem.removesuffix("_api") for path in (WORKFLOWS / "api").glob("*.json")} == set(EXAMPLES)
 
 
@@ -141,13 +141,13 @@ def test_ui_workflow_matches_object_info_and_the_api_copy(comfyui_server, name):
 def tiny_models(comfyui_models_dir) -> dict[str, Path]:
     """A tiny random model per family under a name of its own (the placeholder names stay unknown to the server,
     which other tests rely on)."""
-    from parallel_runtime.tiny_models import TINY_MODELS
+    from parallel_runtime.families import family as family_adapter
 
     made = {}
     for family in PLACEHOLDERS.values():
         path = Path(comfyui_models_dir) / f"tiny-{family}-examples"
         if not (path / "model_index.json").is_file():
-            TINY_MODELS[family](str(path))
+            family_adapter(family).make_tiny_model(str(path))
         made[family] = path
     return made
 

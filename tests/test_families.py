@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from diffusers import Flux2Pipeline, QwenImagePipeline
-from parallel_runtime.tiny_models import make_tiny_flux2, make_tiny_qwenimage
-from parallel_runtime.worker.families import flux2, qwenimage
+
+from parallel_runtime.families import Placement
+from parallel_runtime.families import family as family_adapter
+from parallel_runtime.wire import Prompts, Sampling
+
+flux2, qwenimage = family_adapter("flux2"), family_adapter("qwenimage")
 
 
 PROMPT = "a photo of a cat"
@@ -20,15 +23,15 @@ NEGATIVE = "a blue painting"
 # Non-square, so a swapped width / height shows up as a shape error.
 WIDTH, HEIGHT = 96, 64
 STEPS = 2  # Qwen-Image's minimum (one step gives NaN)
-CPU = {"device": "cpu", "device_map": None, "max_memory": None}
+CPU = Placement("cpu")
 
 FAMILIES = {
     # FLUX.2's max_sequence_length counts the chat template's system message (31 tiny tokens) too.
-    "flux2": {"adapter": flux2, "make": make_tiny_flux2, "pipeline": Flux2Pipeline, "max_sequence_length": 48,
+    "flux2": {"adapter": flux2, "pipeline": Flux2Pipeline, "max_sequence_length": 48,
               "sampling": {"guidance_scale": 4.0}, "encode": {}},
-    "qwenimage": {"adapter": qwenimage, "make": make_tiny_qwenimage, "pipeline": QwenImagePipeline,
+    "qwenimage": {"adapter": qwenimage, "pipeline": QwenImagePipeline,
                   "max_sequence_length": 64, "sampling": {"guidance_scale": 4.0, "true_cfg_scale": 4.0},
-                  "encode": {"negative_prompt": [NEGATIVE]}},
+                  "encode": {"negative_prompts": (NEGATIVE,)}},
 }
 
 
@@ -47,7 +50,7 @@ def load(tmp_path_factory):
     def get(name: str):
         if name not in loaded:
             settings = FAMILIES[name]
-            model_dir = settings["make"](str(tmp_path_factory.mktemp(name)), 0)
+            model_dir = settings["adapter"].make_tiny_model(str(tmp_path_factory.mktemp(name)), 0)
             adapter = settings["adapter"]
             stages = (
                 adapter.load_text_encoders(model_dir, torch.float32, CPU),
@@ -72,14 +75,15 @@ def qwen(load):
 
 def embeds_of(family) -> dict[str, torch.Tensor]:
     _, settings, _, (text_pipe, _, _) = family
-    return settings["adapter"].encode(text_pipe, [PROMPT], None, settings["max_sequence_length"], **settings["encode"])
+    prompts = Prompts((PROMPT,), max_sequence_length=settings["max_sequence_length"], **settings["encode"])
+    return settings["adapter"].encode(text_pipe, prompts)
 
 
-def staged_latents(family, seed: int, batch_size: int = 1, **overrides) -> torch.Tensor:
+def staged_latents(family, seed: int, batch_size: int = 1, on_step=None, **overrides) -> torch.Tensor:
     _, settings, model_dir, (_, transformer, _) = family
-    sampling = {**settings["sampling"], **overrides}
-    return settings["adapter"].denoise(model_dir, transformer, embeds_of(family), seed=seed, steps=STEPS, width=WIDTH,
-                                       height=HEIGHT, batch_size=batch_size, **sampling)
+    sampling = Sampling(seed=seed, steps=STEPS, width=WIDTH, height=HEIGHT, batch_size=batch_size,
+                        **{**settings["sampling"], **overrides})
+    return settings["adapter"].denoise(model_dir, transformer, embeds_of(family), sampling, on_step=on_step)
 
 
 _PIPELINES = {}
@@ -210,7 +214,7 @@ def test_encode_shapes(family):
         assert embeds["prompt_embeds_mask"].shape == embeds["prompt_embeds"].shape[:2]
         assert embeds["prompt_embeds_mask"].dtype == torch.long and bool(embeds["prompt_embeds_mask"].all())
     with pytest.raises(ValueError, match="one text encoder"):
-        settings["adapter"].encode(family[3][0], [PROMPT], [PROMPT], settings["max_sequence_length"])
+        settings["adapter"].encode(family[3][0], Prompts((PROMPT,), (PROMPT,), max_sequence_length=8))
 
 
 def test_on_step_reports_every_step(family):
@@ -222,12 +226,12 @@ def test_on_step_reports_every_step(family):
 def test_qwenimage_refuses_one_step(qwen):
     _, _, model_dir, (_, transformer, _) = qwen
     with pytest.raises(ValueError, match="at least 2 steps"):
-        qwenimage.denoise(model_dir, transformer, embeds_of(qwen), seed=0, steps=1, guidance_scale=1.0, width=WIDTH,
-                          height=HEIGHT, batch_size=1)
+        qwenimage.denoise(model_dir, transformer, embeds_of(qwen),
+                          Sampling(seed=0, steps=1, guidance_scale=1.0, width=WIDTH, height=HEIGHT))
 
 
 def test_size_not_divisible_by_16_is_refused(family):
     _, settings, model_dir, (_, transformer, _) = family
     with pytest.raises(ValueError, match="divisible by 16"):
-        settings["adapter"].denoise(model_dir, transformer, embeds_of(family), seed=0, steps=STEPS, guidance_scale=1.0,
-                                    width=72, height=64, batch_size=1)
+        settings["adapter"].denoise(model_dir, transformer, embeds_of(family),
+                                    Sampling(seed=0, steps=STEPS, guidance_scale=1.0, width=72, height=64))

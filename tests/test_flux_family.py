@@ -4,14 +4,18 @@ Single process, fp32, CPU. The adapter runs the same pipeline code with componen
 is expected to be bitwise equal; the tolerance only guards against harmless reordering.
 """
 
+import dataclasses
 import logging
 
 import pytest
 import torch
-
 from diffusers import FluxPipeline
-from parallel_runtime.tiny_models import make_tiny_flux
-from parallel_runtime.worker.families import flux
+
+from parallel_runtime.families import Placement, family
+from parallel_runtime.testing.tiny_models import make_tiny_flux
+from parallel_runtime.wire import Prompts, Sampling
+
+flux = family("flux")
 
 
 PROMPT = "a photo of a cat"
@@ -20,7 +24,7 @@ WIDTH, HEIGHT = 96, 64
 STEPS = 3
 GUIDANCE = 3.5
 MAX_SEQUENCE_LENGTH = 16
-CPU = {"device": "cpu", "device_map": None, "max_memory": None}
+CPU = Placement("cpu")
 
 
 @pytest.fixture(scope="session")
@@ -58,19 +62,10 @@ def one_shot(model_dir: str, seed: int, num_images_per_prompt: int = 1) -> torch
 
 def staged_latents(model_dir: str, stages, seed: int, batch_size: int = 1, on_step=None) -> torch.Tensor:
     text_pipe, transformer, _ = stages
-    embeds = flux.encode(text_pipe, [PROMPT], None, MAX_SEQUENCE_LENGTH)
-    return flux.denoise(
-        model_dir,
-        transformer,
-        embeds,
-        seed=seed,
-        steps=STEPS,
-        guidance_scale=GUIDANCE,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=batch_size,
-        on_step=on_step,
-    )
+    embeds = flux.encode(text_pipe, Prompts((PROMPT,), max_sequence_length=MAX_SEQUENCE_LENGTH))
+    sampling = Sampling(seed=seed, steps=STEPS, guidance_scale=GUIDANCE, width=WIDTH, height=HEIGHT,
+                        batch_size=batch_size)
+    return flux.denoise(model_dir, transformer, embeds, sampling, on_step=on_step)
 
 
 def test_staged_equals_one_shot(tiny_flux, stages):
@@ -114,7 +109,8 @@ def test_batch_of_two_equals_num_images_per_prompt(tiny_flux, stages):
 
 
 def test_different_prompts_give_different_embeds(stages):
-    embeds = flux.encode(stages[0], ["a photo of a cat", "a painting of a dog"], None, MAX_SEQUENCE_LENGTH)
+    embeds = flux.encode(stages[0], Prompts(("a photo of a cat", "a painting of a dog"),
+                                            max_sequence_length=MAX_SEQUENCE_LENGTH))
     assert embeds["prompt_embeds"].shape == (2, MAX_SEQUENCE_LENGTH, 32)
     assert embeds["pooled_prompt_embeds"].shape == (2, 32)
     for name, tensor in embeds.items():
@@ -139,18 +135,16 @@ def test_on_step_reports_every_step_and_can_cancel(tiny_flux, stages):
 
 
 def test_size_not_divisible_by_16_is_refused(tiny_flux, stages):
-    embeds = flux.encode(stages[0], [PROMPT], None, MAX_SEQUENCE_LENGTH)
+    embeds = flux.encode(stages[0], Prompts((PROMPT,), max_sequence_length=MAX_SEQUENCE_LENGTH))
     with pytest.raises(ValueError, match="divisible by 16"):
-        flux.denoise(
-            tiny_flux, stages[1], embeds, seed=0, steps=1, guidance_scale=1.0, width=72, height=64, batch_size=1
-        )
+        flux.denoise(tiny_flux, stages[1], embeds, Sampling(seed=0, steps=1, guidance_scale=1.0, width=72, height=64))
 
 
 def test_device_map_is_skipped_on_cpu(tiny_flux, caplog):
-    balanced = {"device": "cpu", "device_map": "balanced", "max_memory": {0: "1GB"}}
-    with caplog.at_level(logging.INFO, logger="parallel_runtime.worker.families"):
+    balanced = Placement("cpu", device_map="balanced", max_memory={0: "1GB"})
+    with caplog.at_level(logging.INFO, logger="parallel_runtime.families"):
         pipe = flux.load_text_encoders(tiny_flux, torch.float32, balanced)
-        transformer = flux.load_transformer(tiny_flux, torch.float32, {**balanced, "device_map": "auto"})
+        transformer = flux.load_transformer(tiny_flux, torch.float32, dataclasses.replace(balanced, device_map="auto"))
     assert pipe.text_encoder_2.device.type == "cpu" and transformer.device.type == "cpu"
     assert "device_map='balanced' skipped on CPU" in caplog.text
     assert "device_map='auto' skipped on CPU" in caplog.text

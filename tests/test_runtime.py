@@ -16,11 +16,12 @@ import time
 import pytest
 import torch
 
-from parallel_runtime import (Backend, BackendDied, BackendSpec, Cancelled, OpFailed)
-from parallel_runtime.client import last_error
-from parallel_runtime import launcher
+from parallel_runtime import Backend, BackendDied, BackendSpec, Cancelled, OpFailed, launcher
 from parallel_runtime.arena import SHM_DIR
-from parallel_runtime.protocol import Channel
+from parallel_runtime.client import last_error
+from parallel_runtime.processes import process_alive
+from parallel_runtime.protocol import Channel, Hello, Refused
+from parallel_runtime.wire import AllreduceArgs, EchoArgs, FailArgs, FailMode, StepsArgs
 
 pytestmark = pytest.mark.multirank
 
@@ -39,12 +40,12 @@ def backend():
 
 def test_status_shows_two_ranks(backend):
     s = backend.status()
-    assert s["world_size"] == 2
-    assert [r["rank"] for r in s["ranks"]] == [0, 1]
-    assert all(r["device"] == "cpu" for r in s["ranks"])
-    assert len({r["pid"] for r in s["ranks"]}) == 2
-    assert set(backend.worker_pids.values()) == {r["pid"] for r in s["ranks"]}
-    assert all(r["memory"]["total_bytes"] > 0 for r in s["ranks"])
+    assert s.world_size == 2
+    assert [r.rank for r in s.ranks] == [0, 1]
+    assert all(r.device == "cpu" for r in s.ranks)
+    assert len({r.pid for r in s.ranks}) == 2
+    assert set(backend.worker_pids.values()) == {r.pid for r in s.ranks}
+    assert all(r.memory.total_bytes > 0 for r in s.ranks)
 
 
 def test_socket_directory_is_private(backend):
@@ -69,7 +70,7 @@ ROUND_TRIP = {
 
 
 def test_every_dtype_round_trips_bit_exact(backend):
-    out = backend.call("echo", tensors=ROUND_TRIP).tensors
+    out = backend.call(EchoArgs(), tensors=ROUND_TRIP).tensors
     assert set(out) == set(ROUND_TRIP)
     for key, t in ROUND_TRIP.items():
         assert out[key].dtype == t.dtype and out[key].shape == t.shape, key
@@ -78,23 +79,23 @@ def test_every_dtype_round_trips_bit_exact(backend):
 
 def test_large_tensor_round_trips(backend):
     big = torch.randint(0, 2**31 - 1, (256 * 1024 * 1024 // 4,), dtype=torch.int32)  # 256 MiB
-    out = backend.call("echo", tensors={"big": big}).tensors["big"]
+    out = backend.call(EchoArgs(), tensors={"big": big}).tensors["big"]
     assert torch.equal(out, big)
     del out, big
-    assert backend.call("echo", tensors={"small": torch.ones(3)}).tensors["small"].sum() == 3  # segment reused
+    assert backend.call(EchoArgs(), tensors={"small": torch.ones(3)}).tensors["small"].sum() == 3  # segment reused
 
 
 def test_collective_result(backend):
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    r = backend.call("allreduce", tensors={"x": x})
-    assert r.result["expected_factor"] == 3
+    r = backend.call(AllreduceArgs(), tensors={"x": x})
+    assert r.result.expected_factor == 3
     assert torch.equal(r.tensors["x"], x * 3)
 
 
 def test_progress_events_arrive_in_order(backend):
     seen = []
-    r = backend.call("steps", {"steps": 6, "seconds_per_step": 0.01}, on_progress=lambda s, t, _: seen.append((s, t)))
-    assert r.result == {"completed": 6}
+    r = backend.call(StepsArgs(steps=6, seconds_per_step=0.01), on_progress=lambda s, t, _: seen.append((s, t)))
+    assert r.result.completed == 6
     assert seen == [(i, 6) for i in range(1, 7)]
 
 
@@ -107,11 +108,11 @@ def test_cancel_stops_every_rank_at_the_same_step(backend):
             backend.cancel()
 
     with pytest.raises(Cancelled) as info:
-        backend.call("steps", {"steps": 200, "seconds_per_step": 0.02}, on_progress=on_progress)
+        backend.call(StepsArgs(steps=200, seconds_per_step=0.02), on_progress=on_progress)
     steps = info.value.steps_by_rank
     assert len(steps) == 2 and steps[0] == steps[1], steps
     assert 3 <= steps[0] <= 5  # within a step or two of the request
-    assert backend.call("steps", {"steps": 2, "seconds_per_step": 0}).result == {"completed": 2}  # still usable
+    assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2  # still usable
 
 
 def test_exception_in_progress_callback_cancels_and_is_reraised(backend):
@@ -123,19 +124,19 @@ def test_exception_in_progress_callback_cancels_and_is_reraised(backend):
             raise Interrupt()
 
     with pytest.raises(Interrupt):
-        backend.call("steps", {"steps": 100, "seconds_per_step": 0.02}, on_progress=on_progress)
-    assert backend.status()["world_size"] == 2
+        backend.call(StepsArgs(steps=100, seconds_per_step=0.02), on_progress=on_progress)
+    assert backend.status().world_size == 2
 
 
 def test_error_on_one_rank_names_it_and_keeps_the_backend(backend):
     pids = backend.worker_pids
     with pytest.raises(OpFailed) as info:
-        backend.call("fail", {"rank": 1, "how": "raise"})
+        backend.call(FailArgs(rank=1, how=FailMode.RAISE))
     assert info.value.rank == 1
     assert "deliberate failure on rank 1" in str(info.value)
     assert "Traceback" in info.value.traceback
     assert backend.worker_pids == pids
-    assert backend.status()["world_size"] == 2
+    assert backend.status().world_size == 2
     # The status panel shows it; kept process-wide, so it outlives the backend that failed.
     assert backend.snapshot()["last_error"]["rank"] == 1
     assert last_error()["message"] == str(info.value)
@@ -145,19 +146,19 @@ def test_wrong_token_is_refused(backend):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(os.path.join(backend.run_dir, "control.sock"))
     ch = Channel(sock)
-    ch.send({"type": "hello", "token": "0" * 64})
-    assert ch.recv(5.0)["type"] == "refused"
+    ch.send(Hello(token="0" * 64))
+    assert isinstance(ch.recv(5.0), Refused)
     ch.close()
-    assert backend.status()["world_size"] == 2  # the real client is unaffected
+    assert backend.status().world_size == 2  # the real client is unaffected
 
 
 def _gone(pids) -> bool:
-    return not any(launcher.process_alive(p) for p in pids)
+    return not any(process_alive(p) for p in pids)
 
 
 def test_shutdown_leaves_nothing_behind():
     b = Backend(BackendSpec(ranks=2, device="cpu"))
-    b.call("echo", tensors={"x": torch.ones(10)})
+    b.call(EchoArgs(), tensors={"x": torch.ones(10)})
     pids, prefix, run_dir, agent = list(b.worker_pids.values()), b.shm_prefix, b.run_dir, b._group.proc.pid
     assert _segments(prefix)
     b.shutdown()
@@ -174,12 +175,12 @@ def test_kill_9_of_rank_1_mid_op_is_reported_and_the_next_call_works():
         threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL)).start()
         t0 = time.monotonic()
         with pytest.raises(BackendDied) as info:
-            b.call("steps", {"steps": 1000, "seconds_per_step": 0.01})
+            b.call(StepsArgs(steps=1000, seconds_per_step=0.01))
         assert time.monotonic() - t0 < 10
         assert info.value.rank == 1, str(info.value)
         assert "rank 1" in str(info.value)
         assert _gone(pids.values()) and _segments(prefix) == []
-        assert b.status()["world_size"] == 2  # a fresh group
+        assert b.status().world_size == 2  # a fresh group
         assert b.worker_pids != pids
     finally:
         b.shutdown()
@@ -189,10 +190,10 @@ def test_rank_stuck_in_collective_after_another_failed_is_torn_down():
     b = Backend(BackendSpec(ranks=2, device="cpu"))
     try:
         with pytest.raises(BackendDied) as info:
-            b.call("fail", {"rank": 1, "how": "raise_before_collective"})
+            b.call(FailArgs(rank=1, how=FailMode.RAISE_BEFORE_COLLECTIVE))
         assert info.value.rank == 1
         assert "deliberate failure on rank 1" in info.value.traceback
-        assert b.call("allreduce", tensors={"x": torch.ones(2)}).tensors["x"].tolist() == [3.0, 3.0]
+        assert b.call(AllreduceArgs(), tensors={"x": torch.ones(2)}).tensors["x"].tolist() == [3.0, 3.0]
     finally:
         b.shutdown()
 
@@ -200,8 +201,9 @@ def test_rank_stuck_in_collective_after_another_failed_is_torn_down():
 CLIENT = textwrap.dedent("""
     import sys, time, torch
     from parallel_runtime import Backend, BackendSpec
+    from parallel_runtime.wire import EchoArgs
     b = Backend(BackendSpec(ranks=2, device="cpu"))
-    b.call("echo", tensors={"x": torch.ones(4)})
+    b.call(EchoArgs(), tensors={"x": torch.ones(4)})
     print(b.shm_prefix, b.run_dir, *b.worker_pids.values(), flush=True)
     time.sleep(600)
 """)
@@ -221,6 +223,7 @@ def test_killing_the_client_makes_the_workers_exit():
             time.sleep(0.1)
         assert _gone(pids)
         assert _segments(prefix) == []  # rank 0 removed them on its way out
+        assert not os.path.exists(run_dir)
     finally:
         proc.kill()
 

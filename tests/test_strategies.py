@@ -1,14 +1,13 @@
-"""Context, tensor and data parallelism through the nodes, on real CPU ranks, against diffusers' one-shot pipeline."""
+"""Context, tensor and data parallelism through the nodes' steps (``jobs``), on real CPU ranks, against diffusers'
+one-shot pipeline."""
 from __future__ import annotations
 
 import pytest
 import torch
 from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
 
-from parallel_nodes import (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelBackend, ParallelSampler,
-                            VAEDecodeSingleGPU)
-from parallel_runtime import InvalidInput, get_backend
-from parallel_runtime.tiny_models import make_tiny_flux, make_tiny_flux2, make_tiny_qwenimage
+from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
+from parallel_runtime.testing.tiny_models import make_tiny_flux, make_tiny_flux2, make_tiny_qwenimage
 
 MODEL = "tiny-flux"
 PROMPT = "a photo of a horse in the city"
@@ -55,15 +54,15 @@ def one_shot(models_dir):
 
 
 def backend(ranks: int):
-    return ParallelBackend().configure(ranks=ranks, device="cpu", memory_policy="staged")[0]
+    return default_spec(ranks=ranks, device="cpu", memory_policy="staged")
 
 
 def generate(spec, strategy: str, *, seed=3, width=64, height=64, batch_size=1, **strategy_args):
-    (positive,) = EncodeOnBalancedGPUs().encode(MODEL, PROMPT, max_sequence_length=TOKENS, backend=spec)
-    (transformer,) = LoadShardedTransformer().load(MODEL, strategy, backend=spec, **strategy_args)
-    (latent,) = ParallelSampler().sample(transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5,
-                                         width=width, height=height, batch_size=batch_size)
-    return VAEDecodeSingleGPU().decode(latent, MODEL, backend=spec)[0]
+    positive = jobs.encode_prompt(spec, model=MODEL, prompt=PROMPT, max_sequence_length=TOKENS)
+    transformer = jobs.plan_transformer(spec, model=MODEL, strategy=strategy, **strategy_args)
+    latent = jobs.sample(transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5, width=width,
+                         height=height, batch_size=batch_size)
+    return jobs.decode(spec, model=MODEL, samples=latent)
 
 
 CASES_2_RANKS = [
@@ -108,13 +107,13 @@ def test_data_parallel_over_a_list_of_prompts(models_dir, name):
     # Qwen-Image keeps each prompt's own length: 64 tokens keep them different, so rows are padded and masked.
     max_sequence_length = 64 if name == "qwenimage" else family["max_sequence_length"]
     spec = backend(2)
-    (positive,) = EncodeOnBalancedGPUs().encode(family["model"], "\n".join(PROMPTS) + "\n", one_prompt_per_line=True,
-                                                max_sequence_length=max_sequence_length, backend=spec,
-                                                **family["encode"])
-    (transformer,) = LoadShardedTransformer().load(family["model"], "data_parallel", backend=spec)
-    (latent,) = ParallelSampler().sample(transformer, positive, seed=3, steps=STEPS, width=64, height=64, batch_size=2,
-                                         **{"guidance_scale": 3.5, **family["sample"]})
-    images = VAEDecodeSingleGPU().decode(latent, family["model"], backend=spec)[0]
+    positive = jobs.encode_prompt(spec, model=family["model"], prompt="\n".join(PROMPTS) + "\n",
+                                  one_prompt_per_line=True, max_sequence_length=max_sequence_length,
+                                  **family["encode"])
+    transformer = jobs.plan_transformer(spec, model=family["model"], strategy="data_parallel")
+    latent = jobs.sample(transformer, positive, seed=3, steps=STEPS, width=64, height=64, batch_size=2,
+                         **{"guidance_scale": 3.5, **family["sample"]})
+    images = jobs.decode(spec, model=family["model"], samples=latent)
 
     pipe = family["pipeline"].from_pretrained(models_dir / family["model"])
     pipe.set_progress_bar_config(disable=True)
@@ -139,11 +138,10 @@ def test_data_parallel_over_a_list_of_prompts(models_dir, name):
 def test_tensor_parallel_holds_a_slice_per_rank(models_dir):
     spec = backend(2)
     generate(spec, "tensor_parallel", width=48, height=80)
-    ranks = get_backend(spec).status()["ranks"]
-    sharded = [next(m for m in r["resident"] if m["component"] == "transformer") for r in ranks]
+    sharded = _transformer_on_each_rank(spec)
     generate(spec, "data_parallel", batch_size=2)  # a full replica per rank, for comparison
-    full = next(m for m in get_backend(spec).status()["ranks"][0]["resident"] if m["component"] == "transformer")
-    shares = [m["parameter_bytes"] / full["parameter_bytes"] for m in sharded]
+    full = _transformer_on_each_rank(spec)[0]
+    shares = [m.parameter_bytes / full.parameter_bytes for m in sharded]
     print(f"tensor parallel, 2 ranks: parameter share per rank {[round(s, 3) for s in shares]}")
     assert all(s <= 0.75 for s in shares)
 
@@ -153,19 +151,18 @@ def test_switching_strategy_reloads_only_the_transformer(models_dir, one_shot):
     spec = backend(2)
     generate(spec, "context_parallel", ulysses_degree=2)
     pids = get_backend(spec).worker_pids
-    counts = get_backend(spec).status()["ranks"][0]["load_counts"]
+    counts = get_backend(spec).status().ranks[0].load_counts
     image = generate(spec, "tensor_parallel", width=64, height=64)
     image2 = generate(spec, "context_parallel", ring_degree=2, ulysses_degree=1)
-    after = get_backend(spec).status()["ranks"][0]["load_counts"]
+    after = get_backend(spec).status().ranks[0].load_counts
     assert get_backend(spec).worker_pids == pids  # no restart
     assert after["transformer:tiny-flux"] == counts["transformer:tiny-flux"] + 2
     assert after["vae:tiny-flux"] == counts["vae:tiny-flux"]
     assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4 and (image2 - one_shot(3, 64, 64)).abs().max() <= 1e-4
 
 
-def _transformer_on_each_rank(spec) -> list[dict]:
-    return [next(m for m in r["resident"] if m["component"] == "transformer")
-            for r in get_backend(spec).status()["ranks"]]
+def _transformer_on_each_rank(spec) -> list:
+    return [next(m for m in r.resident if m.component == "transformer") for r in get_backend(spec).status().ranks]
 
 
 FOUR_RANK_CASES = [
@@ -188,13 +185,13 @@ def test_tp_cp_and_unified_attention_on_four_ranks(models_dir, one_shot):
     assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
     sharded = _transformer_on_each_rank(spec)
     # What diffusers applied, read back from each rank's model: the test fails if either half silently fell away.
-    assert all(m["parallelism"] == {"tp_degree": 2, "ring_degree": 1, "ulysses_degree": 2} for m in sharded)
+    assert all(m.parallelism == {"tp_degree": 2, "ring_degree": 1, "ulysses_degree": 2} for m in sharded)
     image = generate(spec, "context_parallel", ring_degree=2, ulysses_degree=2)
     assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
     replicas = _transformer_on_each_rank(spec)
-    assert all(m["parallelism"] == {"ring_degree": 2, "ulysses_degree": 2} for m in replicas)
-    full = replicas[0]["parameter_bytes"]
-    shares = [m["parameter_bytes"] / full for m in sharded]
+    assert all(m.parallelism == {"ring_degree": 2, "ulysses_degree": 2} for m in replicas)
+    full = replicas[0].parameter_bytes
+    shares = [m.parameter_bytes / full for m in sharded]
     print(f"tp_cp tp2 x ulysses2, 4 ranks: parameter share per rank {[round(s, 3) for s in shares]}")
     assert all(s <= 0.75 for s in shares)
 
@@ -211,7 +208,7 @@ def test_new_family_four_rank_meshes(models_dir, family_one_shot, name):
         diff = (image - reference).abs().max().item()
         print(f"{name} {case}: max |diff| vs one-shot {diff:.3g}")
         assert diff <= 1e-4, case
-        assert all(m["parallelism"] == applied for m in _transformer_on_each_rank(spec)), case
+        assert all(m.parallelism == applied for m in _transformer_on_each_rank(spec)), case
 
 
 @pytest.mark.parametrize("widget, args, hint", [
@@ -237,7 +234,7 @@ def test_strategy_validation_names_the_widget(models_dir, widget, args, hint):
     args = dict(args)
     spec = backend(args.pop("ranks", 2))
     with pytest.raises(InvalidInput, match=hint) as info:
-        LoadShardedTransformer().load(MODEL, backend=spec, **args)
+        jobs.plan_transformer(spec, model=MODEL, **args)
     assert info.value.widget == widget
 
 
@@ -250,10 +247,10 @@ def test_strategy_validation_names_the_widget(models_dir, widget, args, hint):
 def test_sampler_revalidates_against_the_size(models_dir, widget, strategy, sampler, hint):
     strategy = dict(strategy)
     spec = backend(strategy.pop("ranks", 2))
-    (transformer,) = LoadShardedTransformer().load(MODEL, backend=spec, **strategy)
-    args = {"seed": 0, "steps": 1, "guidance_scale": 3.5, "width": 64, "height": 64, "batch_size": 2, **sampler}
+    transformer = jobs.plan_transformer(spec, model=MODEL, **strategy)
+    args = {"steps": 1, "width": 64, "height": 64, "batch_size": 2, **sampler}
     with pytest.raises(InvalidInput, match=hint) as info:
-        ParallelSampler().sample(transformer, None, **args)
+        jobs.validate_sample(transformer, None, **args)
     assert info.value.widget == widget
 
 
@@ -284,11 +281,11 @@ def generate_family(spec, name: str, strategy: str, *, seed=3, batch_size=1, wid
                     **strategy_args):
     family = NEW_FAMILIES[name]
     encode = {"max_sequence_length": family["max_sequence_length"], **family["encode"], **(encode or {})}
-    (positive,) = EncodeOnBalancedGPUs().encode(family["model"], PROMPT, backend=spec, **encode)
-    (transformer,) = LoadShardedTransformer().load(family["model"], strategy, backend=spec, **strategy_args)
-    (latent,) = ParallelSampler().sample(transformer, positive, seed=seed, steps=STEPS, width=width, height=height,
-                                         batch_size=batch_size, **family["sample"])
-    return latent["samples"], VAEDecodeSingleGPU().decode(latent, family["model"], backend=spec)[0]
+    positive = jobs.encode_prompt(spec, model=family["model"], prompt=PROMPT, **encode)
+    transformer = jobs.plan_transformer(spec, model=family["model"], strategy=strategy, **strategy_args)
+    latent = jobs.sample(transformer, positive, seed=seed, steps=STEPS, width=width, height=height,
+                         batch_size=batch_size, **family["sample"])
+    return latent, jobs.decode(spec, model=family["model"], samples=latent)
 
 
 FAMILY_CASES = [
@@ -324,21 +321,22 @@ def _sample_args(**overrides):
     return {"seed": 0, "steps": STEPS, "guidance_scale": 3.5, "width": 64, "height": 64, "batch_size": 1, **overrides}
 
 
+def _validate_qwenimage(spec, **overrides):
+    transformer = jobs.plan_transformer(spec, model="tiny-qwenimage", strategy="device_map")
+    args = {k: v for k, v in _sample_args(**overrides).items() if k != "seed"}
+    jobs.validate_sample(transformer, None, **args)
+
+
 @pytest.mark.parametrize("widget, call, hint", [
-    ("steps", lambda spec: ParallelSampler().sample(
-        LoadShardedTransformer().load("tiny-qwenimage", "device_map", backend=spec)[0], None, **_sample_args(steps=1)),
-     "shift_terminal"),
-    ("true_cfg_scale", lambda spec: ParallelSampler().sample(
-        LoadShardedTransformer().load("tiny-qwenimage", "device_map", backend=spec)[0], None,
-        **_sample_args(true_cfg_scale=0.5)), "use 1"),
-    ("prompt_2", lambda spec: EncodeOnBalancedGPUs().encode("tiny-flux2", PROMPT, prompt_2="a dog", backend=spec),
+    ("steps", lambda spec: _validate_qwenimage(spec, steps=1), "shift_terminal"),
+    ("true_cfg_scale", lambda spec: _validate_qwenimage(spec, true_cfg_scale=0.5), "use 1"),
+    ("prompt_2", lambda spec: jobs.encode_prompt(spec, model="tiny-flux2", prompt=PROMPT, prompt_2="a dog"),
      "one text encoder"),
-    ("max_sequence_length", lambda spec: EncodeOnBalancedGPUs().encode("tiny-flux2", PROMPT, max_sequence_length=1024,
-                                                                       backend=spec), "1..512"),
-    ("samples", lambda spec: VAEDecodeSingleGPU().decode({"samples": torch.zeros(1, 32, 8, 8)}, "tiny-flux2",
-                                                         backend=spec), "128 channels"),
-    ("samples", lambda spec: VAEDecodeSingleGPU().decode({"samples": torch.zeros(1, 16, 2, 8, 8)}, "tiny-qwenimage",
-                                                         backend=spec), "one frame"),
+    ("max_sequence_length", lambda spec: jobs.encode_prompt(spec, model="tiny-flux2", prompt=PROMPT,
+                                                            max_sequence_length=1024), "1..512"),
+    ("samples", lambda spec: jobs.decode(spec, model="tiny-flux2", samples=torch.zeros(1, 32, 8, 8)), "128 channels"),
+    ("samples", lambda spec: jobs.decode(spec, model="tiny-qwenimage", samples=torch.zeros(1, 16, 2, 8, 8)),
+     "one frame"),
 ])
 def test_new_family_widgets_fail_before_anything_runs(models_dir, widget, call, hint):
     with pytest.raises(InvalidInput, match=hint) as info:
@@ -351,17 +349,17 @@ def test_qwenimage_text_tokens_must_split_for_plain_context_parallel(models_dir)
     """Qwen-Image does not pad prompts: the sampler checks the prompt's and the negative prompt's own lengths."""
     spec = backend(2)
     # 8 and 5 tokens (an empty negative prompt is the chat template's 5-token tail).
-    (positive,) = EncodeOnBalancedGPUs().encode("tiny-qwenimage", PROMPT, max_sequence_length=8, backend=spec)
-    (transformer,) = LoadShardedTransformer().load("tiny-qwenimage", "context_parallel", ulysses_degree=2, backend=spec)
-    with pytest.raises(InvalidInput, match="negative prompt is 5 text tokens.*turn on anything") as info:
-        ParallelSampler().sample(transformer, positive, **_sample_args())
+    positive = jobs.encode_prompt(spec, model="tiny-qwenimage", prompt=PROMPT, max_sequence_length=8)
+    transformer = jobs.plan_transformer(spec, model="tiny-qwenimage", strategy="context_parallel", ulysses_degree=2)
+    with pytest.raises(InvalidInput, match=r"negative prompt is 5 text tokens.*turn on anything") as info:
+        jobs.sample(transformer, positive, **_sample_args())
     assert info.value.widget == "positive"
     # With true CFG off the negative prompt is not used, so its length does not matter.
-    ParallelSampler().sample(transformer, positive, **_sample_args(true_cfg_scale=1.0))
+    jobs.sample(transformer, positive, **_sample_args(true_cfg_scale=1.0))
     # A FLUX.2 conditioning does not fit a Qwen-Image transformer.
-    (flux2_positive,) = EncodeOnBalancedGPUs().encode("tiny-flux2", PROMPT, max_sequence_length=48, backend=spec)
-    with pytest.raises(InvalidInput, match="FLUX.2.*Qwen-Image") as info:
-        ParallelSampler().sample(transformer, flux2_positive, **_sample_args())
+    flux2_positive = jobs.encode_prompt(spec, model="tiny-flux2", prompt=PROMPT, max_sequence_length=48)
+    with pytest.raises(InvalidInput, match=r"FLUX\.2.*Qwen-Image") as info:
+        jobs.sample(transformer, flux2_positive, **_sample_args())
     assert info.value.widget == "positive"
 
 

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from diffusers import DiffusionPipeline, Flux2Pipeline, FluxPipeline, QwenImagePipeline
-from parallel_runtime.tiny_models import TINY_MODELS
 
+from parallel_runtime.families import REGISTRY, family
 
 PIPELINE_CLASSES = {"flux": FluxPipeline, "flux2": Flux2Pipeline, "qwenimage": QwenImagePipeline}
+TINY_MODELS = {adapter.key: adapter.make_tiny_model for adapter in REGISTRY}
 
 
 def files(model_dir: str) -> dict[str, bytes]:
@@ -23,8 +23,9 @@ def built(request, tmp_path_factory) -> tuple[str, str]:
     return name, TINY_MODELS[name](str(tmp_path_factory.mktemp(name)), 0)
 
 
-def test_mapping_names_every_family():
+def test_every_family_has_a_tiny_model_of_its_pipeline():
     assert set(TINY_MODELS) == set(PIPELINE_CLASSES)
+    assert all(PIPELINE_CLASSES[key].__name__ == family(key).pipeline for key in PIPELINE_CLASSES)
 
 
 def test_safetensors_only_and_small(built):

@@ -42,8 +42,8 @@ function memory({ memory: m }) {
   if (!m) return "";
   const free = `${bytes(m.free_bytes)} free of ${bytes(m.total_bytes)}`;
   // On a GPU, what torch holds on that device; on CPU every rank sees the same host memory, so its own RSS.
-  if (m.allocated_bytes !== undefined) return [free, muted(`${bytes(m.allocated_bytes)} allocated`)];
-  return m.process_rss_bytes !== undefined ? [free, muted(`rank uses ${bytes(m.process_rss_bytes)}`)] : free;
+  if (m.allocated_bytes != null) return [free, muted(`${bytes(m.allocated_bytes)} allocated`)];
+  return m.process_rss_bytes != null ? [free, muted(`rank uses ${bytes(m.process_rss_bytes)}`)] : free;
 }
 
 function rankList(ranks) {

@@ -1,3 +1,80 @@
-from .rank import main
+"""torchrun's entry point of a backend rank (``python -m parallel_runtime.worker``): rank 0 serves the client, the
+other ranks follow it."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from ..arena import remove_segments
+from ..processes import process_alive
+from .rank import Rank
+from .server import Server
+
+log = logging.getLogger("parallel_runtime.worker")
+
+
+def _redirect_output(run_dir: str, rank: int) -> None:
+    """Send this rank's stdout/stderr (Python and C++ alike) to ``rank<N>.log`` in the run directory."""
+    fd = os.open(os.path.join(run_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+
+
+def _watch_for_orphaning(client_pid: int, on_exit: Callable[[], None]) -> None:
+    """Exit when the client process dies or torchrun's agent (our parent) does: nobody is left to talk to."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if not process_alive(client_pid) or os.getppid() != parent:
+                log.warning("client or launcher died; exiting")
+                on_exit()
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
+def main() -> None:
+    run_dir = os.environ["COMFY_PARALLEL_RUN_DIR"]
+    rank_id = int(os.environ["RANK"])
+    if os.environ.get("COMFY_PARALLEL_LOG_TO_FILES", "1") == "1":
+        _redirect_output(run_dir, rank_id)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank_id} %(name)s %(levelname)s: %(message)s")
+    with open(os.path.join(run_dir, f"rank{rank_id}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    shm_prefix = os.environ["COMFY_PARALLEL_SHM_PREFIX"]
+
+    def clean_up_for_the_dead_client() -> None:
+        # Whichever rank of the client's machine notices first cleans up: torchrun's agent stops the others as
+        # soon as one exits, possibly before they get to it. Both steps are safe to repeat.
+        if os.environ.get("GROUP_RANK", "0") == "0":
+            remove_segments(shm_prefix)
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    _watch_for_orphaning(int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), on_exit=clean_up_for_the_dead_client)
+    me = Rank()
+    me.init()
+    try:
+        if me.rank == 0:
+            Server(me, socket_path=os.path.join(run_dir, "control.sock"), shm_prefix=shm_prefix).serve()
+        else:
+            me.follow()
+    finally:
+        if me.rank == 0:
+            remove_segments(shm_prefix)
+    dist.destroy_process_group()
+    log.info("rank %d shut down", me.rank)
+
 
 main()

@@ -1,4 +1,4 @@
-"""Built-in diagnostic ops: what ``comfy-parallel doctor`` and the runtime's own tests exercise."""
+"""Built-in diagnostic ops: what ``comfy-parallel doctor``, the status panel and the runtime's own tests exercise."""
 from __future__ import annotations
 
 import os
@@ -8,14 +8,28 @@ import time
 import torch
 import torch.distributed as dist
 
-from .ops import OpContext, OpError, op
+from ..wire import (
+    AllreduceArgs,
+    AllreduceResult,
+    EchoArgs,
+    EchoResult,
+    FailArgs,
+    FailMode,
+    FailResult,
+    Memory,
+    RankStatus,
+    StatusArgs,
+    StepsArgs,
+    StepsResult,
+)
+from .ops import OpContext, OpResult, op
 
 
-def _memory(device: torch.device) -> dict:
+def _memory(device: torch.device) -> Memory:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return {"kind": "cuda", "total_bytes": total, "free_bytes": free,
-                "allocated_bytes": torch.cuda.memory_allocated(device)}
+        return Memory(kind="cuda", total_bytes=total, free_bytes=free,
+                      allocated_bytes=torch.cuda.memory_allocated(device))
     meminfo = {}
     with open("/proc/meminfo") as f:
         for line in f:
@@ -23,71 +37,51 @@ def _memory(device: torch.device) -> dict:
             meminfo[key] = int(value.split()[0]) * 1024
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"kind": "cpu", "total_bytes": meminfo["MemTotal"], "free_bytes": meminfo["MemAvailable"],
-            "process_rss_bytes": rss}
+    return Memory(kind="cpu", total_bytes=meminfo["MemTotal"], free_bytes=meminfo["MemAvailable"],
+                  process_rss_bytes=rss)
 
 
-@op("status", spmd=True)
-def status(ctx: OpContext, args: dict, tensors: dict):
-    models = ctx.state.get("models")
-    return {
-        "rank": ctx.rank,
-        "local_rank": ctx.local_rank,
-        "world_size": ctx.world_size,
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": str(ctx.device),
-        "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-        "memory": _memory(ctx.device),
-        "resident": models.describe() if models is not None else [],
-        "load_counts": models.load_counts() if models is not None else {},
-        "torch": torch.__version__,
-    }, {}
+@op(StatusArgs, spmd=True)
+def status(ctx: OpContext, args: StatusArgs, tensors: dict) -> OpResult:
+    models = ctx.state["models"]
+    return RankStatus(
+        rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, hostname=socket.gethostname(),
+        pid=os.getpid(), device=str(ctx.device),
+        device_name=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+        memory=_memory(ctx.device), resident=models.describe(), load_counts=models.load_counts(),
+        torch=torch.__version__), {}
 
 
-@op("allreduce", spmd=True)
-def allreduce(ctx: OpContext, args: dict, tensors: dict):
-    """Each rank contributes ``x * (rank + 1)``; the sum proves every rank took part exactly once."""
+@op(AllreduceArgs, spmd=True)
+def allreduce(ctx: OpContext, args: AllreduceArgs, tensors: dict) -> OpResult:
     x = tensors["x"].to(ctx.device) * (ctx.rank + 1)
     dist.all_reduce(x)
-    return {"expected_factor": ctx.world_size * (ctx.world_size + 1) // 2}, {"x": x.cpu()}
+    return AllreduceResult(expected_factor=ctx.world_size * (ctx.world_size + 1) // 2), {"x": x.cpu()}
 
 
-@op("echo", spmd=False)
-def echo(ctx: OpContext, args: dict, tensors: dict):
-    """Returns its input tensors: an arena round trip."""
-    return {"count": len(tensors)}, dict(tensors)
+@op(EchoArgs, spmd=False)
+def echo(ctx: OpContext, args: EchoArgs, tensors: dict) -> OpResult:
+    return EchoResult(count=len(tensors)), dict(tensors)
 
 
-@op("steps", spmd=True)
-def steps(ctx: OpContext, args: dict, tensors: dict):
-    """A stand-in for a denoising loop: ``steps`` steps of ``seconds_per_step`` with progress and cancel."""
-    total = int(args.get("steps", 10))
-    delay = float(args.get("seconds_per_step", 0.05))
-    for i in range(total):
+@op(StepsArgs, spmd=True)
+def steps(ctx: OpContext, args: StepsArgs, tensors: dict) -> OpResult:
+    for i in range(args.steps):
         ctx.check_cancel(i)
-        time.sleep(delay)
+        time.sleep(args.seconds_per_step)
         if ctx.world_size > 1:
             dist.barrier()  # keep ranks in lock-step like a real CP/TP step would
-        ctx.progress(i + 1, total)
-    return {"completed": total}, {}
+        ctx.progress(i + 1, args.steps)
+    return StepsResult(completed=args.steps), {}
 
 
-@op("fail", spmd=True)
-def fail(ctx: OpContext, args: dict, tensors: dict):
-    """Fails on purpose on one rank, to drill error reporting.
-
-    ``how``: ``raise`` (every other rank finishes the op: the group stays usable), ``raise_before_collective``
-    (the others wait in a collective the failing rank never joins: the group must be torn down),
-    ``exit`` (the process dies).
-    """
-    target, how = int(args.get("rank", 0)), args.get("how", "raise")
-    if how not in ("raise", "raise_before_collective", "exit"):
-        raise OpError(f"fail: how must be raise, raise_before_collective or exit, not {how!r}")
-    if ctx.rank == target:
-        if how == "exit":
+@op(FailArgs, spmd=True, testing=True)
+def fail(ctx: OpContext, args: FailArgs, tensors: dict) -> OpResult:
+    """Fails on purpose on one rank (``FailMode`` says how), to drill error reporting."""
+    if ctx.rank == args.rank:
+        if args.how is FailMode.EXIT:
             os._exit(3)
-        raise RuntimeError(f"deliberate failure on rank {target}")
-    if how == "raise_before_collective" and ctx.world_size > 1:
+        raise RuntimeError(f"deliberate failure on rank {args.rank}")
+    if args.how is FailMode.RAISE_BEFORE_COLLECTIVE and ctx.world_size > 1:
         dist.barrier()
-    return {}, {}
+    return FailResult(), {}

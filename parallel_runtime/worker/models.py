@@ -13,10 +13,13 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from ..wire import ResidentModel
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,8 @@ class ModelKey:
 def _parameter_bytes(obj: Any) -> int:
     """Bytes of parameters this rank holds (a tensor-parallel DTensor counts only its local shard)."""
     modules = [obj] if isinstance(obj, torch.nn.Module) else [
-        getattr(obj, name) for name in getattr(obj, "components", {}) if isinstance(getattr(obj, name, None), torch.nn.Module)]
+        getattr(obj, name) for name in getattr(obj, "components", {})
+        if isinstance(getattr(obj, name, None), torch.nn.Module)]
     params = (p.to_local() if isinstance(p, DTensor) else p for m in modules for p in m.parameters())
     return sum(p.numel() * p.element_size() for p in params)
 
@@ -60,21 +64,22 @@ def _parallelism(obj: Any) -> dict[str, int]:
 
 
 class ResidentModels:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, policy: str):
         self.device = device
+        self.policy = policy  # the backend's memory policy: "staged" or "resident"
         self._slots: dict[str, tuple[ModelKey, Any, float]] = {}  # component -> (key, object, load seconds)
         self._loads: collections.Counter[str] = collections.Counter()
 
-    def get(self, key: ModelKey, load: Callable[[], Any], *, policy: str) -> Any:
+    def get(self, key: ModelKey, load: Callable[[], Any]) -> Any:
         """The resident object for ``key``, loading it (and freeing what it replaces) when needed."""
-        if self.make_room(key, policy=policy):
+        if self.make_room(key):
             t0 = time.monotonic()
             self._slots[key.component] = (key, load(), time.monotonic() - t0)
             self._loads[str(key)] += 1
             log.info("loaded %s (%s, %s) in %.2f s", key, key.placement, key.dtype, time.monotonic() - t0)
         return self._slots[key.component][1]
 
-    def make_room(self, key: ModelKey, *, policy: str) -> bool:
+    def make_room(self, key: ModelKey) -> bool:
         """Free what loading ``key`` replaces or (under ``staged``) must not share the devices with; False when
         ``key`` is already resident. Ranks that take no part in a rank-0 stage call this alone, so every rank's
         slots change together and an SPMD transformer is never resident on some ranks only."""
@@ -82,7 +87,7 @@ class ResidentModels:
         if slot is not None and slot[0] == key:
             return False
         self.free(key.component)
-        if policy == "staged":
+        if self.policy == "staged":
             self.free(*STAGED_EVICTS[key.component])
         return True
 
@@ -102,11 +107,11 @@ class ResidentModels:
     def free_all(self) -> list[str]:
         return self.free(*tuple(self._slots))
 
-    def describe(self) -> list[dict]:
-        return [{"model": key.model, "component": key.component, "placement": key.placement, "dtype": key.dtype,
-                 "parameter_bytes": _parameter_bytes(obj), "parallelism": _parallelism(obj),
-                 "load_seconds": round(seconds, 3)}
-                for key, obj, seconds in self._slots.values()]
+    def describe(self) -> tuple[ResidentModel, ...]:
+        return tuple(ResidentModel(model=key.model, component=key.component, placement=key.placement, dtype=key.dtype,
+                                   parameter_bytes=_parameter_bytes(obj), parallelism=_parallelism(obj),
+                                   load_seconds=round(seconds, 3))
+                     for key, obj, seconds in self._slots.values())
 
     def load_counts(self) -> dict[str, int]:
         return dict(self._loads)

@@ -1,23 +1,32 @@
 """The op registry and the context an op runs in.
 
-An op is a function ``fn(ctx, args, tensors) -> (result, out_tensors)`` registered by name. SPMD ops run
-on every rank (CP/TP/DP work, collectives inside); rank-0 ops run on rank 0 alone (device_map placement
-across several GPUs in one process) while the other ranks wait for the next op. ``result`` must be
-JSON-serialisable; each rank's result is returned to the client (``per_rank``), rank 0's tensors too.
+An op is a function ``fn(ctx, args, tensors) -> (result, out_tensors)`` registered for its arguments' type (a
+``wire.OpArgs``): ``args`` arrives rebuilt and checked, ``result`` is the op's result dataclass (or None on ranks that
+have nothing to say). SPMD ops run on every rank (CP/TP/DP work, collectives inside); rank-0 ops run on rank 0 alone
+(device_map placement across several GPUs in one process) while the other ranks wait for the next op. Each rank's
+result is returned to the client (``per_rank``), rank 0's tensors too.
 
-Input tensors on rank 0 are views of the client's shared-memory segment (no copy): they are valid until the
-op returns, so an op that keeps one longer (in ``ctx.state``) must clone it.
+Input tensors on rank 0 are views of the client's shared-memory segment (no copy): they are valid until the op
+returns, so an op that keeps one longer (in ``ctx.state``) must clone it.
+
+Ops registered with ``testing=True`` (fault injection) are served only by a backend started with
+``COMFY_PARALLEL_TEST_OPS=1``; a production backend answers them as unknown.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-OpFn = Callable[["OpContext", dict, dict[str, torch.Tensor]], tuple[Any, dict[str, torch.Tensor]]]
+from ..wire import OpArgs
+
+OpResult = tuple[Any, dict[str, torch.Tensor]]  # (the op's result dataclass or None, output tensors)
+OpFn = Callable[["OpContext", Any, dict[str, torch.Tensor]], OpResult]
 
 
 class OpError(Exception):
@@ -34,31 +43,37 @@ class OpCancelled(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    name: str
+    args: type[OpArgs]
     fn: OpFn
     spmd: bool
+    testing: bool = False
 
 
 _REGISTRY: dict[str, Op] = {}
 
 
-def op(name: str, *, spmd: bool) -> Callable[[OpFn], OpFn]:
-    """Register ``fn`` as the op ``name``."""
+def op(args: type[OpArgs], *, spmd: bool, testing: bool = False) -> Callable[[OpFn], OpFn]:
+    """Register ``fn`` as the op whose arguments are ``args``."""
 
     def register(fn: OpFn) -> OpFn:
-        if name in _REGISTRY:
-            raise ValueError(f"op {name!r} registered twice")
-        _REGISTRY[name] = Op(name, fn, spmd)
+        if args.op in _REGISTRY:
+            raise ValueError(f"op {args.op!r} registered twice")
+        _REGISTRY[args.op] = Op(args, fn, spmd, testing)
         return fn
 
     return register
 
 
+def test_ops_enabled() -> bool:
+    return os.environ.get("COMFY_PARALLEL_TEST_OPS") == "1"
+
+
 def get_op(name: str) -> Op:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise OpError(f"unknown op {name!r}; known: {sorted(_REGISTRY)}") from None
+    found = _REGISTRY.get(name)
+    if found is None or (found.testing and not test_ops_enabled()):
+        known = sorted(n for n, o in _REGISTRY.items() if not o.testing or test_ops_enabled())
+        raise OpError(f"unknown op {name!r}; known: {known}")
+    return found
 
 
 class OpContext:

@@ -1,7 +1,10 @@
 """Rank 0's side of the control connection: authenticate the client, run its calls, stream events.
 
-One client at a time. A reader thread handles the socket (so a ``cancel`` arrives while an op runs); the
-main thread runs ops in order, so everything the ranks do stays in one sequence.
+One client at a time: a second connection that proves the token while the first is still open is refused with a
+message saying so (never left waiting). Each new connection says hello in a thread of its own with a deadline, so a
+peer that connects and sends nothing delays nobody. A reader thread handles the client's socket (so a ``Cancel``
+arrives while an op runs); the main thread runs calls in order, so everything the ranks do stays in one sequence.
+A frame that does not check gets an error reply and the connection goes on.
 """
 from __future__ import annotations
 
@@ -13,12 +16,33 @@ import socket
 import threading
 
 from ..arena import Arena, ArenaReader
-from ..protocol import Channel, ChannelClosed
-from .rank import SHUTDOWN_OP, Rank
+from ..protocol import (
+    BadFrame,
+    Bye,
+    Call,
+    Cancel,
+    CancelledReply,
+    Channel,
+    ChannelClosed,
+    Error,
+    Fatal,
+    Frame,
+    Hello,
+    Progress,
+    Refused,
+    Result,
+    Shutdown,
+    Welcome,
+)
+from ..serial import WireError, from_json
+from .group import SHUTDOWN_OP, OpHeader, Outcome, OutcomeStatus, TensorLayout
+from .ops import OpError, get_op
+from .rank import Rank
 
 log = logging.getLogger("parallel_runtime.worker.server")
 
 HELLO_TIMEOUT_S = 5.0
+MAX_PENDING_HELLOS = 16  # connections still saying hello; more are closed at once
 
 
 class Server:
@@ -29,8 +53,10 @@ class Server:
             self.token = f.read().strip()
         self.arena = Arena(f"{shm_prefix}-out")
         self.inputs = ArenaReader()
-        self.requests: queue.Queue = queue.Queue()
-        self.channel: Channel | None = None
+        self.requests: queue.Queue[tuple[Channel, Frame]] = queue.Queue()
+        self.channel: Channel | None = None  # the client's connection
+        self._channel_lock = threading.Lock()
+        self._hellos = threading.BoundedSemaphore(MAX_PENDING_HELLOS)
         self.current_call: str | None = None
         self.seq = 0  # ops posted to the group so far
         rank.send_progress = self._send_progress
@@ -41,54 +67,73 @@ class Server:
         listener.bind(self.socket_path + ".tmp")
         os.chmod(self.socket_path + ".tmp", 0o600)
         # Appear under the final name only once listening, so a client that sees the file can connect.
-        listener.listen(4)
+        listener.listen(16)
         os.rename(self.socket_path + ".tmp", self.socket_path)
         return listener
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             sock, _ = listener.accept()
-            channel = Channel(sock)
-            try:
-                hello = channel.recv(HELLO_TIMEOUT_S)
-                token = hello.get("token", "") if hello and hello.get("type") == "hello" else ""
-                if not hmac.compare_digest(str(token).encode(), self.token.encode()):
-                    log.warning("refused a connection with a wrong or missing token")
-                    channel.send({"type": "refused", "reason": "wrong token"})
-                    channel.close()
-                    continue
-                channel.send({"type": "welcome", "world_size": self.rank.world_size, "pid": os.getpid()})
-            except (OSError, ValueError, ChannelClosed):
-                channel.close()
+            if not self._hellos.acquire(blocking=False):
+                sock.close()  # a flood of silent connections: drop the newest rather than queue behind them
                 continue
-            old, self.channel = self.channel, channel  # a reconnecting client replaces its old connection
-            if old is not None:
-                old.close()
-            threading.Thread(target=self._read_loop, args=(channel,), name="control-reader", daemon=True).start()
+            threading.Thread(target=self._greet, args=(Channel(sock),), name="control-hello", daemon=True).start()
+
+    def _greet(self, channel: Channel) -> None:
+        try:
+            hello = channel.recv(HELLO_TIMEOUT_S)
+            token = hello.token if isinstance(hello, Hello) else ""
+            if not hmac.compare_digest(token.encode(), self.token.encode()):
+                log.warning("refused a connection with a wrong or missing token")
+                channel.send(Refused("wrong token"))
+                channel.close()
+                return
+            with self._channel_lock:
+                if self.channel is not None:
+                    log.warning("refused a second client while one is connected")
+                    channel.send(Refused("another client is connected to this backend; it serves one client (one "
+                                         "ComfyUI) at a time"))
+                    channel.close()
+                    return
+                self.channel = channel
+            channel.send(Welcome(world_size=self.rank.world_size, pid=os.getpid()))
+        except (OSError, ValueError, ChannelClosed):
+            channel.close()
+            return
+        finally:
+            self._hellos.release()
+        threading.Thread(target=self._read_loop, args=(channel,), name="control-reader", daemon=True).start()
 
     def _read_loop(self, channel: Channel) -> None:
-        while True:
-            try:
-                msg = channel.recv(None)
-            except (OSError, ValueError, ChannelClosed):
-                return
-            kind = msg.get("type")
-            if kind == "cancel":
-                if msg.get("id") == self.current_call:
-                    self.rank.cancel_event.set()
-            elif kind in ("call", "shutdown"):
-                self.requests.put((channel, msg))
-
-    def _send(self, channel: Channel, msg: dict) -> None:
         try:
-            channel.send(msg)
+            while True:
+                try:
+                    frame = channel.recv(None)
+                except BadFrame as e:
+                    log.warning("refused a control frame: %s", e)
+                    self._send(channel, Error(id=e.call_id, rank=None, error_type="BadFrame", message=str(e)))
+                    continue
+                if isinstance(frame, Cancel):
+                    if frame.id == self.current_call:
+                        self.rank.cancel_event.set()
+                elif isinstance(frame, (Call, Shutdown)):
+                    self.requests.put((channel, frame))
+        except (OSError, ChannelClosed):
+            with self._channel_lock:
+                if self.channel is channel:
+                    self.channel = None
+            channel.close()
+
+    def _send(self, channel: Channel, frame: Frame) -> None:
+        try:
+            channel.send(frame)
         except OSError:
-            log.warning("client went away before %s could be delivered", msg.get("type"))
+            log.warning("client went away before %s could be delivered", frame.kind)
 
     def _send_progress(self, step: int, total: int, text: str | None) -> None:
-        if self.channel is not None and self.current_call is not None:
-            self._send(self.channel, {"type": "progress", "id": self.current_call, "step": step, "total": total,
-                                      "text": text})
+        channel, call_id = self.channel, self.current_call
+        if channel is not None and call_id is not None:
+            self._send(channel, Progress(id=call_id, step=step, total=total, text=text))
 
     # -- op side --------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -96,30 +141,35 @@ class Server:
         threading.Thread(target=self._accept_loop, args=(listener,), name="control-accept", daemon=True).start()
         try:
             while True:
-                channel, msg = self.requests.get()
-                if msg["type"] == "shutdown":
+                channel, frame = self.requests.get()
+                if isinstance(frame, Shutdown):
                     self.seq += 1
-                    self.rank.group.post(self.seq, {"op": SHUTDOWN_OP})
-                    self._send(channel, {"type": "bye"})
+                    self.rank.group.post(self.seq, OpHeader(SHUTDOWN_OP))
+                    self._send(channel, Bye())
                     return
-                self._run_call(channel, msg)
+                self._run_call(channel, frame)
         finally:
             listener.close()
             self.arena.close()
             self.inputs.close()
 
-    def _run_call(self, channel: Channel, msg: dict) -> None:
-        call_id = msg["id"]
+    def _refuse(self, channel: Channel, call: Call, e: Exception, what: str) -> None:
+        self._send(channel, Error(id=call.id, rank=None, error_type=type(e).__name__, message=f"{what}: {e}"))
+
+    def _run_call(self, channel: Channel, call: Call) -> None:
+        # Everything that can be checked before the ranks act is checked here, so a bad call costs one error reply.
         try:
-            tensors = self.inputs.view(msg.get("tensors") or {})
+            from_json(get_op(call.op).args, call.args)
+        except (OpError, WireError) as e:
+            return self._refuse(channel, call, e, f"refused op {call.op!r}")
+        try:
+            tensors = self.inputs.view(call.tensors)
         except (OSError, ValueError, TypeError) as e:
-            self._send(channel, {"type": "error", "id": call_id, "rank": 0, "error_type": type(e).__name__,
-                                 "message": f"could not read the input tensors: {e}", "traceback": ""})
-            return
-        layout = {k: {"dtype": d["dtype"], "shape": d["shape"]} for k, d in (msg.get("tensors") or {}).items()}
-        header = {"op": msg["op"], "args": msg.get("args") or {}, "tensors": layout}
+            return self._refuse(channel, call, e, "could not read the input tensors")
+        layout = {k: TensorLayout(d.dtype, d.shape) for k, d in call.tensors.items()}
+        header = OpHeader(op=call.op, args=call.args, tensors=layout)
         self.rank.cancel_event.clear()
-        self.current_call = call_id
+        self.current_call = call.id
         self.seq += 1
         seq = self.seq
         self.rank.group.post(seq, header)
@@ -130,26 +180,26 @@ class Server:
             # ``outcomes`` is the rank that gave up on the group, or None: rank 0 failed and the others are
             # stuck in a collective. The client reads that rank's traceback from the run directory.
             gave_up = outcomes
-            failed = own if not own.get("ok") else {"message": "another rank failed and the rest are stuck"}
-            self._send(channel, {"type": "fatal", "id": call_id, "rank": 0 if gave_up is None else gave_up,
-                                 "message": failed.get("message", "") if gave_up is None else
-                                 f"rank {gave_up} failed while the others were in a collective"})
+            failed = own if not own.ok else Outcome(OutcomeStatus.ERROR,
+                                                    message="another rank failed and the rest are stuck")
+            self._send(channel, Fatal(id=call.id, rank=0 if gave_up is None else gave_up,
+                                      message=failed.message if gave_up is None else
+                                      f"rank {gave_up} failed while the others were in a collective"))
             self.rank.die(failed)
-        self._send(channel, self._reply(call_id, outcomes, out_tensors))
+        self._send(channel, self._reply(call.id, outcomes, out_tensors))
         self.rank.group.finish(seq)
 
-    def _reply(self, call_id: str, outcomes: list[dict], out_tensors: dict) -> dict:
-        errors = [(r, o) for r, o in enumerate(outcomes) if not o.get("ok") and o.get("kind") == "error"]
+    def _reply(self, call_id: str, outcomes: list[Outcome], out_tensors: dict) -> Frame:
+        errors = [(r, o) for r, o in enumerate(outcomes) if o.status is OutcomeStatus.ERROR]
         if errors:
             r, o = errors[0]
-            return {"type": "error", "id": call_id, "rank": r, "error_type": o["type"], "message": o["message"],
-                    "traceback": o["traceback"]}
-        if any(not o.get("ok") for o in outcomes):
-            return {"type": "cancelled", "id": call_id, "steps_by_rank": [o.get("step") for o in outcomes]}
+            return Error(id=call_id, rank=r, error_type=o.error_type, message=o.message, traceback=o.traceback)
+        if any(o.status is OutcomeStatus.CANCELLED for o in outcomes):
+            return CancelledReply(id=call_id, steps_by_rank=tuple(o.step for o in outcomes))
         try:
             descs = self.arena.write(out_tensors)
         except (OSError, TypeError) as e:
-            return {"type": "error", "id": call_id, "rank": 0, "error_type": type(e).__name__,
-                    "message": f"could not return the output tensors: {e}", "traceback": ""}
-        return {"type": "result", "id": call_id, "result": outcomes[0]["result"],
-                "per_rank": [o["result"] for o in outcomes], "tensors": descs}
+            return Error(id=call_id, rank=0, error_type=type(e).__name__,
+                         message=f"could not return the output tensors: {e}")
+        return Result(id=call_id, result=outcomes[0].result, per_rank=tuple(o.result for o in outcomes),
+                      tensors=descs)

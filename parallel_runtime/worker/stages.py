@@ -1,51 +1,42 @@
-"""The image-generation ops: encode, denoise, decode, free. Family-agnostic; the family adapters
-(families/<name>.py) know each pipeline.
+"""The image-generation ops: encode, denoise, decode, free. Family-agnostic: each op looks its family up in the
+registry (by the key its arguments carry) and calls the family's stage.
 
-Every op runs on every rank, so resident models change on all ranks together. Encode, decode and the
-``device_map`` transformer are rank-0 stages: one process places a component across several GPUs (balanced
-text encoders, ``auto`` transformer, single-device VAE) while the other ranks only free what the stage
-replaces. Context, tensor and data parallel denoising run on every rank (see strategies.py).
+Every op runs on every rank, so resident models change on all ranks together. Encode, decode and the ``device_map``
+transformer are rank-0 stages: one process places a component across several GPUs (balanced text encoders, ``auto``
+transformer, single-device VAE) while the other ranks only free what the stage replaces. Context, tensor and data
+parallel denoising run on every rank (see strategies.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import importlib
-import json
-import os
-from types import ModuleType
+from collections.abc import Callable
 
 import torch
 
 from ..arena import DTYPES
-from ..model_folders import PIPELINES
+from ..families import Placement, family
+from ..wire import DecodeArgs, DecodeResult, DenoiseArgs, DenoiseResult, EncodeArgs, EncodeResult, FreeArgs, FreeResult
 from . import strategies
 from .models import ModelKey, ResidentModels
-from .ops import OpContext, OpError, op
-
-
-def family_of(model_dir: str) -> ModuleType:
-    with open(os.path.join(model_dir, "model_index.json")) as f:
-        class_name = json.load(f)["_class_name"]
-    if class_name not in PIPELINES:
-        raise OpError(f"{model_dir}: pipeline {class_name} is not supported; supported: {sorted(PIPELINES)}")
-    return importlib.import_module(f".families.{PIPELINES[class_name][0]}", __package__)
+from .ops import OpContext, OpError, OpResult, op
 
 
 def _models(ctx: OpContext) -> ResidentModels:
     return ctx.state["models"]
 
 
-def _placement(ctx: OpContext, device_map: str | None, max_memory: dict | None) -> tuple[dict, str]:
-    """The adapter's placement dict and its short description for the resident-model key."""
-    max_memory = {int(k) if str(k).isdigit() else k: v for k, v in (max_memory or {}).items()} or None
-    placement = {"device": str(ctx.device), "device_map": device_map, "max_memory": max_memory}
-    if ctx.device.type == "cpu" or device_map is None:
+def _placement(ctx: OpContext, device_map: str, max_memory: dict[str, str] | None) -> tuple[Placement, str]:
+    """Where a rank-0 stage's component goes, and its short description for the resident-model key."""
+    budget = {int(k) if k.isdigit() else k: v for k, v in (max_memory or {}).items()} or None
+    placement = Placement(device=str(ctx.device), device_map=device_map, max_memory=budget)
+    if ctx.device.type == "cpu":
         return placement, str(ctx.device)
-    budget = ",".join(f"{k}:{v}" for k, v in (max_memory or {}).items())
-    return placement, f"device_map={device_map}" + (f"[{budget}]" if budget else "")
+    shown = ",".join(f"{k}:{v}" for k, v in (max_memory or {}).items())
+    return placement, f"device_map={device_map}" + (f"[{shown}]" if shown else "")
 
 
-def _on_step(ctx: OpContext):
+def _on_step(ctx: OpContext) -> Callable[[int, int], None]:
     def on_step(step_index: int, total: int) -> None:
         ctx.progress(step_index + 1, total)
         ctx.check_cancel(step_index + 1)
@@ -53,91 +44,81 @@ def _on_step(ctx: OpContext):
     return on_step
 
 
-@op("encode", spmd=True)
-def encode(ctx: OpContext, args: dict, tensors: dict):
-    model_dir, dtype = args["model_dir"], args["dtype"]
-    placement, where = _placement(ctx, "balanced", args.get("max_memory"))
-    key = ModelKey(args["model"], "text_encoders", where, dtype)
+@op(EncodeArgs, spmd=True)
+def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
+    placement, where = _placement(ctx, "balanced", args.max_memory)
+    key = ModelKey(args.model.name, "text_encoders", where, args.dtype.value)
     if ctx.rank != 0:
-        _models(ctx).make_room(key, policy=args["memory_policy"])
+        _models(ctx).make_room(key)
         return None, {}
     ctx.alone()
-    family = family_of(model_dir)
+    adapter = family(args.model.family)
     ctx.progress(0, 2, "loading text encoders")
-    pipe = _models(ctx).get(key, lambda: family.load_text_encoders(model_dir, DTYPES[dtype], placement),
-                            policy=args["memory_policy"])
+    pipe = _models(ctx).get(key, lambda: adapter.load_text_encoders(args.model.path, DTYPES[args.dtype.value],
+                                                                    placement))
     ctx.progress(1, 2, "encoding")
-    embeds = family.encode(pipe, args["prompts"], args.get("prompts_2"), args["max_sequence_length"],
-                           **_family_options(args, "negative_prompt"))
+    embeds = adapter.encode(pipe, args.prompts)
     ctx.progress(2, 2, "encoded")
-    return {"shapes": {k: list(v.shape) for k, v in embeds.items()}}, embeds
+    return EncodeResult({k: tuple(v.shape) for k, v in embeds.items()}), embeds
 
 
-def _family_options(args: dict, *names: str) -> dict:
-    """Keyword arguments only some families take (Qwen-Image's true CFG); the client sends them only to those."""
-    return {name: args[name] for name in names if name in args}
-
-
-def _sampling_args(args: dict) -> dict:
-    return {"steps": args["steps"], "guidance_scale": args["guidance_scale"], "width": args["width"],
-            "height": args["height"], **_family_options(args, "true_cfg_scale")}
-
-
-@op("denoise", spmd=True)
-def denoise(ctx: OpContext, args: dict, tensors: dict):
-    model_dir, dtype, strategy = args["model_dir"], args["dtype"], args["strategy"]
-    family = family_of(model_dir)
+@op(DenoiseArgs, spmd=True)
+def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
+    spec, sampling = args.transformer, args.sampling
+    adapter, plan, dtype = family(spec.model.family), spec.plan, DTYPES[spec.dtype.value]
+    if plan.ranks != ctx.world_size:
+        raise OpError(f"the strategy was planned for {plan.ranks} ranks, but this backend has {ctx.world_size}")
     models = _models(ctx)
-    if strategy["kind"] == "device_map":  # a rank-0 stage
-        placement, where = _placement(ctx, "auto", args.get("max_memory"))
-        key = ModelKey(args["model"], "transformer", where, dtype)
+    if not plan.spmd:  # device_map: a rank-0 stage
+        placement, where = _placement(ctx, "auto", spec.max_memory)
+        key = ModelKey(spec.model.name, "transformer", where, spec.dtype.value)
         if ctx.rank != 0:
-            models.make_room(key, policy=args["memory_policy"])
+            models.make_room(key)
             return None, {}
         ctx.alone()
-        load = functools.partial(family.load_transformer, model_dir, DTYPES[dtype], placement)
+        load = functools.partial(adapter.load_transformer, spec.model.path, dtype, placement)
     else:  # context / tensor / data parallel: every rank loads its part together
-        key = ModelKey(args["model"], "transformer", strategies.describe(strategy), dtype)
-        load = functools.partial(strategies.load_transformer, model_dir, DTYPES[dtype], ctx.device, strategy)
-    ctx.progress(0, args["steps"], "loading transformer")
-    transformer = models.get(key, load, policy=args["memory_policy"])
+        key = ModelKey(spec.model.name, "transformer", plan.describe(), spec.dtype.value)
+        load = functools.partial(strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype,
+                                 ctx.device, plan)
+    ctx.progress(0, sampling.steps, "loading transformer")
+    transformer = models.get(key, load)
 
     # Data parallelism gives each rank a consecutive slice of the images; otherwise every rank (CP / TP) or rank 0
     # alone (device_map) runs the whole batch on identical inputs.
-    batch_size, data_parallel = args["batch_size"], strategy["kind"] == "data_parallel"
-    start, count = strategies.share(batch_size, ctx.rank, ctx.world_size) if data_parallel else (0, batch_size)
-    samples = family.denoise(model_dir, transformer, strategies.slice_batch(tensors, batch_size, start, count),
-                             seed=args["seed"] + start, batch_size=count, on_step=_on_step(ctx), **_sampling_args(args))
-    if data_parallel:
+    batch_size = sampling.batch_size
+    start, count = strategies.share(batch_size, ctx.rank, ctx.world_size) if plan.splits_batch else (0, batch_size)
+    mine = dataclasses.replace(sampling, seed=(sampling.seed + start) % 2**64, batch_size=count)
+    samples = adapter.denoise(spec.model.path, transformer, strategies.slice_batch(tensors, batch_size, start, count),
+                              mine, on_step=_on_step(ctx))
+    if plan.splits_batch:
         samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:
         return None, {}
-    ctx.progress(args["steps"], args["steps"], "denoised")
-    return {"shape": list(samples.shape)}, {"samples": samples}
+    ctx.progress(sampling.steps, sampling.steps, "denoised")
+    return DenoiseResult(tuple(samples.shape)), {"samples": samples}
 
 
-@op("decode", spmd=True)
-def decode(ctx: OpContext, args: dict, tensors: dict):
-    model_dir, dtype = args["model_dir"], args["dtype"]
-    device = args.get("device") or str(ctx.device)
-    key = ModelKey(args["model"], "vae", device, dtype)
+@op(DecodeArgs, spmd=True)
+def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
+    key = ModelKey(args.model.name, "vae", args.device, args.dtype.value)
     if ctx.rank != 0:
-        _models(ctx).make_room(key, policy=args["memory_policy"])
+        _models(ctx).make_room(key)
         return None, {}
     ctx.alone()
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise OpError(f"device: {device} was asked for, but the backend has no GPU; use cpu or auto")
-    family = family_of(model_dir)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise OpError(f"device: {args.device} was asked for, but the backend has no GPU; use cpu or auto")
+    adapter = family(args.model.family)
     ctx.progress(0, 1, "loading VAE")
-    vae = _models(ctx).get(key, lambda: family.load_vae(model_dir, DTYPES[dtype], device), policy=args["memory_policy"])
+    vae = _models(ctx).get(key, lambda: adapter.load_vae(args.model.path, DTYPES[args.dtype.value], args.device))
     ctx.progress(0, 1, "decoding")
-    images = family.decode(vae, tensors["samples"])
+    images = adapter.decode(vae, tensors["samples"])
     ctx.progress(1, 1, "decoded")
-    return {"shape": list(images.shape)}, {"images": images}
+    return DecodeResult(tuple(images.shape)), {"images": images}
 
 
-@op("free", spmd=True)
-def free(ctx: OpContext, args: dict, tensors: dict):
+@op(FreeArgs, spmd=True)
+def free(ctx: OpContext, args: FreeArgs, tensors: dict) -> OpResult:
     """Free resident models (``components``, or all) on every rank, e.g. before ComfyUI's own nodes need the GPUs."""
-    components = args.get("components")
-    return {"freed": _models(ctx).free(*components) if components else _models(ctx).free_all()}, {}
+    models = _models(ctx)
+    return FreeResult(tuple(models.free(*args.components) if args.components else models.free_all())), {}

@@ -1,62 +1,42 @@
-"""How an SPMD transformer is built and how a batch is shared: context, tensor and data parallelism.
-
-A strategy is a small dict from the client: ``{"kind": "context_parallel", "ring_degree": r, "ulysses_degree": u,
-"anything": bool, "attention_backend": "auto"|name}``, ``{"kind": "tensor_parallel", "tp_degree": t}``, ``tp_cp``
-(both key sets: TP within groups of ``tp_degree`` neighbouring ranks, CP across them) or ``{"kind": "data_parallel"}``.
-Family-agnostic: the transformer class comes from its config.json.
+"""How an SPMD transformer is built from its ``StrategyPlan`` and how a batch is shared: context, tensor and data
+parallelism. Family-agnostic: the family names its transformer class.
 """
 from __future__ import annotations
 
-import json
-import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from .families import expand_batch
+from ..families.base import expand_batch
+from ..strategy import Strategy, StrategyPlan
 
-
-def describe(strategy: dict) -> str:
-    """A short, stable name for the resident-model key."""
-    kind = strategy["kind"]
-    if kind == "context_parallel":
-        mode = "+anything" if strategy.get("anything") else ""
-        return f"cp:ring{strategy['ring_degree']}xulysses{strategy['ulysses_degree']}{mode}:{strategy.get('attention_backend', 'auto')}"
-    if kind == "tensor_parallel":
-        return f"tp{strategy['tp_degree']}"
-    if kind == "tp_cp":
-        return f"tp{strategy['tp_degree']}x" + describe({**strategy, "kind": "context_parallel"})
-    return kind
+if TYPE_CHECKING:
+    from diffusers import ContextParallelConfig
 
 
-def _transformer_class(model_dir: str) -> type:
-    import diffusers
-
-    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
-        return getattr(diffusers, json.load(f)["_class_name"])
-
-
-def _attention_backend(strategy: dict, device: torch.device) -> str | None:
+def _attention_backend(plan: StrategyPlan, device: torch.device) -> str | None:
     """Ring attention merges partial results by their log-sum-exp, so it needs a backend whose op returns it;
     Ulysses works with the default one."""
-    chosen = strategy.get("attention_backend", "auto")
-    if chosen != "auto":
-        return chosen
-    if strategy["ring_degree"] > 1:
+    if plan.attention_backend != "auto":
+        return plan.attention_backend
+    if plan.ring_degree > 1:
         if device.type == "cpu":
-            from ..cpu_shims import CPU_RING_ATTENTION_BACKEND
+            from .cpu_shims import CPU_RING_ATTENTION_BACKEND
 
             return CPU_RING_ATTENTION_BACKEND
         return "_native_cudnn"
     return None
 
 
-def _context_parallel_config(strategy: dict, mesh=None):
+def _context_parallel_config(plan: StrategyPlan, mesh: DeviceMesh | None = None) -> ContextParallelConfig:
     from diffusers import ContextParallelConfig
 
-    ring, ulysses, anything = strategy["ring_degree"], strategy["ulysses_degree"], strategy.get("anything", False)
+    ring, ulysses = plan.ring_degree, plan.ulysses_degree
     return ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=mesh,
-                                 ulysses_anything=anything and ulysses > 1, ring_anything=anything and ring > 1)
+                                 ulysses_anything=plan.anything and ulysses > 1,
+                                 ring_anything=plan.anything and ring > 1)
 
 
 def _set_attention_backend(transformer: torch.nn.Module, backend: str) -> None:
@@ -70,15 +50,16 @@ def _set_attention_backend(transformer: torch.nn.Module, backend: str) -> None:
     _AttentionBackendRegistry.set_active_backend(default)
 
 
-def _enable_context_parallel(transformer: torch.nn.Module, strategy: dict, device: torch.device, mesh=None) -> None:
-    backend = _attention_backend(strategy, device)
+def _enable_context_parallel(transformer: torch.nn.Module, plan: StrategyPlan, device: torch.device,
+                             mesh: DeviceMesh | None = None) -> None:
+    backend = _attention_backend(plan, device)
     if backend is not None:
         _set_attention_backend(transformer, backend)
-    transformer.enable_parallelism(config=_context_parallel_config(strategy, mesh))
+    transformer.enable_parallelism(config=_context_parallel_config(plan, mesh))
 
 
 def _tp_cp_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: torch.device,
-                       strategy: dict) -> torch.nn.Module:
+                       plan: StrategyPlan) -> torch.nn.Module:
     """Tensor parallelism inside groups of ``tp_degree`` neighbouring ranks, context parallelism across the groups,
     on one (ring, ulysses, tp) mesh. TP is the innermost axis: it all-reduces in every block, so its ranks should
     share the fastest links (one node, NVLink).
@@ -93,35 +74,34 @@ def _tp_cp_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: to
     from diffusers import TensorParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (strategy["ring_degree"], strategy["ulysses_degree"], strategy["tp_degree"]),
+    mesh = init_device_mesh(device.type, (plan.ring_degree, plan.ulysses_degree, plan.tp_degree),
                             mesh_dim_names=("ring", "ulysses", "tp"))
-    transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype,
+    transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True,
                                       parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
     tensor_parallel = transformer._parallel_config.tensor_parallel_config
     transformer._parallel_config = None
-    _enable_context_parallel(transformer, strategy, device, mesh)
+    _enable_context_parallel(transformer, plan, device, mesh)
     transformer._parallel_config.tensor_parallel_config = tensor_parallel
     return transformer
 
 
-def load_transformer(model_dir: str, dtype: torch.dtype, device: torch.device, strategy: dict) -> torch.nn.Module:
-    """This rank's transformer for ``strategy`` (collective: every rank calls it together)."""
+def load_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: torch.device,
+                     plan: StrategyPlan) -> torch.nn.Module:
+    """This rank's ``cls`` transformer for ``plan`` (collective: every rank calls it together)."""
     from diffusers import TensorParallelConfig
 
-    cls = _transformer_class(model_dir)
-    kind = strategy["kind"]
-    if kind == "tensor_parallel":
+    if plan.kind is Strategy.TENSOR_PARALLEL:
         # Each rank reads only its slice of every planned weight while loading; the full checkpoint is never
         # materialised per rank.
-        return cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype,
-                                   parallel_config=TensorParallelConfig(tp_degree=strategy["tp_degree"]))
-    if kind == "tp_cp":
-        return _tp_cp_transformer(cls, model_dir, dtype, device, strategy)
-    transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype).to(device)
-    if kind == "context_parallel":
+        return cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True,
+                                   parallel_config=TensorParallelConfig(tp_degree=plan.tp_degree))
+    if plan.kind is Strategy.TP_CP:
+        return _tp_cp_transformer(cls, model_dir, dtype, device, plan)
+    transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True).to(device)
+    if plan.kind is Strategy.CONTEXT_PARALLEL:
         # `from_pretrained(parallel_config=ContextParallelConfig(...))` fails in diffusers 0.42.1; CP keeps full
         # weights on every rank anyway, so enabling it after loading costs nothing.
-        _enable_context_parallel(transformer, strategy, device)
+        _enable_context_parallel(transformer, plan, device)
     return transformer
 
 
@@ -133,8 +113,8 @@ def share(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def slice_batch(tensors: dict[str, torch.Tensor], batch_size: int, start: int, count: int) -> dict[str, torch.Tensor]:
-    """Images ``start .. start + count`` of a batch's conditioning (laid out as ``families.expand_batch`` does: prompt
-    by prompt), so a rank's slice may span prompts."""
+    """Images ``start .. start + count`` of a batch's conditioning (laid out as ``expand_batch`` does: prompt by
+    prompt), so a rank's slice may span prompts."""
     return {name: rows[start:start + count] for name, rows in expand_batch(tensors, batch_size).items()}
 
 

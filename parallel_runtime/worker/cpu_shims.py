@@ -19,11 +19,9 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from diffusers.hooks import context_parallel, tensor_parallel
 from diffusers.models import _modeling_parallel, attention_dispatch
 from diffusers.models.modeling_utils import ModelMixin
-
 
 CPU_RING_ATTENTION_BACKEND = "_native_flash"
 
@@ -52,7 +50,7 @@ def _report_a_device_while_resolving_parallel_config() -> None:
     resolve = ModelMixin._resolve_parallel_config
 
     @functools.wraps(resolve)
-    def resolve_with_a_device(self, *args, **kwargs):
+    def resolve_with_a_device(self: ModelMixin, *args: object, **kwargs: object) -> object:
         device_count = torch.accelerator.device_count
         torch.accelerator.device_count = lambda: max(1, device_count())
         try:
@@ -81,7 +79,7 @@ def _route_native_flash_to_cpu_kernel() -> None:
 
     @functools.wraps(cuda_forward_op)
     def forward_op(
-        ctx,
+        ctx: object,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -92,8 +90,8 @@ def _route_native_flash_to_cpu_kernel() -> None:
         enable_gqa: bool = False,
         return_lse: bool = False,
         _save_ctx: bool = True,
-        _parallel_config=None,
-    ):
+        _parallel_config: object = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if query.device.type != "cpu":
             return cuda_forward_op(
                 ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,

@@ -22,12 +22,25 @@ global RNG is left untouched) and takes a few seconds on 2 CPU cores.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections import Counter
-from typing import Callable
 
 import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLFlux2,
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     CLIPTextConfig,
@@ -45,21 +58,6 @@ from transformers import (
     T5EncoderModel,
     T5TokenizerFast,
 )
-
-from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLFlux2,
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    Flux2Pipeline,
-    Flux2Transformer2DModel,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-)
-from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
 
 # Words that get whole-word tokens in the tiny tokenizers; anything else still tokenizes (per character or byte),
 # so every prompt is accepted. Distinct prompts give distinct token ids, which is all the tests need.
@@ -136,7 +134,7 @@ def _learn_bpe_merges(words: list[list[str]]) -> list[tuple[str, str]]:
     while True:
         pairs = Counter()
         for symbols, count in counts.items():
-            for pair in zip(symbols, symbols[1:]):
+            for pair in itertools.pairwise(symbols):
                 pairs[pair] += count
         if not pairs:
             return merges
@@ -452,10 +450,3 @@ def make_tiny_qwenimage(out_dir: str, seed: int = 0) -> str:
     )
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return os.fspath(out_dir)
-
-
-TINY_MODELS: dict[str, Callable[[str, int], str]] = {
-    "flux": make_tiny_flux,
-    "flux2": make_tiny_flux2,
-    "qwenimage": make_tiny_qwenimage,
-}

@@ -1,0 +1,39 @@
+"""The model families the pack runs, one module each behind ``FamilyAdapter`` (base.py), listed once here.
+
+The client and the ranks read this same registry: the client validates widgets against a family's declarations, the
+ranks run its stages. Adding a family is one module (a ``FamilyAdapter``), one line in ``REGISTRY``, its tiny model
+in ``parallel_runtime.testing`` and its tests (docs/ARCHITECTURE.md has the recipe).
+"""
+from __future__ import annotations
+
+from .base import FamilyAdapter, LatentLayout, Placement
+from .flux import Flux1
+from .flux2 import Flux2
+from .qwenimage import QwenImage
+
+REGISTRY: tuple[FamilyAdapter, ...] = (
+    Flux1(),
+    Flux2(),
+    QwenImage(),
+)
+
+
+def family(key: str) -> FamilyAdapter:
+    """The family whose ``key`` this is (the wire names families by key)."""
+    for adapter in REGISTRY:
+        if adapter.key == key:
+            return adapter
+    raise ValueError(f"unknown model family {key!r}; known: {', '.join(a.key for a in REGISTRY)}")
+
+
+def for_pipeline(class_name: str | None) -> FamilyAdapter | None:
+    """The family of a diffusers pipeline class (``model_index.json``'s ``_class_name``), or None."""
+    return next((adapter for adapter in REGISTRY if adapter.pipeline == class_name), None)
+
+
+def supported() -> str:
+    """The families for an error message: "FLUX.1 (FluxPipeline), ..."."""
+    return ", ".join(f"{adapter.name} ({adapter.pipeline})" for adapter in REGISTRY)
+
+
+__all__ = ["REGISTRY", "FamilyAdapter", "LatentLayout", "Placement", "family", "for_pipeline", "supported"]

@@ -1,0 +1,193 @@
+"""The interface every model family implements (``FamilyAdapter``), and what the adapters share.
+
+A family knows everything that differs between models: its name for users, its diffusers pipeline, the rules the
+client checks widgets against, its LATENT layout in ComfyUI's convention, its stages on the ranks (load and run the
+text encoders, the transformer, the VAE) and its tiny test model. The client reads only the declarations (class
+attributes), so importing a family loads no diffusers model code at ComfyUI's start-up; the stage methods import
+diffusers when a rank first calls them.
+
+Each stage runs the family's real diffusers pipeline with the other components set to None (the staged recipe of
+diffusers' distributed-inference guide), so the staged result equals the one-shot pipeline for the same seed.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from ..wire import Prompts, Sampling
+
+log = logging.getLogger(__name__)
+
+OnStep = Callable[[int, int], None]  # (step index from 0, total steps); raising stops the loop (how a cancel works)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentLayout:
+    """A family's LATENT in ComfyUI's convention.
+
+    Args:
+        ndims: the tensor ranks accepted, the one the pack makes first (Qwen-Image: 5-D, one video frame).
+        vae_channels_key: the VAE config's key for its latent channels.
+        channels_per_vae_channel: LATENT channels per VAE channel (FLUX.2 stores 2x2 patches: 4).
+        downscale: image pixels per LATENT pixel along each side.
+    """
+
+    ndims: tuple[int, ...]
+    vae_channels_key: str
+    channels_per_vae_channel: int = 1
+    downscale: int = 8
+
+    def channels(self, vae_config: dict) -> int | None:
+        """LATENT channels for a VAE with this config (None when the config does not say)."""
+        vae_channels = vae_config.get(self.vae_channels_key)
+        return vae_channels * self.channels_per_vae_channel if vae_channels else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a stage's components go: onto ``device``, or spread by ``device_map`` ("balanced" for a pipeline of text
+    encoders, "auto" for one model; the recipes of diffusers' guide) within ``max_memory`` per device."""
+
+    device: str
+    device_map: str | None = None
+    max_memory: dict[int | str, str] | None = None
+
+    def from_pretrained_kwargs(self, what: str) -> dict[str, Any]:
+        """``from_pretrained`` keyword arguments; empty when the component loads whole onto ``device``.
+
+        On CPU a ``device_map`` is dropped (and logged): diffusers' pipeline-level "balanced" silently does nothing
+        there, "auto" raises NotImplementedError and a GPU ``max_memory`` raises without an accelerator. Skipping it
+        keeps the CPU mode on the same code path as the GPU one.
+        """
+        if self.device_map is None:
+            return {}
+        if torch.device(self.device).type == "cpu":
+            log.info("%s: device_map=%r skipped on CPU; loading on the CPU.", what, self.device_map)
+            return {}
+        return {"device_map": self.device_map, **({"max_memory": self.max_memory} if self.max_memory else {})}
+
+
+class FamilyAdapter(abc.ABC):
+    """One model family: declarations the client validates against, and the stages the ranks run.
+
+    Declarations (class attributes):
+        key: the registry's and the wire's name ("flux").
+        name: the family's name for users ("FLUX.1").
+        pipeline: the diffusers pipeline class, as ``model_index.json``'s ``_class_name`` names it.
+        text_encoders: 2 when ``prompt_2`` feeds a second encoder.
+        max_sequence_length: the longest prompt the pipeline takes, in tokens.
+        pads_text: prompts are padded to ``max_sequence_length``; otherwise they keep their own length.
+        true_cfg: a negative prompt and ``true_cfg_scale``: two transformer passes per step.
+        min_steps, min_steps_reason: the fewest steps that give an image, and why (for the error).
+        latent: the LATENT layout.
+        pixels_per_token: image pixels per transformer token along each side (8x VAE, 2x2 patches: 16).
+    """
+
+    key: ClassVar[str]
+    name: ClassVar[str]
+    pipeline: ClassVar[str]
+    text_encoders: ClassVar[int] = 1
+    max_sequence_length: ClassVar[int]
+    pads_text: ClassVar[bool]
+    true_cfg: ClassVar[bool] = False
+    min_steps: ClassVar[int] = 1
+    min_steps_reason: ClassVar[str] = "would not denoise anything"
+    latent: ClassVar[LatentLayout]
+    pixels_per_token: ClassVar[int] = 16
+
+    # -- stages (on the ranks) --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
+        """The pipeline with only its tokenizers and text encoders."""
+
+    @abc.abstractmethod
+    def encode(self, pipe: Any, prompts: Prompts) -> dict[str, torch.Tensor]:
+        """Embeddings on the CPU, one row per prompt (and per negative prompt, for true CFG)."""
+
+    @abc.abstractmethod
+    def transformer_class(self) -> type:
+        """The diffusers transformer class (context / tensor parallel loads build it themselves)."""
+
+    def load_transformer(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> torch.nn.Module:
+        """The transformer alone, on one device or spread with ``device_map="auto"``."""
+        return load_placed(self.transformer_class(), model_dir, dtype, placement, f"{self.name} transformer",
+                           subfolder="transformer")
+
+    @abc.abstractmethod
+    def denoise(self, model_dir: str, transformer: torch.nn.Module, embeds: dict[str, torch.Tensor],
+                sampling: Sampling, on_step: OnStep | None = None) -> torch.Tensor:
+        """The denoising loop: LATENT samples in ComfyUI's convention (float32, CPU) for ``sampling.batch_size``
+        images, image i from a generator seeded ``sampling.seed + i``."""
+
+    @abc.abstractmethod
+    def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+        """The VAE on one device (it is small; the guide never splits it)."""
+
+    @abc.abstractmethod
+    def decode(self, vae: torch.nn.Module, samples: torch.Tensor) -> torch.Tensor:
+        """LATENT samples to an IMAGE [B, H, W, 3] float32 in 0..1 on the CPU."""
+
+    # -- tests and the demo -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
+        """Build a tiny random-weight pipeline of this family offline (``parallel_runtime.testing``); its folder."""
+
+
+# -- what the adapters share -------------------------------------------------------------------------------------
+def load_placed(cls: Any, model_dir: str, dtype: torch.dtype, placement: Placement, what: str, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(model_dir, dtype=dtype, **kwargs)`` placed as ``placement`` says: spread by its
+    ``device_map``, or moved whole to its ``device``. Safetensors only: a pickle file beside them is never read."""
+    placed = placement.from_pretrained_kwargs(what)
+    loaded = cls.from_pretrained(model_dir, dtype=dtype, use_safetensors=True, **kwargs, **placed)
+    if "device_map" not in placed:
+        loaded.to(placement.device)
+    return loaded
+
+
+def expand_batch(embeds: dict[str, torch.Tensor], batch_size: int) -> dict[str, torch.Tensor]:
+    """One row per image: every conditioning tensor holds one row per prompt, repeated here for that prompt's
+    ``batch_size / prompts`` images, prompt by prompt (the order of the pipelines' ``num_images_per_prompt``)."""
+    prompts = next(iter(embeds.values())).shape[0]
+    if batch_size % prompts:
+        raise ValueError(f"batch_size {batch_size} is not a multiple of the number of prompts {prompts}.")
+    return {name: tensor.repeat_interleave(batch_size // prompts, dim=0) for name, tensor in embeds.items()}
+
+
+def generators(seed: int, batch_size: int) -> list[torch.Generator]:
+    """Image ``i`` draws its noise from its own CPU generator seeded ``seed + i`` (modulo 2^64, the generator's range):
+    the same noise on every device and rank, and an image that does not depend on how a batch is split."""
+    return [torch.Generator("cpu").manual_seed((seed + i) % 2**64) for i in range(batch_size)]
+
+
+def step_callback(on_step: OnStep | None) -> Callable[..., dict]:
+    """A pipeline's ``callback_on_step_end`` that calls ``on_step(step_index, total)`` after each step; an exception
+    raised from ``on_step`` stops the loop, which is how a caller cancels."""
+
+    def step_end(pipeline: Any, step_index: int, timestep: torch.Tensor, callback_kwargs: dict) -> dict:
+        if on_step is not None:
+            on_step(step_index, pipeline.num_timesteps)
+        return {}
+
+    return step_end
+
+
+def comfy_image(decoded: torch.Tensor) -> torch.Tensor:
+    """A VAE's [B, 3, H, W] output in [-1, 1] as a ComfyUI IMAGE [B, H, W, 3] float32 in 0..1 on the CPU: the
+    pipelines' own post-processing (clamped); only the layout is ComfyUI's."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor().postprocess(decoded, output_type="pt").permute(0, 2, 3, 1).float().cpu()
+
+
+def check_size(family: FamilyAdapter, sampling: Sampling) -> None:
+    """With vae=None a pipeline assumes an 8x VAE and rounds a size down to its patches instead of failing, giving a
+    latent of the wrong shape: refuse sizes that are not whole tokens."""
+    step = family.pixels_per_token
+    if sampling.height % step or sampling.width % step:
+        raise ValueError(f"{family.name} needs width and height divisible by {step}, got "
+                         f"{sampling.width}x{sampling.height}.")

@@ -1,0 +1,104 @@
+"""FLUX.1 (dev and schnell): ``FluxPipeline``, CLIP + T5 text encoders, one 16-channel 8x VAE.
+
+Between the stages travel ComfyUI's types:
+
+- embeddings: ``prompt_embeds`` [B, T, 4096] (T5) and ``pooled_prompt_embeds`` [B, 768] (CLIP), on the CPU;
+- LATENT samples: [B, 16, H/8, W/8] in un-normalised VAE space with diffusers' 2x2 packing undone, which is what
+  ComfyUI's KSampler produces for Flux and what its VAEDecode consumes;
+- IMAGE: [B, H, W, 3] float32 in 0..1, on the CPU.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..wire import Prompts, Sampling
+from .base import (
+    FamilyAdapter,
+    LatentLayout,
+    OnStep,
+    Placement,
+    check_size,
+    comfy_image,
+    expand_batch,
+    generators,
+    load_placed,
+    step_callback,
+)
+
+
+class Flux1(FamilyAdapter):
+    key = "flux"
+    name = "FLUX.1"
+    pipeline = "FluxPipeline"
+    text_encoders = 2  # CLIP, and T5 (which prompt_2 feeds)
+    max_sequence_length = 512  # T5 is trained on at most 512 tokens and FluxPipeline refuses more
+    pads_text = True
+    latent = LatentLayout(ndims=(4,), vae_channels_key="latent_channels")
+
+    def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
+        from diffusers import FluxPipeline
+
+        return load_placed(FluxPipeline, model_dir, dtype, placement, "FLUX.1 text encoders", transformer=None,
+                           vae=None)
+
+    @torch.no_grad()
+    def encode(self, pipe: Any, prompts: Prompts) -> dict[str, torch.Tensor]:
+        """CLIP (pooled) and T5 (``prompts_2``, defaulting to the prompts)."""
+        prompt_embeds, pooled_prompt_embeds, _text_ids = pipe.encode_prompt(
+            prompt=list(prompts.prompts), prompt_2=list(prompts.prompts_2) if prompts.prompts_2 else None,
+            max_sequence_length=prompts.max_sequence_length)
+        # `_text_ids` is all zeros of the sequence length; the denoise stage rebuilds it.
+        return {"prompt_embeds": prompt_embeds.cpu(), "pooled_prompt_embeds": pooled_prompt_embeds.cpu()}
+
+    def transformer_class(self) -> type:
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel
+
+    @torch.no_grad()
+    def denoise(self, model_dir: str, transformer: torch.nn.Module, embeds: dict[str, torch.Tensor],
+                sampling: Sampling, on_step: OnStep | None = None) -> torch.Tensor:
+        """LATENT samples [batch_size, 16, height/8, width/8]. With fewer prompts than images each prompt is repeated,
+        as the pipeline's ``num_images_per_prompt`` does; the result equals the one-shot pipeline called with the list
+        of generators seeded seed + i."""
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        check_size(self, sampling)
+        pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
+                            vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+                            transformer=transformer)
+        pipe.set_progress_bar_config(disable=True)
+        device = pipe._execution_device
+        # Passed-in embeddings are used as given (the pipeline repeats only the ones it encodes itself), and their
+        # dtype sets the latents' dtype.
+        batch = expand_batch(embeds, sampling.batch_size)
+        packed = pipe(
+            prompt_embeds=batch["prompt_embeds"].to(device=device, dtype=transformer.dtype),
+            pooled_prompt_embeds=batch["pooled_prompt_embeds"].to(device=device, dtype=transformer.dtype),
+            num_inference_steps=sampling.steps, guidance_scale=sampling.guidance_scale,
+            height=sampling.height, width=sampling.width, generator=generators(sampling.seed, sampling.batch_size),
+            output_type="latent", callback_on_step_end=step_callback(on_step),
+        ).images
+        # What FluxPipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's weights.
+        # In float32 (ComfyUI's LATENT dtype) even for a bf16 transformer, so the scale and shift add no rounding.
+        vae_config = AutoencoderKL.load_config(model_dir, subfolder="vae")
+        latents = FluxPipeline._unpack_latents(packed.float(), sampling.height, sampling.width, pipe.vae_scale_factor)
+        latents = latents / vae_config["scaling_factor"] + vae_config["shift_factor"]
+        return latents.cpu()
+
+    def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+        from diffusers import AutoencoderKL
+
+        return load_placed(AutoencoderKL, model_dir, dtype, Placement(device), "FLUX.1 VAE", subfolder="vae")
+
+    @torch.no_grad()
+    def decode(self, vae: torch.nn.Module, samples: torch.Tensor) -> torch.Tensor:
+        """LATENT samples (un-normalised, unpacked) to an IMAGE."""
+        return comfy_image(vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0])
+
+    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
+        from ..testing.tiny_models import make_tiny_flux
+
+        return make_tiny_flux(out_dir, seed)

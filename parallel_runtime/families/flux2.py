@@ -1,0 +1,115 @@
+"""FLUX.2: ``Flux2Pipeline``, a Mistral 3 text encoder, a 32-channel VAE with batch-norm statistics.
+
+Between the stages travel ComfyUI's types:
+
+- embeddings: ``prompt_embeds`` [B, T, 3 x hidden] (three Mistral hidden states stacked; T = max_sequence_length,
+  system prompt included), on the CPU. FLUX.2 has one text encoder, no pooled embedding and no true CFG;
+- LATENT samples: [B, 128, H/16, W/16] for the real 32-channel VAE: the VAE's latents in 2x2 patches and normalised
+  with the VAE's batch-norm statistics. That is ComfyUI's convention for FLUX.2 (``latent_formats.Flux2``: 128
+  channels, 16x downscale, no scale / shift, because ComfyUI's FLUX.2 VAE patchifies and applies the batch-norm
+  itself), and it is also the pipeline's own latent space, so nothing is converted on the way out of the denoiser;
+- IMAGE: [B, H, W, 3] float32 in 0..1, on the CPU.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..wire import Prompts, Sampling
+from .base import (
+    FamilyAdapter,
+    LatentLayout,
+    OnStep,
+    Placement,
+    check_size,
+    comfy_image,
+    expand_batch,
+    generators,
+    load_placed,
+    step_callback,
+)
+
+
+class Flux2(FamilyAdapter):
+    key = "flux2"
+    name = "FLUX.2"
+    pipeline = "Flux2Pipeline"
+    # Flux2Pipeline's tokenizer_max_length, the chat template's system message included.
+    max_sequence_length = 512
+    pads_text = True
+    latent = LatentLayout(ndims=(4,), vae_channels_key="latent_channels", channels_per_vae_channel=4, downscale=16)
+
+    def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
+        from diffusers import Flux2Pipeline
+
+        return load_placed(Flux2Pipeline, model_dir, dtype, placement, "FLUX.2 text encoder", transformer=None,
+                           vae=None)
+
+    @torch.no_grad()
+    def encode(self, pipe: Any, prompts: Prompts) -> dict[str, torch.Tensor]:
+        """Mistral 3, one row per prompt. ``max_sequence_length`` counts the chat template's system message too: the
+        pipeline pads / cuts the whole conversation to it."""
+        if prompts.prompts_2 is not None:
+            raise ValueError("FLUX.2 has one text encoder; prompt_2 has nothing to feed.")
+        prompt_embeds, _text_ids = pipe.encode_prompt(prompt=list(prompts.prompts),
+                                                      max_sequence_length=prompts.max_sequence_length)
+        # `_text_ids` are position ids derived from the sequence length; the denoise stage rebuilds them.
+        return {"prompt_embeds": prompt_embeds.cpu()}
+
+    def transformer_class(self) -> type:
+        from diffusers import Flux2Transformer2DModel
+
+        return Flux2Transformer2DModel
+
+    @torch.no_grad()
+    def denoise(self, model_dir: str, transformer: torch.nn.Module, embeds: dict[str, torch.Tensor],
+                sampling: Sampling, on_step: OnStep | None = None) -> torch.Tensor:
+        """LATENT samples [batch_size, 4 x VAE channels, height/16, width/16]. ``guidance_scale`` is FLUX.2-dev's
+        distilled guidance (an embedding, not CFG)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+
+        check_size(self, sampling)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
+        pipe = Flux2Pipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=transformer)
+        pipe.set_progress_bar_config(disable=True)
+        device = pipe._execution_device
+        # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself), and their dtype
+        # sets the latents' dtype.
+        prompt_embeds = expand_batch(embeds, sampling.batch_size)["prompt_embeds"]
+        packed = pipe(
+            prompt_embeds=prompt_embeds.to(device=device, dtype=transformer.dtype),
+            num_inference_steps=sampling.steps, guidance_scale=sampling.guidance_scale,
+            height=sampling.height, width=sampling.width, generator=generators(sampling.seed, sampling.batch_size),
+            output_type="latent", callback_on_step_end=step_callback(on_step),
+        ).images
+        # Undo `Flux2Pipeline._pack_latents` ([B, C, h, w] -> [B, h*w, C], tokens in raster order; the pipeline's
+        # `_unpack_latents_with_ids` scatters by position ids to the same place). No batch-norm de-normalisation:
+        # ComfyUI's FLUX.2 LATENT is the normalised, patchified latent and its VAE applies the statistics when
+        # decoding. In float32, ComfyUI's LATENT dtype, even for a bf16 transformer.
+        packed = packed.float()
+        latent_height, latent_width = sampling.height // 16, sampling.width // 16
+        return packed.permute(0, 2, 1).reshape(packed.shape[0], packed.shape[2], latent_height, latent_width).cpu()
+
+    def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+        from diffusers import AutoencoderKLFlux2
+
+        return load_placed(AutoencoderKLFlux2, model_dir, dtype, Placement(device), "FLUX.2 VAE", subfolder="vae")
+
+    @torch.no_grad()
+    def decode(self, vae: torch.nn.Module, samples: torch.Tensor) -> torch.Tensor:
+        """LATENT samples (normalised 2x2 patches, ComfyUI's FLUX.2 convention) to an IMAGE."""
+        from diffusers import Flux2Pipeline
+
+        # What Flux2Pipeline does before `vae.decode`, in float32 so the statistics add no rounding of their own.
+        latents = samples.to(device=vae.device, dtype=torch.float32)
+        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        variance = vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps
+        bn_std = torch.sqrt(variance).to(latents.device, latents.dtype)
+        latents = Flux2Pipeline._unpatchify_latents(latents * bn_std + bn_mean)
+        return comfy_image(vae.decode(latents.to(vae.dtype), return_dict=False)[0])
+
+    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
+        from ..testing.tiny_models import make_tiny_flux2
+
+        return make_tiny_flux2(out_dir, seed)

@@ -1,0 +1,45 @@
+"""LoadShardedTransformer's step: choose how the transformer is split, checked against the model and the backend.
+Nothing loads here: the backend loads the transformer when the sampler first needs it."""
+from __future__ import annotations
+
+import dataclasses
+
+from .. import families, model_folders
+from ..spec import BackendSpec
+from ..strategy import StrategyPlan, TransformerFacts
+from ..wire import TransformerSpec
+from .widgets import parse_max_memory, resolve_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerHandle:
+    """A validated transformer choice and the backend it runs on; ``config`` is the transformer's config.json, kept
+    for the sampler's checks. The backend loads it on first use, so text encoders and transformer are never forced to
+    be resident at the same time."""
+
+    backend: BackendSpec
+    spec: TransformerSpec
+    config: dict = dataclasses.field(compare=False)
+
+    @property
+    def family(self) -> families.FamilyAdapter:
+        return families.family(self.spec.model.family)
+
+    @property
+    def plan(self) -> StrategyPlan:
+        return self.spec.plan
+
+
+def plan_transformer(spec: BackendSpec, *, model: str, strategy: str = "device_map", max_memory: str = "",
+                     dtype: str = "auto", ring_degree: int = 1, ulysses_degree: int = 0, anything: bool = False,
+                     attention_backend: str = "auto", tp_degree: int = 0) -> TransformerHandle:
+    """The transformer handle LoadShardedTransformer's widgets describe, checked against the model's config and the
+    backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree). Loads nothing."""
+    ref = model_folders.resolve(model)
+    budget = parse_max_memory(max_memory)
+    config = model_folders.read_config(ref, "transformer")
+    plan = StrategyPlan.from_widgets(TransformerFacts.from_config(config), spec.world_size, strategy=strategy,
+                                     ring_degree=ring_degree, ulysses_degree=ulysses_degree, anything=anything,
+                                     attention_backend=attention_backend, tp_degree=tp_degree)
+    return TransformerHandle(backend=spec, spec=TransformerSpec(model=ref, dtype=resolve_dtype(dtype, spec), plan=plan,
+                                                                max_memory=budget), config=config)

@@ -1,0 +1,3 @@
+"""Test fixtures the tests, the demo and the benchmarks share: tiny random-weight pipelines of every family, built
+offline (``tiny_models``). Each family names its builder (``FamilyAdapter.make_tiny_model``); nothing of the runtime
+imports this package."""

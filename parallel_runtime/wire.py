@@ -1,0 +1,277 @@
+"""What crosses the process boundary: each op's arguments and result, as dataclasses the client and the ranks share.
+
+An op is named by its arguments' type: ``backend.call(DenoiseArgs(...))`` sends the ``denoise`` op, the ranks rebuild
+a ``DenoiseArgs`` from the message (``serial.from_json`` checks every field) and answer with a ``DenoiseResult``. A
+field that is missing or of the wrong type is refused with an error reply before any rank acts on it. Tensors travel
+beside the arguments, through the shared-memory arena (``arena``), never inside them.
+
+Everything here is plain data: no torch, no diffusers. ``OPS`` lists every op.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, ClassVar
+
+from .strategy import StrategyPlan
+
+
+class Dtype(str, enum.Enum):
+    """A resolved weights dtype (the widgets' ``auto`` is resolved on the client)."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRef:
+    """A model the ranks load.
+
+    Args:
+        name: what the user picked (keys the resident models and shows in the status panel).
+        path: the resolved folder (a diffusers ``save_pretrained`` directory).
+        family: the family adapter's key (``families.REGISTRY``).
+    """
+
+    name: str
+    path: str
+    family: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OpArgs:
+    """Base of every op's arguments: ``op`` names the op, ``result`` is the type each rank answers with."""
+
+    op: ClassVar[str]
+    result: ClassVar[type]
+
+
+# -- the generation stages ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """What the text encoders encode: one row of embeddings per prompt.
+
+    Args:
+        prompts: the prompts.
+        prompts_2: FLUX.1's second encoder (T5), one per prompt; None: the same prompts.
+        negative_prompts: true CFG's negative prompts (Qwen-Image), one per prompt; None: not encoded.
+        max_sequence_length: the longest prompt in text-encoder tokens.
+    """
+
+    prompts: tuple[str, ...]
+    prompts_2: tuple[str, ...] | None = None
+    negative_prompts: tuple[str, ...] | None = None
+    max_sequence_length: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeResult:
+    shapes: dict[str, tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeArgs(OpArgs):
+    """Load the model's text encoders (``device_map="balanced"`` within ``max_memory``) and encode ``prompts``."""
+
+    op: ClassVar[str] = "encode"
+    result: ClassVar[type] = EncodeResult
+    model: ModelRef
+    dtype: Dtype
+    prompts: Prompts
+    max_memory: dict[str, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerSpec:
+    """What LoadShardedTransformer chose: the model, how it is split, its dtype and its ``device_map`` budget."""
+
+    model: ModelRef
+    dtype: Dtype
+    plan: StrategyPlan
+    max_memory: dict[str, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """ParallelSampler's widgets, checked. ``batch_size`` counts every image (prompts × images per prompt); image i
+    uses seed + i (modulo 2^64). ``true_cfg_scale`` is None for families without true CFG."""
+
+    seed: int
+    steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    batch_size: int = 1
+    true_cfg_scale: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DenoiseResult:
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenoiseArgs(OpArgs):
+    """Load the transformer as ``transformer`` says (once; it stays resident) and run the denoising loop."""
+
+    op: ClassVar[str] = "denoise"
+    result: ClassVar[type] = DenoiseResult
+    transformer: TransformerSpec
+    sampling: Sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeArgs(OpArgs):
+    """Decode LATENT samples with the model's VAE on one device ("cpu", "cuda:0", ...)."""
+
+    op: ClassVar[str] = "decode"
+    result: ClassVar[type] = DecodeResult
+    model: ModelRef
+    device: str
+    dtype: Dtype
+
+
+# -- housekeeping ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FreeResult:
+    freed: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeArgs(OpArgs):
+    """Free resident models (these components, or all) on every rank."""
+
+    op: ClassVar[str] = "free"
+    result: ClassVar[type] = FreeResult
+    components: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """A rank's device memory ("cuda": the GPU's; "cpu": the machine's, and the rank's own RSS)."""
+
+    kind: str
+    total_bytes: int
+    free_bytes: int
+    allocated_bytes: int | None = None
+    process_rss_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentModel:
+    """A model component resident on a rank, with the parallel degrees diffusers actually applied to it."""
+
+    model: str
+    component: str
+    placement: str
+    dtype: str
+    parameter_bytes: int
+    parallelism: dict[str, int]
+    load_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    local_rank: int
+    world_size: int
+    hostname: str
+    pid: int
+    device: str
+    device_name: str
+    memory: Memory
+    resident: tuple[ResidentModel, ...]
+    load_counts: dict[str, int]
+    torch: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusArgs(OpArgs):
+    """Every rank's device, memory and resident models."""
+
+    op: ClassVar[str] = "status"
+    result: ClassVar[type] = RankStatus
+
+
+# -- diagnostics (comfy-parallel doctor, the runtime's tests) ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AllreduceResult:
+    expected_factor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AllreduceArgs(OpArgs):
+    """Each rank contributes tensor ``x`` × (rank + 1) to an all-reduce: the sum proves every rank took part once."""
+
+    op: ClassVar[str] = "allreduce"
+    result: ClassVar[type] = AllreduceResult
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoResult:
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoArgs(OpArgs):
+    """Rank 0 returns its input tensors: a shared-memory round trip."""
+
+    op: ClassVar[str] = "echo"
+    result: ClassVar[type] = EchoResult
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsResult:
+    completed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsArgs(OpArgs):
+    """A stand-in for a denoising loop: ``steps`` steps of ``seconds_per_step`` with progress and cancel."""
+
+    op: ClassVar[str] = "steps"
+    result: ClassVar[type] = StepsResult
+    steps: int = 10
+    seconds_per_step: float = 0.05
+
+
+class FailMode(str, enum.Enum):
+    RAISE = "raise"  # every other rank finishes the op: the group stays usable
+    RAISE_BEFORE_COLLECTIVE = "raise_before_collective"  # the others wait in a collective: the group is torn down
+    EXIT = "exit"  # the process dies
+
+
+@dataclasses.dataclass(frozen=True)
+class FailResult:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class FailArgs(OpArgs):
+    """Fail on purpose on one rank, to drill error reporting. Served only by a backend started for tests."""
+
+    op: ClassVar[str] = "fail"
+    result: ClassVar[type] = FailResult
+    rank: int = 0
+    how: FailMode = FailMode.RAISE
+
+
+OPS: dict[str, type[OpArgs]] = {cls.op: cls for cls in (
+    EncodeArgs, DenoiseArgs, DecodeArgs, FreeArgs, StatusArgs, AllreduceArgs, EchoArgs, StepsArgs, FailArgs)}
+
+
+def op_args_type(op: str) -> type[OpArgs]:
+    """The arguments' type of op ``op``; ValueError naming the known ops otherwise."""
+    try:
+        return OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(sorted(OPS))}") from None
+
+
+JSON = Any  # a JSON value as ``serial.to_json`` makes it
