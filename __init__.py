@@ -6,6 +6,7 @@ exactly one copy of ``parallel_runtime`` (whose backend registry is process-glob
 are imported when ComfyUI asks for them, so importing this file needs nothing of ComfyUI (pytest imports it as the
 checkout's package).
 """
+
 import os
 import sys
 

@@ -35,6 +35,7 @@ JSON also has, per stage, the time the working process sat runnable waiting for 
 wall minus that (``idle_ms``). Exit status 1 if the images differ, a timed run reloaded a model or the backend
 left a shared-memory segment behind.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,13 +45,20 @@ import sys
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 512], metavar="PX",
-                        help="square image sizes, multiples of 16 (default 128 512)")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[128, 512],
+        metavar="PX",
+        help="square image sizes, multiples of 16 (default 128 512)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="denoising steps (default 8)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per side and size (default 7)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side and size first (default 1)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch/OpenMP threads for both sides (default 1, torchrun's own default)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch/OpenMP threads for both sides (default 1, torchrun's own default)"
+    )
     parser.add_argument("--guidance", type=float, default=3.5, help="guidance scale (default 3.5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
@@ -155,8 +163,15 @@ class NodePath:
         marks.append(self._clock())
         transformer = jobs.plan_transformer(self.spec, model=MODEL, strategy="device_map")
         marks.append(self._clock())
-        latent = jobs.sample(transformer, positive, seed=self.seed, steps=self.steps, guidance_scale=self.guidance,
-                             width=self.size, height=self.size)
+        latent = jobs.sample(
+            transformer,
+            positive,
+            seed=self.seed,
+            steps=self.steps,
+            guidance_scale=self.guidance,
+            width=self.size,
+            height=self.size,
+        )
         marks.append(self._clock())
         image = jobs.decode(self.spec, model=MODEL, samples=latent)
         marks.append(self._clock())
@@ -194,14 +209,21 @@ class DirectPath:
             finally:
                 for kind, now, then in zip(self._spent, self._clock(), start):
                     self._spent[kind][stage] += now - then
+
         return wrapper
 
     def __call__(self) -> tuple[dict[str, dict[str, float]], torch.Tensor]:
         self._spent = self._zero()
         start = self._clock()
-        image = self.pipe(PROMPT, num_inference_steps=self.steps, guidance_scale=self.guidance, width=self.size,
-                          height=self.size, generator=torch.Generator("cpu").manual_seed(self.seed),
-                          output_type="pt").images
+        image = self.pipe(
+            PROMPT,
+            num_inference_steps=self.steps,
+            guidance_scale=self.guidance,
+            width=self.size,
+            height=self.size,
+            generator=torch.Generator("cpu").manual_seed(self.seed),
+            output_type="pt",
+        ).images
         totals = {kind: now - then for kind, now, then in zip(self._spent, self._clock(), start)}
         t = self._spent
         for kind, total in totals.items():
@@ -219,8 +241,10 @@ def _with_corrected(t: dict[str, dict[str, float]]) -> dict[str, dict[str, float
 
 
 def bench_size(spec, rank0_pid: int, pipe, size: int, args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    paths = (("nodes", NodePath(spec, rank0_pid, size, args.steps, args.guidance, args.seed)),
-             ("direct", DirectPath(pipe, size, args.steps, args.guidance, args.seed)))
+    paths = (
+        ("nodes", NodePath(spec, rank0_pid, size, args.steps, args.guidance, args.seed)),
+        ("direct", DirectPath(pipe, size, args.steps, args.guidance, args.seed)),
+    )
     images = {}
     for i in range(args.warmup):
         for name, path in paths:
@@ -231,25 +255,31 @@ def bench_size(spec, rank0_pid: int, pipe, size: int, args: argparse.Namespace, 
         for name, path in paths if r % 2 == 0 else paths[::-1]:  # alternate which side goes first
             t, images[name] = path()
             runs[name].append(t)
-        log(f"  {size}²: run {r + 1}/{args.repeats}: nodes {runs['nodes'][-1]['wall']['total'] * 1e3:.0f} ms, "
-            f"direct {runs['direct'][-1]['wall']['total'] * 1e3:.0f} ms")
+        log(
+            f"  {size}²: run {r + 1}/{args.repeats}: nodes {runs['nodes'][-1]['wall']['total'] * 1e3:.0f} ms, "
+            f"direct {runs['direct'][-1]['wall']['total'] * 1e3:.0f} ms"
+        )
 
     def medians_ms(name: str, kind: str, scale: float = 1e3) -> dict[str, float]:
         return {k: statistics.median(t[kind][k] for t in runs[name]) * scale for k in (*STAGES, "total")}
 
-    row = {"size": size, "repeats": args.repeats,
-           "wall_ms": {name: medians_ms(name, "wall") for name in runs},
-           "idle_ms": {name: medians_ms(name, "idle") for name in runs},
-           "cpu_ms": {name: medians_ms(name, "cpu") for name in runs},
-           "cpu_wait_ms": {name: medians_ms(name, "cpu_wait") for name in runs},
-           "page_faults": {name: medians_ms(name, "faults", scale=1) for name in runs},
-           "all_wall_ms": {name: [round(t["wall"]["total"] * 1e3, 1) for t in runs[name]] for name in runs},
-           "image_max_abs_diff": (images["nodes"] - images["direct"]).abs().max().item()}
+    row = {
+        "size": size,
+        "repeats": args.repeats,
+        "wall_ms": {name: medians_ms(name, "wall") for name in runs},
+        "idle_ms": {name: medians_ms(name, "idle") for name in runs},
+        "cpu_ms": {name: medians_ms(name, "cpu") for name in runs},
+        "cpu_wait_ms": {name: medians_ms(name, "cpu_wait") for name in runs},
+        "page_faults": {name: medians_ms(name, "faults", scale=1) for name in runs},
+        "all_wall_ms": {name: [round(t["wall"]["total"] * 1e3, 1) for t in runs[name]] for name in runs},
+        "image_max_abs_diff": (images["nodes"] - images["direct"]).abs().max().item(),
+    }
     wall, cpu = row["wall_ms"], row["cpu_ms"]
     row["ratio"] = wall["nodes"]["total"] / wall["direct"]["total"]
     # The same ratio per alternating pair, then the median: less sensitive to slow drifts in machine load.
-    row["paired_ratio"] = statistics.median(n["wall"]["total"] / d["wall"]["total"]
-                                            for n, d in zip(runs["nodes"], runs["direct"]))
+    row["paired_ratio"] = statistics.median(
+        n["wall"]["total"] / d["wall"]["total"] for n, d in zip(runs["nodes"], runs["direct"])
+    )
     # Best of n: noise from other programs only ever adds time, so the fastest runs come closest to the true cost.
     row["best_wall_ms"] = {name: min(t["wall"]["total"] for t in runs[name]) * 1e3 for name in runs}
     row["best_ratio"] = row["best_wall_ms"]["nodes"] / row["best_wall_ms"]["direct"]
@@ -268,43 +298,63 @@ def _mark(ok: bool | None) -> str:
 
 
 def print_report(report: dict) -> None:
-    print(f"overhead benchmark: tiny FLUX.1, {report['steps']} steps, guidance {report['guidance']}, "
-          f"seed {report['seed']}; {report['cpus']} cpus, load average at the end {report['loadavg']}")
-    print(f"threads: in-process torch {report['client_threads']}, backend rank 0 OMP_NUM_THREADS="
-          f"{report['rank0_omp_num_threads']}; backend: 1 cpu rank, resident, up in {report['startup_s']:.1f} s")
+    print(
+        f"overhead benchmark: tiny FLUX.1, {report['steps']} steps, guidance {report['guidance']}, "
+        f"seed {report['seed']}; {report['cpus']} cpus, load average at the end {report['loadavg']}"
+    )
+    print(
+        f"threads: in-process torch {report['client_threads']}, backend rank 0 OMP_NUM_THREADS="
+        f"{report['rank0_omp_num_threads']}; backend: 1 cpu rank, resident, up in {report['startup_s']:.1f} s"
+    )
     print()
     target = f"≤{TARGET_RATIO:.2f}@{TARGET_SIZE}²"
-    print(f"{'size':>5} {'n':>3} {'nodes ms':>9} {'direct ms':>9} {'Δ ms':>7} {'ratio':>7} {target:>11}  "
-          f"{'paired':>7} {'best':>7}  {'cpu: nodes ms':>13} {'direct ms':>9} {'ratio':>7}  {'image max|Δ|':>12}")
+    print(
+        f"{'size':>5} {'n':>3} {'nodes ms':>9} {'direct ms':>9} {'Δ ms':>7} {'ratio':>7} {target:>11}  "
+        f"{'paired':>7} {'best':>7}  {'cpu: nodes ms':>13} {'direct ms':>9} {'ratio':>7}  {'image max|Δ|':>12}"
+    )
     for r in report["sizes"]:
         w, c = r["wall_ms"], r["cpu_ms"]
-        print(f"{r['size']:>4}² {r['repeats']:>3} {w['nodes']['total']:>9.1f} {w['direct']['total']:>9.1f} "
-              f"{r['overhead_ms']:>7.1f} {r['ratio']:>6.3f}× {_mark(r.get('ratio_ok')):>11}  "
-              f"{r['paired_ratio']:>6.3f}× {r['best_ratio']:>6.3f}×  {c['nodes']['total']:>13.1f} "
-              f"{c['direct']['total']:>9.1f} {r['cpu_ratio']:>6.3f}×  {r['image_max_abs_diff']:>12.1e}"
-              + ("" if r["images_match"] else "  IMAGES DIFFER"))
-    print("ms: medians of wall time; ratio: of the medians (what the target judges); paired: median of the "
-          "per-repetition ratios; best: fastest nodes run / fastest direct run; cpu: CPU time of this process + rank 0")
+        print(
+            f"{r['size']:>4}² {r['repeats']:>3} {w['nodes']['total']:>9.1f} {w['direct']['total']:>9.1f} "
+            f"{r['overhead_ms']:>7.1f} {r['ratio']:>6.3f}× {_mark(r.get('ratio_ok')):>11}  "
+            f"{r['paired_ratio']:>6.3f}× {r['best_ratio']:>6.3f}×  {c['nodes']['total']:>13.1f} "
+            f"{c['direct']['total']:>9.1f} {r['cpu_ratio']:>6.3f}×  {r['image_max_abs_diff']:>12.1e}"
+            + ("" if r["images_match"] else "  IMAGES DIFFER")
+        )
+    print(
+        "ms: medians of wall time; ratio: of the medians (what the target judges); paired: median of the "
+        "per-repetition ratios; best: fastest nodes run / fastest direct run; cpu: CPU time of this process + rank 0"
+    )
     print()
-    print("per stage, medians in ms (nodes: around each node call; direct: timers on the pipeline's encode_prompt, "
-          "vae.decode + postprocess; the rest is denoise)")
-    print(f"{'size':>5} {'stage':>8}  {'wall: nodes':>11} {'direct':>8} {'Δ':>7}   "
-          f"{'cpu: nodes':>10} {'direct':>8} {'Δ':>7}   {'page faults: nodes':>18} {'direct':>7}")
+    print(
+        "per stage, medians in ms (nodes: around each node call; direct: timers on the pipeline's encode_prompt, "
+        "vae.decode + postprocess; the rest is denoise)"
+    )
+    print(
+        f"{'size':>5} {'stage':>8}  {'wall: nodes':>11} {'direct':>8} {'Δ':>7}   "
+        f"{'cpu: nodes':>10} {'direct':>8} {'Δ':>7}   {'page faults: nodes':>18} {'direct':>7}"
+    )
     for r in report["sizes"]:
         for stage in (*STAGES, "total"):
             (wn, wd), (cn, cd) = ((r[k]["nodes"][stage], r[k]["direct"][stage]) for k in ("wall_ms", "cpu_ms"))
             fn, fd = r["page_faults"]["nodes"][stage], r["page_faults"]["direct"][stage]
-            print(f"{r['size']:>4}² {stage:>8}  {wn:>11.1f} {wd:>8.1f} {wn - wd:>7.1f}   "
-                  f"{cn:>10.1f} {cd:>8.1f} {cn - cd:>7.1f}   {fn:>18.0f} {fd:>7.0f}")
-    print("(each stage's median is taken on its own, so the stages need not add up to the total; page faults: "
-          "minor faults, i.e. fresh 4 KiB pages the kernel had to zero and map, client + rank 0)")
+            print(
+                f"{r['size']:>4}² {stage:>8}  {wn:>11.1f} {wd:>8.1f} {wn - wd:>7.1f}   "
+                f"{cn:>10.1f} {cd:>8.1f} {cn - cd:>7.1f}   {fn:>18.0f} {fd:>7.0f}"
+            )
+    print(
+        "(each stage's median is taken on its own, so the stages need not add up to the total; page faults: "
+        "minor faults, i.e. fresh 4 KiB pages the kernel had to zero and map, client + rank 0)"
+    )
     print()
     verdict = [r for r in report["sizes"] if "ratio_ok" in r]
     if verdict:
         r = verdict[0]
-        print(f"{TARGET_SIZE}²: nodes/direct {r['ratio']:.3f}× wall (target ≤ {TARGET_RATIO:.2f}×) "
-              f"{_mark(r['ratio_ok'])}  [paired {r['paired_ratio']:.3f}×, best {r['best_ratio']:.3f}×, "
-              f"cpu {r['cpu_ratio']:.3f}×]")
+        print(
+            f"{TARGET_SIZE}²: nodes/direct {r['ratio']:.3f}× wall (target ≤ {TARGET_RATIO:.2f}×) "
+            f"{_mark(r['ratio_ok'])}  [paired {r['paired_ratio']:.3f}×, best {r['best_ratio']:.3f}×, "
+            f"cpu {r['cpu_ratio']:.3f}×]"
+        )
     else:
         print(f"no {TARGET_SIZE}² row: the target is not judged")
 
@@ -312,6 +362,7 @@ def print_report(report: dict) -> None:
 def main() -> int:
     args = ARGS
     torch.set_num_threads(args.threads)
+
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
@@ -326,7 +377,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pd-overhead-") as root:
         model_dir = make_tiny_flux(os.path.join(root, MODEL), seed=0)
         os.environ["COMFY_PARALLEL_MODELS"] = os.pathsep.join(
-            [root] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p])
+            [root] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p]
+        )
         pipe = FluxPipeline.from_pretrained(model_dir)
         pipe.set_progress_bar_config(disable=True)
         spec = default_spec(ranks=1, device="cpu", memory_policy="resident")
@@ -335,10 +387,16 @@ def main() -> int:
             backend.start()
             rank0_pid, shm_prefix = backend.worker_pids[0], backend.shm_prefix
             rank0_env = _env_of(rank0_pid)
-            report = {"steps": args.steps, "guidance": args.guidance, "seed": args.seed, "cpus": os.cpu_count(),
-                      "client_threads": torch.get_num_threads(),
-                      "rank0_omp_num_threads": rank0_env.get("OMP_NUM_THREADS", "?"),
-                      "startup_s": backend.startup_s, "sizes": []}
+            report = {
+                "steps": args.steps,
+                "guidance": args.guidance,
+                "seed": args.seed,
+                "cpus": os.cpu_count(),
+                "client_threads": torch.get_num_threads(),
+                "rank0_omp_num_threads": rank0_env.get("OMP_NUM_THREADS", "?"),
+                "startup_s": backend.startup_s,
+                "sizes": [],
+            }
             for size in args.sizes:
                 report["sizes"].append(bench_size(spec, rank0_pid, pipe, size, args, log))
             with open("/proc/loadavg") as f:  # at the end: how busy the machine was while it ran
@@ -350,7 +408,8 @@ def main() -> int:
     report["loads_once"] = all(n == 1 for n in report["load_counts"].values())
     # The runtime promises that no shared-memory segment outlives a shutdown.
     report["leftover_segments"] = sorted(
-        os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, glob.escape(shm_prefix) + "*")))
+        os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, glob.escape(shm_prefix) + "*"))
+    )
 
     if args.json:
         print(json.dumps(report, indent=2))

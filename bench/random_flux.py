@@ -9,6 +9,7 @@ and T5 from their own saved configs at the transformer's widths (CLIP's pooled o
 T5's hidden states ``joint_attention_dim``). The encoders stay one or two layers deep: only their output widths matter
 to the transformer, and they never run in a timed step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS: dict[str, dict] = {
     # For CPU ranks: wide enough that matrix products, not Python, fill a step (~0.25 s on one core at 256²), small
     # enough that four ranks each hold a full copy (~140 MB in float32). 8 heads: Ulysses and TP split it 2 and 4 ways.
-    "bench": {"num_layers": 2, "num_single_layers": 4, "num_attention_heads": 8, "attention_head_dim": 64,
-              "axes_dims_rope": (8, 28, 28)},
+    "bench": {
+        "num_layers": 2,
+        "num_single_layers": 4,
+        "num_attention_heads": 8,
+        "attention_head_dim": 64,
+        "axes_dims_rope": (8, 28, 28),
+    },
     # FLUX.1-dev's transformer config (black-forest-labs/FLUX.1-dev, transformer/config.json): 11.9 B parameters.
-    "flux1-dev": {"num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24, "attention_head_dim": 128,
-                  "joint_attention_dim": 4096, "pooled_projection_dim": 768, "axes_dims_rope": (16, 56, 56)},
+    "flux1-dev": {
+        "num_layers": 19,
+        "num_single_layers": 38,
+        "num_attention_heads": 24,
+        "attention_head_dim": 128,
+        "joint_attention_dim": 4096,
+        "pooled_projection_dim": 768,
+        "axes_dims_rope": (16, 56, 56),
+    },
 }
 # What each preset is saved in: what it runs in (the backend's "auto" dtype is float32 on CPU, bfloat16 on CUDA).
 PRESET_DTYPES = {"bench": torch.float32, "flux1-dev": torch.bfloat16}
@@ -45,8 +58,9 @@ def _rebuild(component_dir: str, config, model_cls, device: str) -> None:
     model.save_pretrained(component_dir, safe_serialization=True)
 
 
-def build(out_dir: str, transformer: dict, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-          seed: int = 0) -> str:
+def build(
+    out_dir: str, transformer: dict, *, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0
+) -> str:
     """Save a FLUX.1 pipeline with a random transformer of ``transformer`` (FluxTransformer2DModel arguments over
     the tiny one's) in ``dtype`` to ``out_dir``; weights are drawn on ``device`` (FLUX.1-dev's 12 B take a CPU minutes,
     a GPU far less). Deterministic for a seed on one device."""
@@ -96,8 +110,12 @@ def main() -> int:
     parser.add_argument("--single-blocks", type=int, help="override the preset's single-stream blocks")
     parser.add_argument("--device", default="cpu", help="where the weights are drawn (cpu, cuda)")
     args = parser.parse_args()
-    build(args.out_dir, preset_config(args.preset, args.double_blocks, args.single_blocks),
-          dtype=PRESET_DTYPES[args.preset], device=args.device)
+    build(
+        args.out_dir,
+        preset_config(args.preset, args.double_blocks, args.single_blocks),
+        dtype=PRESET_DTYPES[args.preset],
+        device=args.device,
+    )
     print(args.out_dir)
     return 0
 

@@ -36,6 +36,7 @@ the largest rank against the full model's bytes in this process.
 
 Exit status 1 if a strategy failed; one the runtime does not offer yet is skipped with a message.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,19 +47,31 @@ import sys
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--ranks", type=int, default=2,
-                        help="ranks of the backend (default 2; 4 adds Unified and tp_cp)")
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="ranks of the backend (default 2; 4 adds Unified and tp_cp)"
+    )
     parser.add_argument("--width", type=int, default=256, help="image width, a multiple of 16 (default 256)")
     parser.add_argument("--height", type=int, default=256, help="image height, a multiple of 16 (default 256)")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per run, ≥ 3; the first is not timed")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per strategy (default 3)")
-    parser.add_argument("--max-sequence-length", type=int, default=64,
-                        help="text tokens (default 64; FLUX.1-dev uses 512); a multiple of the ranks for Ulysses/Ring")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch/OpenMP threads of the one process and of each rank (default 1, torchrun's)")
+    parser.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=64,
+        help="text tokens (default 64; FLUX.1-dev uses 512); a multiple of the ranks for Ulysses/Ring",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch/OpenMP threads of the one process and of each rank (default 1, torchrun's)",
+    )
     parser.add_argument("--strategies", nargs="+", metavar="NAME", help="run only these rows (names as printed)")
-    parser.add_argument("--model-dir", help="a FLUX.1 pipeline folder; built there with random weights when it holds "
-                                            "none (default: a temporary folder)")
+    parser.add_argument(
+        "--model-dir",
+        help="a FLUX.1 pipeline folder; built there with random weights when it holds "
+        "none (default: a temporary folder)",
+    )
     parser.add_argument("--preset", default="bench", help="transformer config to build: bench (CPU) or flux1-dev")
     parser.add_argument("--double-blocks", type=int, help="build with this many double-stream blocks instead")
     parser.add_argument("--single-blocks", type=int, help="build with this many single-stream blocks instead")
@@ -128,14 +141,21 @@ def strategies_for(ranks: int) -> list[Strategy]:
     if ranks < 2:
         return rows
     cp = {"strategy": "context_parallel"}
-    rows += [Strategy(f"ulysses{ranks}", ranks, {**cp, "ring_degree": 1, "ulysses_degree": ranks}),
-             Strategy(f"ring{ranks}", ranks, {**cp, "ring_degree": ranks, "ulysses_degree": 1})]
+    rows += [
+        Strategy(f"ulysses{ranks}", ranks, {**cp, "ring_degree": 1, "ulysses_degree": ranks}),
+        Strategy(f"ring{ranks}", ranks, {**cp, "ring_degree": ranks, "ulysses_degree": 1}),
+    ]
     if ranks >= 4 and ranks % 2 == 0:
         rows.append(Strategy(f"unified2x{ranks // 2}", ranks, {**cp, "ring_degree": 2, "ulysses_degree": ranks // 2}))
     rows.append(Strategy(f"tp{ranks}", ranks, {"strategy": "tensor_parallel", "tp_degree": ranks}))
     if ranks >= 4 and ranks % 2 == 0:
-        rows.append(Strategy(f"tp2xulysses{ranks // 2}", ranks, {"strategy": "tp_cp", "tp_degree": 2,
-                                                                  "ring_degree": 1, "ulysses_degree": ranks // 2}))
+        rows.append(
+            Strategy(
+                f"tp2xulysses{ranks // 2}",
+                ranks,
+                {"strategy": "tp_cp", "tp_degree": 2, "ring_degree": 1, "ulysses_degree": ranks // 2},
+            )
+        )
     rows.append(Strategy(f"data_parallel{ranks}", ranks, {"strategy": "data_parallel"}, images=ranks))
     return rows
 
@@ -155,15 +175,22 @@ class OneProcess:
 
     def run(self, conditioning: jobs.Conditioning, args: argparse.Namespace) -> list[float]:
         marks: list[float] = []
-        sampling = Sampling(seed=args.seed, steps=args.steps, guidance_scale=args.guidance, width=args.width,
-                            height=args.height)
-        flux.denoise(self.model_dir, self.transformer, conditioning.tensors, sampling,
-                     on_step=lambda step, total: marks.append(time.perf_counter()))
+        sampling = Sampling(
+            seed=args.seed, steps=args.steps, guidance_scale=args.guidance, width=args.width, height=args.height
+        )
+        flux.denoise(
+            self.model_dir,
+            self.transformer,
+            conditioning.tensors,
+            sampling,
+            on_step=lambda step, total: marks.append(time.perf_counter()),
+        )
         return _intervals(marks)
 
 
-def backend_run(handle: jobs.TransformerHandle, conditioning: jobs.Conditioning, args: argparse.Namespace,
-                images: int) -> list[float]:
+def backend_run(
+    handle: jobs.TransformerHandle, conditioning: jobs.Conditioning, args: argparse.Namespace, images: int
+) -> list[float]:
     """One generation of ``images`` through the nodes' sampler call; step times from the backend's progress events."""
     marks: list[float] = []
 
@@ -171,8 +198,17 @@ def backend_run(handle: jobs.TransformerHandle, conditioning: jobs.Conditioning,
         if step >= 1:  # step 0 is "loading transformer"
             marks.append(time.perf_counter())
 
-    jobs.sample(handle, conditioning, seed=args.seed, steps=args.steps, guidance_scale=args.guidance,
-                width=args.width, height=args.height, batch_size=images, on_progress=on_progress)
+    jobs.sample(
+        handle,
+        conditioning,
+        seed=args.seed,
+        steps=args.steps,
+        guidance_scale=args.guidance,
+        width=args.width,
+        height=args.height,
+        batch_size=images,
+        on_progress=on_progress,
+    )
     return _intervals(marks)
 
 
@@ -190,8 +226,15 @@ def _median_ms(runs: list[list[float]], per: int = 1) -> float:
     return statistics.median(s for run in runs for s in run) * 1e3 / per
 
 
-def bench_strategy(strategy: Strategy, spec: BackendSpec, model: str, conditioning: jobs.Conditioning,
-                   one: OneProcess | None, args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+def bench_strategy(
+    strategy: Strategy,
+    spec: BackendSpec,
+    model: str,
+    conditioning: jobs.Conditioning,
+    one: OneProcess | None,
+    args: argparse.Namespace,
+    log: Callable[[str], None],
+) -> dict:
     """One row: the strategy's runs, alternating with one-process runs when ``one`` is given."""
     row: dict = {"name": strategy.name, "ranks": strategy.ranks, "images": strategy.images, "load": strategy.load}
     if strategy.load["strategy"] not in {k.value for k in Kind}:
@@ -200,15 +243,18 @@ def bench_strategy(strategy: Strategy, spec: BackendSpec, model: str, conditioni
     try:
         handle = jobs.plan_transformer(spec, model=model, **strategy.load)
         sides: list[tuple[str, Callable[[], list[float]]]] = [
-            ("strategy", lambda: backend_run(handle, conditioning, args, strategy.images))]
+            ("strategy", lambda: backend_run(handle, conditioning, args, strategy.images))
+        ]
         if one is not None:
             sides.append(("one", lambda: one.run(conditioning, args)))
         runs: dict[str, list[list[float]]] = {name: [] for name, _ in sides}
         for r in range(args.repeats):
             for name, run in sides if r % 2 == 0 else sides[::-1]:  # alternate which side goes first
                 runs[name].append(run())
-            log(f"  {strategy.name}: run {r + 1}/{args.repeats}: "
-                + ", ".join(f"{name} {_median_ms(runs[name][-1:]):.0f} ms/step" for name in runs))
+            log(
+                f"  {strategy.name}: run {r + 1}/{args.repeats}: "
+                + ", ".join(f"{name} {_median_ms(runs[name][-1:]):.0f} ms/step" for name in runs)
+            )
         row["parameter_bytes"] = _transformer_bytes_per_rank(spec)
     except InvalidInput as e:  # the model or the size does not fit this strategy: say why, go on
         row["skipped"] = str(e)
@@ -221,8 +267,9 @@ def bench_strategy(strategy: Strategy, spec: BackendSpec, model: str, conditioni
     row["ms_per_image_step"] = _median_ms(runs["strategy"], per=strategy.images)
     if one is not None:
         row["one_step_s"] = runs["one"]
-        row["paired_ratio"] = statistics.median(statistics.median(s) / strategy.images / statistics.median(o)
-                                                for s, o in zip(runs["strategy"], runs["one"]))
+        row["paired_ratio"] = statistics.median(
+            statistics.median(s) / strategy.images / statistics.median(o) for s, o in zip(runs["strategy"], runs["one"])
+        )
     return row
 
 
@@ -237,14 +284,18 @@ def _model_dir(args: argparse.Namespace, scratch: str, log: Callable[[str], None
         config = _transformer_config(model_dir)
         differs = {k: config.get(k) for k, v in wanted.items() if json.loads(json.dumps(v)) != config.get(k)}
         if differs:
-            raise SystemExit(f"{model_dir} holds another transformer ({differs} where {args.preset} asks for "
-                             f"{ {k: wanted[k] for k in differs} }); remove it or pick another --model-dir")
+            raise SystemExit(
+                f"{model_dir} holds another transformer ({differs} where {args.preset} asks for "
+                f"{ {k: wanted[k] for k in differs} }); remove it or pick another --model-dir"
+            )
         log(f"model: {model_dir} (already built)")
         return model_dir
     device = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     t0 = time.monotonic()
-    log(f"model: building {args.preset} ({wanted['num_layers']} double + {wanted['num_single_layers']} single blocks) "
-        f"in {model_dir}, weights drawn on {device}")
+    log(
+        f"model: building {args.preset} ({wanted['num_layers']} double + {wanted['num_single_layers']} single blocks) "
+        f"in {model_dir}, weights drawn on {device}"
+    )
     build(model_dir, wanted, dtype=PRESET_DTYPES[args.preset], device=device)
     log(f"model: built in {time.monotonic() - t0:.0f} s")
     return model_dir
@@ -257,22 +308,35 @@ def _folder_bytes(path: str) -> int:
 def run(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]) -> dict:
     model = os.path.basename(model_dir)
     os.environ["COMFY_PARALLEL_MODELS"] = os.pathsep.join(
-        [os.path.dirname(model_dir)] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p])
+        [os.path.dirname(model_dir)] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p]
+    )
     spec = BackendSpec(ranks=args.ranks, device=args.device, memory_policy="staged")
     dtype = "bfloat16" if args.device == "cuda" else "float32"  # what the nodes' dtype "auto" resolves to
     device = "cuda:0" if args.device == "cuda" else "cpu"
     rows = [s for s in strategies_for(args.ranks) if not args.strategies or s.name in args.strategies]
-    report = {"device": args.device, "ranks": args.ranks, "width": args.width, "height": args.height,
-              "steps": args.steps, "repeats": args.repeats, "max_sequence_length": args.max_sequence_length,
-              "threads": args.threads, "dtype": dtype, "model_dir": model_dir,
-              "transformer": {k: v for k, v in _transformer_config(model_dir).items() if not k.startswith("_")},
-              "interleaved": args.device == "cpu", "cpus": os.cpu_count(), "rows": []}
+    report = {
+        "device": args.device,
+        "ranks": args.ranks,
+        "width": args.width,
+        "height": args.height,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "max_sequence_length": args.max_sequence_length,
+        "threads": args.threads,
+        "dtype": dtype,
+        "model_dir": model_dir,
+        "transformer": {k: v for k, v in _transformer_config(model_dir).items() if not k.startswith("_")},
+        "interleaved": args.device == "cpu",
+        "cpus": os.cpu_count(),
+        "rows": [],
+    }
     try:
         backend = get_backend(spec)
         backend.start()
         report["startup_s"] = backend.startup_s
-        conditioning = jobs.encode_prompt(spec, model=model, prompt=PROMPT,
-                                          max_sequence_length=args.max_sequence_length)
+        conditioning = jobs.encode_prompt(
+            spec, model=model, prompt=PROMPT, max_sequence_length=args.max_sequence_length
+        )
         one = OneProcess(model_dir, dtype, device)
         report["full_parameter_bytes"] = one.parameter_bytes
         log(f"one process: transformer loaded ({one.parameter_bytes / 2**20:.0f} MiB {dtype} on {device})")
@@ -303,49 +367,70 @@ def run(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]) ->
 
 def print_report(report: dict) -> None:
     t = report["transformer"]
-    print(f"strategies benchmark: FLUX.1 transformer {t['num_layers']} double + {t['num_single_layers']} single "
-          f"blocks, {t['num_attention_heads']}×{t['attention_head_dim']} wide, "
-          f"{report['full_parameter_bytes'] / 2**20:.0f} MiB {report['dtype']}; {report['width']}×{report['height']}, "
-          f"{report['max_sequence_length']} text tokens, {report['steps']} steps × {report['repeats']} runs per row")
-    print(f"{report['device']}: {report['ranks']}-rank backend (up in {report['startup_s']:.1f} s), "
-          f"{report['threads']} thread(s) per process; {report['cpus']} cpus, load average at the end "
-          f"{report['loadavg']}")
+    print(
+        f"strategies benchmark: FLUX.1 transformer {t['num_layers']} double + {t['num_single_layers']} single "
+        f"blocks, {t['num_attention_heads']}×{t['attention_head_dim']} wide, "
+        f"{report['full_parameter_bytes'] / 2**20:.0f} MiB {report['dtype']}; {report['width']}×{report['height']}, "
+        f"{report['max_sequence_length']} text tokens, {report['steps']} steps × {report['repeats']} runs per row"
+    )
+    print(
+        f"{report['device']}: {report['ranks']}-rank backend (up in {report['startup_s']:.1f} s), "
+        f"{report['threads']} thread(s) per process; {report['cpus']} cpus, load average at the end "
+        f"{report['loadavg']}"
+    )
     print()
-    print(f"{'strategy':>16} {'ranks':>5} {'ms/step':>9} {'one proc':>9} {'ratio':>7} {'paired':>7} "
-          f"{'params/rank':>12}")
+    print(
+        f"{'strategy':>16} {'ranks':>5} {'ms/step':>9} {'one proc':>9} {'ratio':>7} {'paired':>7} {'params/rank':>12}"
+    )
     if report["one_ms"] is not None:
         print(f"{'one process':>16} {1:>5} {report['one_ms']:>9.1f}")
     for r in report["rows"]:
         if "skipped" in r or "error" in r:
-            print(f"{r['name']:>16} {r['ranks']:>5}  " + (f"skipped: {r['skipped']}" if "skipped" in r
-                                                         else f"FAILED: {r['error'].splitlines()[0]}"))
+            print(
+                f"{r['name']:>16} {r['ranks']:>5}  "
+                + (f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r['error'].splitlines()[0]}")
+            )
             continue
         paired = f"{r['paired_ratio']:>6.2f}×" if "paired_ratio" in r else f"{'':>7}"
-        share = (f"{max(r['parameter_bytes']) / 2**20:>6.0f} MiB {r['parameter_share']:>4.0%}"
-                 if max(r["parameter_bytes"]) else f"{'':>12}")
-        print(f"{r['name']:>16} {r['ranks']:>5} {r['ms_per_image_step']:>9.1f} {r['one_ms']:>9.1f} "
-              f"{r['ratio']:>6.2f}× {paired} {share}" + (f"   (per image: a batch of {r['images']})"
-                                                          if r["images"] > 1 else ""))
-    where = ("its own one-process runs, alternating with them" if report["interleaved"]
-             else "the one-process runs made before the backend loaded")
-    print(f"ms/step: median of steps 2..{report['steps']} over all runs (per image for data parallel); one proc: "
-          f"{where}; ratio: ms/step ÷ one proc (below 1 = faster); paired: median of per-run ratios; params/rank: "
-          "the largest rank's transformer parameters, and their share of the whole model")
+        share = (
+            f"{max(r['parameter_bytes']) / 2**20:>6.0f} MiB {r['parameter_share']:>4.0%}"
+            if max(r["parameter_bytes"])
+            else f"{'':>12}"
+        )
+        print(
+            f"{r['name']:>16} {r['ranks']:>5} {r['ms_per_image_step']:>9.1f} {r['one_ms']:>9.1f} "
+            f"{r['ratio']:>6.2f}× {paired} {share}"
+            + (f"   (per image: a batch of {r['images']})" if r["images"] > 1 else "")
+        )
+    where = (
+        "its own one-process runs, alternating with them"
+        if report["interleaved"]
+        else "the one-process runs made before the backend loaded"
+    )
+    print(
+        f"ms/step: median of steps 2..{report['steps']} over all runs (per image for data parallel); one proc: "
+        f"{where}; ratio: ms/step ÷ one proc (below 1 = faster); paired: median of per-run ratios; params/rank: "
+        "the largest rank's transformer parameters, and their share of the whole model"
+    )
 
 
 def main() -> int:
     args = ARGS
     torch.set_num_threads(args.threads)
+
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     if args.device == "cuda" and not args.build_only and torch.cuda.device_count() < args.ranks:
-        raise SystemExit(f"--device cuda --ranks {args.ranks} needs {args.ranks} GPUs; "
-                         f"this machine has {torch.cuda.device_count()}")
+        raise SystemExit(
+            f"--device cuda --ranks {args.ranks} needs {args.ranks} GPUs; this machine has {torch.cuda.device_count()}"
+        )
     unknown = set(args.strategies or ()) - {s.name for s in strategies_for(args.ranks)}
     if unknown:
-        raise SystemExit(f"no strategy {', '.join(sorted(unknown))} at --ranks {args.ranks}; there are "
-                         + ", ".join(s.name for s in strategies_for(args.ranks)))
+        raise SystemExit(
+            f"no strategy {', '.join(sorted(unknown))} at --ranks {args.ranks}; there are "
+            + ", ".join(s.name for s in strategies_for(args.ranks))
+        )
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 

@@ -21,6 +21,7 @@ is in ratios. Targets: pipe/arena ≥ 5× at 256 MB, arena/2×memcpy ≤ 3× fro
 Exit status 1 if the backend left a shared-memory segment behind; a missed target is reported, not fatal
 (on a shared machine it can be noise: run it again before believing it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -175,8 +176,10 @@ def bench_latency(backend: Backend, calls: int) -> dict:
     for _ in range(calls):
         for op in times:
             times[op].append(_seconds(functools.partial(backend.call, op)))
-    out = {op: {"calls": calls, "p50_ms": _percentile(ts, 50) * 1e3, "p99_ms": _percentile(ts, 99) * 1e3}
-           for op, ts in times.items()}
+    out = {
+        op: {"calls": calls, "p50_ms": _percentile(ts, 50) * 1e3, "p99_ms": _percentile(ts, 99) * 1e3}
+        for op, ts in times.items()
+    }
     out["status"]["p50_ok"] = out["status"]["p50_ms"] < STATUS_P50_MAX_MS
     return out
 
@@ -186,23 +189,31 @@ def _mark(ok: bool | None) -> str:
 
 
 def print_report(report: dict) -> None:
-    print(f"transport benchmark: {report['ranks']} cpu ranks, client torch threads {report['client_threads']}, "
-          f"{report['cpus']} cpus (load average {report['load_average']:.1f}), "
-          f"backend start {report['startup_s']:.1f} s")
+    print(
+        f"transport benchmark: {report['ranks']} cpu ranks, client torch threads {report['client_threads']}, "
+        f"{report['cpus']} cpus (load average {report['load_average']:.1f}), "
+        f"backend start {report['startup_s']:.1f} s"
+    )
     print()
-    print(f"{'size':>7} {'n':>3} {'arena ms':>9} {'2×memcpy ms':>12} {'pipe ms':>9} {'arena GB/s':>10}  "
-          f"{'pipe/arena (≥5× @256MB)':>24}  {'arena/2×memcpy (≤3× @16MB+)':>28}")
+    print(
+        f"{'size':>7} {'n':>3} {'arena ms':>9} {'2×memcpy ms':>12} {'pipe ms':>9} {'arena GB/s':>10}  "
+        f"{'pipe/arena (≥5× @256MB)':>24}  {'arena/2×memcpy (≤3× @16MB+)':>28}"
+    )
     for r in report["sizes"]:
         pipe_ratio = f"{r['pipe_over_arena']:.1f}× {_mark(r.get('pipe_over_arena_ok'))}"
         memcpy_ratio = f"{r['arena_over_two_memcpy']:.2f}× {_mark(r.get('arena_over_two_memcpy_ok'))}"
-        print(f"{r['size_mb']:>4} MB {r['repeats']:>3} {r['arena_ms']:>9.2f} {r['two_memcpy_ms']:>12.2f} "
-              f"{r['pipe_ms']:>9.2f} {r['arena_gb_per_s']:>10.2f}  {pipe_ratio:>24}  {memcpy_ratio:>28}")
+        print(
+            f"{r['size_mb']:>4} MB {r['repeats']:>3} {r['arena_ms']:>9.2f} {r['two_memcpy_ms']:>12.2f} "
+            f"{r['pipe_ms']:>9.2f} {r['arena_gb_per_s']:>10.2f}  {pipe_ratio:>24}  {memcpy_ratio:>28}"
+        )
     print()
     lat = report["latency"]
     for op, note in (("status", f"(every rank; target p50 < {STATUS_P50_MAX_MS:g} ms)"), ("echo", "(rank 0 only)")):
         s = lat[op]
-        print(f"{op:>6} op, no tensors, {s['calls']} calls: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  "
-              f"{note} {_mark(s.get('p50_ok'))}")
+        print(
+            f"{op:>6} op, no tensors, {s['calls']} calls: p50 {s['p50_ms']:.2f} ms  p99 {s['p99_ms']:.2f} ms  "
+            f"{note} {_mark(s.get('p50_ok'))}"
+        )
     print()
     print(f"shm segments left behind: {', '.join(report['leftover_segments']) or 'none'}")
 
@@ -215,10 +226,15 @@ def _repeats_for(size_mb: int, repeats: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks of the backend (default 2)")
-    parser.add_argument("--repeats", type=int, default=10,
-                        help="timed round trips per size up to 16 MB (fewer above, at least 3; default 10)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 256], metavar="MB",
-                        help="tensor sizes in MB (default 1 16 256)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help="timed round trips per size up to 16 MB (fewer above, at least 3; default 10)",
+    )
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[1, 16, 256], metavar="MB", help="tensor sizes in MB (default 1 16 256)"
+    )
     parser.add_argument("--latency-calls", type=int, default=300, help="calls per op for p50/p99 (default 300)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
@@ -236,9 +252,13 @@ def main() -> int:
             "load_average": os.getloadavg()[0],  # how busy the machine was: read the timings in its light
             "client_threads": torch.get_num_threads(),
             "startup_s": backend.startup_s,
-            "targets": {"pipe_over_arena_min": PIPE_OVER_ARENA_MIN, "pipe_target_from_mb": PIPE_TARGET_MIN_MB,
-                        "arena_over_two_memcpy_max": ARENA_OVER_MEMCPY_MAX,
-                        "memcpy_target_from_mb": MEMCPY_TARGET_MIN_MB, "status_p50_max_ms": STATUS_P50_MAX_MS},
+            "targets": {
+                "pipe_over_arena_min": PIPE_OVER_ARENA_MIN,
+                "pipe_target_from_mb": PIPE_TARGET_MIN_MB,
+                "arena_over_two_memcpy_max": ARENA_OVER_MEMCPY_MAX,
+                "memcpy_target_from_mb": MEMCPY_TARGET_MIN_MB,
+                "status_p50_max_ms": STATUS_P50_MAX_MS,
+            },
             "sizes": [bench_size(backend, pipe, mb, _repeats_for(mb, args.repeats)) for mb in args.sizes],
             "latency": bench_latency(backend, args.latency_calls),
         }
@@ -248,7 +268,8 @@ def main() -> int:
     # The runtime promises that no segment outlives a shutdown: hold it to that. Only this backend's prefix
     # is checked, because other backends (tests, other users) may be running on the same machine.
     report["leftover_segments"] = sorted(
-        os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, glob.escape(shm_prefix) + "*")))
+        os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, glob.escape(shm_prefix) + "*"))
+    )
 
     if args.json:
         print(json.dumps(report, indent=2))

@@ -11,6 +11,7 @@ widgets' defaults. tests/test_examples_comfyui.py checks every file against a re
 each one. The API copies live in api/ because ComfyUI's template browser lists every example_workflows/*.json, and
 an API-format file opened there loads as an empty graph.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,15 +33,19 @@ PACK = {"cnr_id": "comfyui-parallel-diffusers", "ver": "0.1.0"}
 CORE = {"cnr_id": "comfy-core", "ver": "0.3.75"}
 SAVE_IMAGE = {  # ComfyUI's core SaveImage, as /object_info describes it
     "INPUT_TYPES": {"required": {"images": ("IMAGE", {}), "filename_prefix": ("STRING", {"default": "ComfyUI"})}},
-    "RETURN_TYPES": (), "RETURN_NAMES": (), "title": "Save Image",
+    "RETURN_TYPES": (),
+    "RETURN_NAMES": (),
+    "title": "Save Image",
 }
 CONTROL_AFTER_GENERATE = "randomize"
 # Node ids are the same in every example, so scripts can address them: backend, encoder, transformer, sampler,
 # decoder, saver.
 BACKEND, ENCODER, TRANSFORMER, SAMPLER, DECODER, SAVER = 1, 2, 3, 4, 5, 6
 
-FOX = ("a red fox in a knitted scarf reading a newspaper at a small cafe table, morning light through the window, "
-       "shallow depth of field, 35mm photo")
+FOX = (
+    "a red fox in a knitted scarf reading a newspaper at a small cafe table, morning light through the window, "
+    "shallow depth of field, 35mm photo"
+)
 FOLDERS = {  # placeholder model folder -> what the folder holds, for the note
     "FLUX.1-dev": "transformer/ text_encoder/ text_encoder_2/\n  tokenizer/ tokenizer_2/ scheduler/ vae/",
     "FLUX.2-dev": "transformer/ text_encoder/ tokenizer/\n  scheduler/ vae/",
@@ -65,48 +70,72 @@ SAMPLER_DEFAULTS = {"seed": 42, "steps": 28, "guidance_scale": 3.5, "width": 102
 
 EXAMPLES = [
     Example(
-        "flux1_device_map", "FLUX.1-dev", "FLUX.1, staged `device_map`",
+        "flux1_device_map",
+        "FLUX.1-dev",
+        "FLUX.1, staged `device_map`",
         "The text encoders are balanced across the GPUs and freed, then the transformer is spread over them "
-        "(`device_map=\"auto\"`), then one GPU decodes: a model that does not fit one GPU fits several.",
+        '(`device_map="auto"`), then one GPU decodes: a model that does not fit one GPU fits several.',
         transformer={"strategy": "device_map"},
-        tips="`max_memory` (e.g. `0:20GB,1:20GB`) caps what each GPU may hold."),
+        tips="`max_memory` (e.g. `0:20GB,1:20GB`) caps what each GPU may hold.",
+    ),
     Example(
-        "flux1_context_parallel", "FLUX.1-dev", "FLUX.1, context parallel (Ulysses)",
+        "flux1_context_parallel",
+        "FLUX.1-dev",
+        "FLUX.1, context parallel (Ulysses)",
         "Every GPU holds the whole transformer and takes a share of the image's tokens: one image comes out "
         "faster. Needs the model to fit one GPU, and fast links between GPUs.",
         transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0},
         tips="`ulysses_degree` 0 uses every GPU (all-to-all; best over NVLink). `ring_degree` > 1 passes keys and "
-             "values around a ring instead (slower links); both > 1 is Unified attention. Sizes whose token count "
-             "does not divide by the degree (e.g. 1008×1008) need `anything`."),
+        "values around a ring instead (slower links); both > 1 is Unified attention. Sizes whose token count "
+        "does not divide by the degree (e.g. 1008×1008) need `anything`.",
+    ),
     Example(
-        "flux2_tensor_parallel", "FLUX.2-dev", "FLUX.2, tensor parallel",
+        "flux2_tensor_parallel",
+        "FLUX.2-dev",
+        "FLUX.2, tensor parallel",
         "Every GPU holds a slice of each weight matrix and reads only that slice from disk: a transformer too "
         "big for one GPU fits, and each step runs on all of them.",
-        encode={"prompt": FOX}, transformer={"strategy": "tensor_parallel", "tp_degree": 0},
+        encode={"prompt": FOX},
+        transformer={"strategy": "tensor_parallel", "tp_degree": 0},
         sampler={"guidance_scale": 4.0},
-        tips="`tp_degree` 0 uses every GPU; it must divide the attention heads (FLUX.2-dev: 48, so 2, 4, 6 or 8 "
-             "GPUs)."),
+        tips="`tp_degree` 0 uses every GPU; it must divide the attention heads (FLUX.2-dev: 48, so 2, 4, 6 or 8 GPUs).",
+    ),
     Example(
-        "flux1_tp_cp", "FLUX.1-dev", "FLUX.1, tensor × context parallel (4 GPUs, experimental)",
+        "flux1_tp_cp",
+        "FLUX.1-dev",
+        "FLUX.1, tensor × context parallel (4 GPUs, experimental)",
         "Tensor parallel inside pairs of GPUs, context parallel across the pairs, on one device mesh: for a "
         "transformer that needs TP to fit, made faster still. Experimental in diffusers.",
-        backend={"ranks": 4}, transformer={"strategy": "tp_cp", "tp_degree": 2, "ring_degree": 1, "ulysses_degree": 0},
+        backend={"ranks": 4},
+        transformer={"strategy": "tp_cp", "tp_degree": 2, "ring_degree": 1, "ulysses_degree": 0},
         tips="`ring_degree` × `ulysses_degree` × `tp_degree` = ranks; `ulysses_degree` 0 fills the rest. Keep each TP "
-             "group on one node (TP talks in every block)."),
+        "group on one node (TP talks in every block).",
+    ),
     Example(
-        "qwenimage_data_parallel", "Qwen-Image", "Qwen-Image, data parallel over a list of prompts",
+        "qwenimage_data_parallel",
+        "Qwen-Image",
+        "Qwen-Image, data parallel over a list of prompts",
         "Every GPU holds a full copy and makes whole images: four prompts, one per line, two images each, "
         "spread over the GPUs (eight images: twice as fast on two GPUs, eight times on eight). More images per "
         "minute, not one image faster.",
-        encode={"prompt": "\n".join([
-            FOX,
-            "a lighthouse on a cliff at dusk, storm clouds, oil painting",
-            "a bowl of ramen on a wooden counter, steam rising, top-down food photo",
-            "an astronaut tending a vegetable garden on the moon, Earth in the sky, watercolor",
-        ]), "one_prompt_per_line": True, "negative_prompt": "blurry, low quality", "max_sequence_length": 1024},
-        transformer={"strategy": "data_parallel"}, sampler={"steps": 50, "batch_size": 2, "true_cfg_scale": 4.0},
+        encode={
+            "prompt": "\n".join(
+                [
+                    FOX,
+                    "a lighthouse on a cliff at dusk, storm clouds, oil painting",
+                    "a bowl of ramen on a wooden counter, steam rising, top-down food photo",
+                    "an astronaut tending a vegetable garden on the moon, Earth in the sky, watercolor",
+                ]
+            ),
+            "one_prompt_per_line": True,
+            "negative_prompt": "blurry, low quality",
+            "max_sequence_length": 1024,
+        },
+        transformer={"strategy": "data_parallel"},
+        sampler={"steps": 50, "batch_size": 2, "true_cfg_scale": 4.0},
         tips="`batch_size` images of each prompt (seed + i for image i). Qwen-Image uses true CFG against the "
-             "negative prompt: `true_cfg_scale` 1 turns it off and halves the work."),
+        "negative prompt: `true_cfg_scale` 1 turns it off and halves the work.",
+    ),
 ]
 
 
@@ -115,28 +144,66 @@ def node_specs(example: Example) -> list:
     model = example.model
     sampler = {**SAMPLER_DEFAULTS, **example.sampler}
     return [
-        (BACKEND, "ParallelBackend", [40, 330], [300, 130],
-         {"ranks": 0, "device": "auto", "memory_policy": "staged", **example.backend}, {}),
-        (ENCODER, "EncodeOnBalancedGPUs", [390, 60], [420, 400], {"model": model, "prompt": FOX, **example.encode},
-         {"backend": (BACKEND, 0)}),
-        (TRANSFORMER, "LoadShardedTransformer", [390, 510], [420, 330], {"model": model, **example.transformer},
-         {"backend": (BACKEND, 0)}),
-        (SAMPLER, "ParallelSampler", [870, 230], [320, 262], sampler,
-         {"transformer": (TRANSFORMER, 0), "positive": (ENCODER, 0)}),
-        (DECODER, "VAEDecodeSingleGPU", [1250, 230], [320, 130], {"model": model, "device": "auto"},
-         {"samples": (SAMPLER, 0), "backend": (BACKEND, 0)}),
-        (SAVER, "SaveImage", [1630, 230], [540, 600], {"filename_prefix": f"parallel_{example.name}"},
-         {"images": (DECODER, 0)}),
+        (
+            BACKEND,
+            "ParallelBackend",
+            [40, 330],
+            [300, 130],
+            {"ranks": 0, "device": "auto", "memory_policy": "staged", **example.backend},
+            {},
+        ),
+        (
+            ENCODER,
+            "EncodeOnBalancedGPUs",
+            [390, 60],
+            [420, 400],
+            {"model": model, "prompt": FOX, **example.encode},
+            {"backend": (BACKEND, 0)},
+        ),
+        (
+            TRANSFORMER,
+            "LoadShardedTransformer",
+            [390, 510],
+            [420, 330],
+            {"model": model, **example.transformer},
+            {"backend": (BACKEND, 0)},
+        ),
+        (
+            SAMPLER,
+            "ParallelSampler",
+            [870, 230],
+            [320, 262],
+            sampler,
+            {"transformer": (TRANSFORMER, 0), "positive": (ENCODER, 0)},
+        ),
+        (
+            DECODER,
+            "VAEDecodeSingleGPU",
+            [1250, 230],
+            [320, 130],
+            {"model": model, "device": "auto"},
+            {"samples": (SAMPLER, 0), "backend": (BACKEND, 0)},
+        ),
+        (
+            SAVER,
+            "SaveImage",
+            [1630, 230],
+            [540, 600],
+            {"filename_prefix": f"parallel_{example.name}"},
+            {"images": (DECODER, 0)},
+        ),
     ]
 
 
 def note(example: Example) -> str:
-    return (f"**Parallel Diffusers: {example.title}**\n\n{example.why}\n\n"
-            "**Model**: a diffusers folder (`save_pretrained`, safetensors) in `ComfyUI/models/diffusers/`:\n\n"
-            f"```\nComfyUI/models/diffusers/{example.model}/\n  model_index.json\n  {FOLDERS[example.model]}\n```\n\n"
-            "Pick it in the three `model` widgets.\n\n"
-            "**Parallel Backend**: `ranks` 0 = one rank per visible GPU."
-            + (f"\n\n**Tips**: {example.tips}" if example.tips else ""))
+    return (
+        f"**Parallel Diffusers: {example.title}**\n\n{example.why}\n\n"
+        "**Model**: a diffusers folder (`save_pretrained`, safetensors) in `ComfyUI/models/diffusers/`:\n\n"
+        f"```\nComfyUI/models/diffusers/{example.model}/\n  model_index.json\n  {FOLDERS[example.model]}\n```\n\n"
+        "Pick it in the three `model` widgets.\n\n"
+        "**Parallel Backend**: `ranks` 0 = one rank per visible GPU."
+        + (f"\n\n**Tips**: {example.tips}" if example.tips else "")
+    )
 
 
 def describe(class_name: str):
@@ -183,38 +250,86 @@ def build(example: Example) -> tuple[dict, dict]:
                     origin, slot = sockets[name]
                     link_id = len(links) + 1
                     links.append([link_id, origin, slot, nid, len(ui_inputs), spec[0]])
-                    ui_inputs.append({"name": name, "type": spec[0], **({"shape": 7} if section == "optional" else {}),
-                                      "link": link_id})
+                    ui_inputs.append(
+                        {
+                            "name": name,
+                            "type": spec[0],
+                            **({"shape": 7} if section == "optional" else {}),
+                            "link": link_id,
+                        }
+                    )
                     api_inputs[name] = [str(origin), slot]
                 elif section == "required":
                     raise SystemExit(f"{example.name}: {cls}.{name} is a required socket and nothing feeds it")
         unknown = (set(values) | set(sockets)) - {n for s in input_types.values() for n in s}
         if unknown:
             raise SystemExit(f"{example.name}: {cls} has no input(s) {sorted(unknown)}")
-        ui_nodes.append({"id": nid, "type": cls, "pos": pos, "size": size, "flags": {}, "order": order, "mode": 0,
-                         "inputs": ui_inputs, "outputs": [], "properties": {"Node name for S&R": cls,
-                                                                            **(CORE if cls == "SaveImage" else PACK)},
-                         "widgets_values": widgets_values})
+        ui_nodes.append(
+            {
+                "id": nid,
+                "type": cls,
+                "pos": pos,
+                "size": size,
+                "flags": {},
+                "order": order,
+                "mode": 0,
+                "inputs": ui_inputs,
+                "outputs": [],
+                "properties": {"Node name for S&R": cls, **(CORE if cls == "SaveImage" else PACK)},
+                "widgets_values": widgets_values,
+            }
+        )
         api[str(nid)] = {"class_type": cls, "inputs": api_inputs, "_meta": {"title": title}}
     for node in ui_nodes:
         _, return_types, return_names, _ = specs[node["id"]]
-        node["outputs"] = [{"name": name, "type": typ, "slot_index": slot,
-                            "links": [link[0] for link in links if link[1] == node["id"] and link[2] == slot]}
-                           for slot, (name, typ) in enumerate(zip(return_names, return_types))]
-    ui_nodes.append({"id": len(nodes) + 1, "type": "MarkdownNote", "pos": [40, 520], "size": [320, 440],
-                     "flags": {}, "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "properties": {},
-                     "widgets_values": [note(example)], "color": "#432", "bgcolor": "#653"})
-    ui = {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"comfyui-parallel-diffusers/{example.name}")), "revision": 0,
-          "last_node_id": len(nodes) + 1, "last_link_id": len(links), "nodes": ui_nodes, "links": links, "groups": [],
-          "config": {}, "extra": {"ds": {"scale": 0.75, "offset": [0, 0]}}, "version": 0.4}
+        node["outputs"] = [
+            {
+                "name": name,
+                "type": typ,
+                "slot_index": slot,
+                "links": [link[0] for link in links if link[1] == node["id"] and link[2] == slot],
+            }
+            for slot, (name, typ) in enumerate(zip(return_names, return_types))
+        ]
+    ui_nodes.append(
+        {
+            "id": len(nodes) + 1,
+            "type": "MarkdownNote",
+            "pos": [40, 520],
+            "size": [320, 440],
+            "flags": {},
+            "order": len(nodes),
+            "mode": 0,
+            "inputs": [],
+            "outputs": [],
+            "properties": {},
+            "widgets_values": [note(example)],
+            "color": "#432",
+            "bgcolor": "#653",
+        }
+    )
+    ui = {
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"comfyui-parallel-diffusers/{example.name}")),
+        "revision": 0,
+        "last_node_id": len(nodes) + 1,
+        "last_link_id": len(links),
+        "nodes": ui_nodes,
+        "links": links,
+        "groups": [],
+        "config": {},
+        "extra": {"ds": {"scale": 0.75, "offset": [0, 0]}},
+        "version": 0.4,
+    }
     return ui, api
 
 
 def main() -> None:
     for example in EXAMPLES:
         ui, api = build(example)
-        for path, doc in ((os.path.join(HERE, f"{example.name}.json"), ui),
-                          (os.path.join(HERE, "api", f"{example.name}_api.json"), api)):
+        for path, doc in (
+            (os.path.join(HERE, f"{example.name}.json"), ui),
+            (os.path.join(HERE, "api", f"{example.name}_api.json"), api),
+        ):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 json.dump(doc, f, indent=2, ensure_ascii=False)

@@ -12,6 +12,7 @@ JPEG. The models are random, so the image is noise: the thumbnail shows the grap
 Needs what tests/test_browser.py needs: Debian's chromium, node, and `npm ci` in tests/browser. A tool, never part
 of the test run; a workflow with 4 ranks takes minutes on a 2-core machine (--skip it there).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,21 @@ def placeholders(workflow: Path) -> set[str]:
 def thumbnail(server: ComfyUIServer, name: str, work: Path, size: int, timeout: int) -> Path:
     """Run one template in the browser and write example_workflows/<name>.jpg; raises with the driver's report."""
     shot = work / f"{name}_graph.png"
-    command = ["node", str(DRIVER), server.base_url, name, str(work / name), "--size", str(size), "--steps", "3",
-               "--graph", str(shot), "--timeout", str(timeout)]
+    command = [
+        "node",
+        str(DRIVER),
+        server.base_url,
+        name,
+        str(work / name),
+        "--size",
+        str(size),
+        "--steps",
+        "3",
+        "--graph",
+        str(shot),
+        "--timeout",
+        str(timeout),
+    ]
     proc = subprocess.run(command, cwd=DRIVER.parent, capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
     report = json.loads(lines[-1]) if lines else {"error": proc.stderr[-4000:]}

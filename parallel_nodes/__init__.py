@@ -5,6 +5,7 @@ Thin: a node declares its inputs, outputs and tooltips and calls one step of ``p
 The package is called ``parallel_nodes``, not ``nodes``: ComfyUI imports its own top-level ``nodes`` module first, and
 the pack's root is on ``sys.path``, so a package of that name would shadow ComfyUI's (or be shadowed by it).
 """
+
 from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
@@ -38,5 +39,13 @@ async def comfy_entrypoint() -> ParallelDiffusersExtension:
     return ParallelDiffusersExtension()
 
 
-__all__ = ["NODES", "NODES_BY_ID", "EncodeOnBalancedGPUs", "LoadShardedTransformer", "ParallelBackend",
-           "ParallelSampler", "VAEDecodeSingleGPU", "comfy_entrypoint"]
+__all__ = [
+    "NODES",
+    "NODES_BY_ID",
+    "EncodeOnBalancedGPUs",
+    "LoadShardedTransformer",
+    "ParallelBackend",
+    "ParallelSampler",
+    "VAEDecodeSingleGPU",
+    "comfy_entrypoint",
+]

@@ -20,19 +20,42 @@ class ParallelBackend(io.ComfyNode):
             node_id="ParallelBackend",
             display_name="Parallel Backend",
             category=CATEGORY,
-            description=("A persistent multi-rank backend (torchrun). It starts on first use, keeps models resident "
-                         "between runs, and is replaced when these settings change."),
+            description=(
+                "A persistent multi-rank backend (torchrun). It starts on first use, keeps models resident "
+                "between runs, and is replaced when these settings change."
+            ),
             inputs=[
-                io.Int.Input("ranks", default=0, min=0, max=64, tooltip=(
-                    "Ranks (processes) on this machine, one GPU each. 0: one per visible GPU, or 2 on CPU.")),
-                io.Combo.Input("device", options=["auto", "cuda", "cpu"], default="auto", tooltip=(
-                    "auto: CUDA when a GPU is visible, else CPU (slow; for trying things out).")),
-                io.Combo.Input("memory_policy", options=list(MEMORY_POLICIES), default="staged", tooltip=(
-                    "staged: free the text encoders before the transformer loads and vice versa (fits big models). "
-                    "resident: keep everything loaded (faster prompt changes).")),
+                io.Int.Input(
+                    "ranks",
+                    default=0,
+                    min=0,
+                    max=64,
+                    tooltip=("Ranks (processes) on this machine, one GPU each. 0: one per visible GPU, or 2 on CPU."),
+                ),
+                io.Combo.Input(
+                    "device",
+                    options=["auto", "cuda", "cpu"],
+                    default="auto",
+                    tooltip=("auto: CUDA when a GPU is visible, else CPU (slow; for trying things out)."),
+                ),
+                io.Combo.Input(
+                    "memory_policy",
+                    options=list(MEMORY_POLICIES),
+                    default="staged",
+                    tooltip=(
+                        "staged: free the text encoders before the transformer loads and vice versa (fits big models). "
+                        "resident: keep everything loaded (faster prompt changes)."
+                    ),
+                ),
             ],
-            outputs=[Backend.Output(display_name="backend", tooltip=(
-                "The backend's settings: wire it into the other nodes of the pack so they share one backend."))],
+            outputs=[
+                Backend.Output(
+                    display_name="backend",
+                    tooltip=(
+                        "The backend's settings: wire it into the other nodes of the pack so they share one backend."
+                    ),
+                )
+            ],
             hidden=[io.Hidden.unique_id],
         )
 

@@ -5,6 +5,7 @@ ComfyUI's runtime modules (``comfy.model_management``, ``comfy.utils``, ``server
 has loaded them (``sys.modules``): the pack never imports them, so the nodes also run outside a ComfyUI server (their
 tests), where importing ``comfy.model_management`` would try to initialise a GPU.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -99,8 +100,11 @@ def run(node: type[io.ComfyNode], call: Callable[..., T], *args: Any, **kwargs: 
         return call(*args, **kwargs, on_progress=progress, should_cancel=interrupted)
     except Cancelled as e:
         if progress is not None:  # where the Cancel landed, for the log (and the tests)
-            log.info("parallel_diffusers: cancel asked at step %d; the ranks stopped at steps %s",
-                     progress.cancel_asked_at or progress.step, e.steps_by_rank)
+            log.info(
+                "parallel_diffusers: cancel asked at step %d; the ranks stopped at steps %s",
+                progress.cancel_asked_at or progress.step,
+                e.steps_by_rank,
+            )
         if mm is not None:
             raise mm.InterruptProcessingException() from None
         raise
@@ -182,8 +186,9 @@ class QueuedNode:
             value, choices = self.inputs[name], extra.get("options", [])
             if kind == io.Combo.io_type and not _is_link(value) and value not in choices:
                 shown = ", ".join(map(repr, choices[:8])) + (", ..." if len(choices) > 8 else "")
-                raise InvalidInput(name, f"{value!r} is not one of the choices ({shown or 'none'}); pick one from the "
-                                         "list")
+                raise InvalidInput(
+                    name, f"{value!r} is not one of the choices ({shown or 'none'}); pick one from the list"
+                )
 
     def widgets(self, *names: str) -> dict:
         """The named widgets' values; Unknown when one is linked or refused by ComfyUI's own checks."""
@@ -234,8 +239,9 @@ def _link_type_error(node: type[io.ComfyNode], input_types: dict[str, str]) -> s
     return None
 
 
-def validate(node: type[io.ComfyNode], input_types: dict[str, str] | None,
-             check: Callable[[QueuedNode], object]) -> bool | str:
+def validate(
+    node: type[io.ComfyNode], input_types: dict[str, str] | None, check: Callable[[QueuedNode], object]
+) -> bool | str:
     """What a node's validate_inputs returns: True, or the text of the InvalidInput that ``check(node)`` raised (it
     names the widget and the fix; ComfyUI answers the POST /prompt with a 400 naming the node).
 

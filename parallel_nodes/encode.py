@@ -18,42 +18,94 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
             node_id="EncodeOnBalancedGPUs",
             display_name="Encode on Balanced GPUs",
             category=CATEGORY,
-            description=("Loads only the text encoders, balanced across the backend's GPUs, and encodes the prompt. "
-                         "Under the staged memory policy they are freed before the transformer loads."),
+            description=(
+                "Loads only the text encoders, balanced across the backend's GPUs, and encodes the prompt. "
+                "Under the staged memory policy they are freed before the transformer loads."
+            ),
             inputs=[
                 model_input("A diffusers pipeline folder from models/diffusers."),
-                io.String.Input("prompt", multiline=True, default="", tooltip=(
-                    f"What to generate (at most {jobs.MAX_PROMPT_BYTES >> 10} KiB of text).")),
-                io.String.Input("prompt_2", multiline=True, default="", optional=True, tooltip=(
-                    "A separate prompt for the second text encoder (FLUX.1: T5). Empty: the same prompt. FLUX.2 and "
-                    "Qwen-Image have one text encoder: leave it empty.")),
-                io.Int.Input("max_sequence_length", default=512, min=1, max=jobs.MAX_SEQUENCE_LENGTH, optional=True,
-                             tooltip=("Longest prompt in text-encoder tokens; longer prompts are cut. FLUX.1 (T5) and "
-                                      "FLUX.2 (system prompt included) pad to it, up to 512; Qwen-Image up to 1024.")),
+                io.String.Input(
+                    "prompt",
+                    multiline=True,
+                    default="",
+                    tooltip=(f"What to generate (at most {jobs.MAX_PROMPT_BYTES >> 10} KiB of text)."),
+                ),
+                io.String.Input(
+                    "prompt_2",
+                    multiline=True,
+                    default="",
+                    optional=True,
+                    tooltip=(
+                        "A separate prompt for the second text encoder (FLUX.1: T5). Empty: the same prompt. FLUX.2 "
+                        "and Qwen-Image have one text encoder: leave it empty."
+                    ),
+                ),
+                io.Int.Input(
+                    "max_sequence_length",
+                    default=512,
+                    min=1,
+                    max=jobs.MAX_SEQUENCE_LENGTH,
+                    optional=True,
+                    tooltip=(
+                        "Longest prompt in text-encoder tokens; longer prompts are cut. FLUX.1 (T5) and "
+                        "FLUX.2 (system prompt included) pad to it, up to 512; Qwen-Image up to 1024."
+                    ),
+                ),
                 max_memory_input(),
                 dtype_input(),
                 backend_input(),
                 # Last: UI-format workflows store widget values by position, so saved graphs keep loading.
-                io.String.Input("negative_prompt", multiline=True, default="", optional=True, tooltip=(
-                    "What to steer away from, used by Qwen-Image's true CFG (ParallelSampler's true_cfg_scale > 1); "
-                    "empty is a valid negative prompt. Ignored by FLUX.")),
-                io.Boolean.Input("one_prompt_per_line", default=False, optional=True, tooltip=(
-                    "Each non-empty line of prompt is a prompt of its own (at most "
-                    f"{jobs.MAX_PROMPTS}; prompt_2: one line per prompt, or empty). ParallelSampler makes batch_size "
-                    "images of each, in order; data_parallel spreads them over the ranks.")),
+                io.String.Input(
+                    "negative_prompt",
+                    multiline=True,
+                    default="",
+                    optional=True,
+                    tooltip=(
+                        "What to steer away from, used by Qwen-Image's true CFG (ParallelSampler's true_cfg_scale > "
+                        "1); empty is a valid negative prompt. Ignored by FLUX."
+                    ),
+                ),
+                io.Boolean.Input(
+                    "one_prompt_per_line",
+                    default=False,
+                    optional=True,
+                    tooltip=(
+                        f"Each non-empty line of prompt is a prompt of its own (at most {jobs.MAX_PROMPTS}; prompt_2: "
+                        "one line per prompt, or empty). ParallelSampler makes batch_size images of each, in order; "
+                        "data_parallel spreads them over the ranks."
+                    ),
+                ),
             ],
-            outputs=[Conditioning.Output(display_name="positive", tooltip=(
-                "The prompt's embeddings (and the negative prompt's, for true CFG), held on the CPU: feed "
-                "ParallelSampler's positive input."))],
+            outputs=[
+                Conditioning.Output(
+                    display_name="positive",
+                    tooltip=(
+                        "The prompt's embeddings (and the negative prompt's, for true CFG), held on the CPU: feed "
+                        "ParallelSampler's positive input."
+                    ),
+                )
+            ],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def validate_inputs(cls, input_types: dict) -> bool | str:
         """Prompt, prompt_2 and max_sequence_length against the model's family, before any weights load."""
-        return comfy.validate(cls, input_types, lambda node: jobs.validate_encode(**node.widgets(
-            "model", "prompt", "prompt_2", "negative_prompt", "max_sequence_length", "max_memory",
-            "one_prompt_per_line")))
+        return comfy.validate(
+            cls,
+            input_types,
+            lambda node: jobs.validate_encode(
+                **node.widgets(
+                    "model",
+                    "prompt",
+                    "prompt_2",
+                    "negative_prompt",
+                    "max_sequence_length",
+                    "max_memory",
+                    "one_prompt_per_line",
+                )
+            ),
+        )
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:

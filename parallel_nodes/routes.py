@@ -5,6 +5,7 @@ same JSON serves scripts). ``POST /parallel_diffusers/shutdown`` — stop the ba
 ComfyUI's own nodes. ``POST /parallel_diffusers/free`` — unload the resident models, keep the ranks.
 After every node run the panel is pushed a fresh status as the ``parallel_diffusers.status`` event.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -10,7 +10,7 @@ from .types import CATEGORY, Transformer, backend_input, dtype_input, max_memory
 
 STRATEGY_TOOLTIP = (
     "How the transformer is split over the backend's ranks.\n"
-    "device_map: its layers spread over the GPUs in one process (device_map=\"auto\"); fits a model larger than "
+    'device_map: its layers spread over the GPUs in one process (device_map="auto"); fits a model larger than '
     "one GPU, no speed-up.\n"
     "context_parallel: every rank holds the whole model and takes a slice of the image's tokens (Ring / Ulysses / "
     "Unified attention); one image faster. Needs fast links between GPUs.\n"
@@ -34,36 +34,82 @@ class LoadShardedTransformer(io.ComfyNode):
             node_id="LoadShardedTransformer",
             display_name="Load Sharded Transformer",
             category=CATEGORY,
-            description=("Validates the strategy against the model's config and the backend's ranks and returns a "
-                         "handle; the backend loads the weights when ParallelSampler first needs them, so the text "
-                         "encoders never have to share the GPUs with it. Changing only the strategy reloads only the "
-                         "transformer."),
+            description=(
+                "Validates the strategy against the model's config and the backend's ranks and returns a "
+                "handle; the backend loads the weights when ParallelSampler first needs them, so the text "
+                "encoders never have to share the GPUs with it. Changing only the strategy reloads only the "
+                "transformer."
+            ),
             inputs=[
                 model_input("A diffusers pipeline folder from models/diffusers."),
-                io.Combo.Input("strategy", options=[s.value for s in Strategy], default="device_map",
-                               tooltip=STRATEGY_TOOLTIP),
-                io.Int.Input("ring_degree", default=1, min=1, max=64, optional=True, tooltip=(
-                    "context_parallel: ranks on the ring axis (Ring attention passes keys/values around; tolerant of "
-                    "slower links). 1: no ring.")),
-                io.Int.Input("ulysses_degree", default=0, min=0, max=64, optional=True, tooltip=(
-                    "context_parallel: ranks on the Ulysses axis (all-to-all over heads; fastest on NVLink). 0: every "
-                    "rank the ring does not use. Both > 1: Unified attention on a 2-D mesh.")),
-                io.Boolean.Input("anything", default=False, optional=True, tooltip=(
-                    "context_parallel: Ulysses-anything / Ring-anything, for sizes whose token count does not divide "
-                    "by the degree (e.g. 1008×1008).")),
-                io.Combo.Input("attention_backend", options=list(ATTENTION_BACKENDS), default="auto", optional=True,
-                               tooltip=("context_parallel: diffusers attention backend. auto: the default for "
-                                        "Ulysses, one that returns the log-sum-exp for Ring.")),
-                io.Int.Input("tp_degree", default=0, min=0, max=64, optional=True, tooltip=(
-                    "tensor_parallel / tp_cp: ranks sharing each weight matrix; must divide the attention heads. 0: "
-                    "every rank (tensor_parallel only). Under tp_cp, ring_degree × ulysses_degree × tp_degree = "
-                    "ranks.")),
+                io.Combo.Input(
+                    "strategy", options=[s.value for s in Strategy], default="device_map", tooltip=STRATEGY_TOOLTIP
+                ),
+                io.Int.Input(
+                    "ring_degree",
+                    default=1,
+                    min=1,
+                    max=64,
+                    optional=True,
+                    tooltip=(
+                        "context_parallel: ranks on the ring axis (Ring attention passes keys/values around; tolerant "
+                        "of slower links). 1: no ring."
+                    ),
+                ),
+                io.Int.Input(
+                    "ulysses_degree",
+                    default=0,
+                    min=0,
+                    max=64,
+                    optional=True,
+                    tooltip=(
+                        "context_parallel: ranks on the Ulysses axis (all-to-all over heads; fastest on NVLink). 0: "
+                        "every rank the ring does not use. Both > 1: Unified attention on a 2-D mesh."
+                    ),
+                ),
+                io.Boolean.Input(
+                    "anything",
+                    default=False,
+                    optional=True,
+                    tooltip=(
+                        "context_parallel: Ulysses-anything / Ring-anything, for sizes whose token count does not "
+                        "divide by the degree (e.g. 1008×1008)."
+                    ),
+                ),
+                io.Combo.Input(
+                    "attention_backend",
+                    options=list(ATTENTION_BACKENDS),
+                    default="auto",
+                    optional=True,
+                    tooltip=(
+                        "context_parallel: diffusers attention backend. auto: the default for "
+                        "Ulysses, one that returns the log-sum-exp for Ring."
+                    ),
+                ),
+                io.Int.Input(
+                    "tp_degree",
+                    default=0,
+                    min=0,
+                    max=64,
+                    optional=True,
+                    tooltip=(
+                        "tensor_parallel / tp_cp: ranks sharing each weight matrix; must divide the attention heads. "
+                        "0: every rank (tensor_parallel only). Under tp_cp, ring_degree × ulysses_degree × tp_degree "
+                        "= ranks."
+                    ),
+                ),
                 max_memory_input(),
                 dtype_input(),
                 backend_input(),
             ],
-            outputs=[Transformer.Output(display_name="transformer", tooltip=(
-                "The checked choice of model, strategy and dtype (nothing loaded yet): feed ParallelSampler."))],
+            outputs=[
+                Transformer.Output(
+                    display_name="transformer",
+                    tooltip=(
+                        "The checked choice of model, strategy and dtype (nothing loaded yet): feed ParallelSampler."
+                    ),
+                )
+            ],
             hidden=[io.Hidden.unique_id],
         )
 

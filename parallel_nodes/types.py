@@ -1,4 +1,5 @@
 """The pack's socket types, its category, and the inputs several nodes share (declared once, here)."""
+
 from __future__ import annotations
 
 from comfy_api.latest import io
@@ -13,19 +14,33 @@ Transformer = io.Custom("PD_TRANSFORMER")  # a parallel_runtime.jobs.Transformer
 
 
 def backend_input() -> io.Input:
-    return Backend.Input("backend", optional=True, tooltip=(
-        "Which backend runs this (a ParallelBackend node). Without it: every visible GPU, or 2 CPU ranks when there "
-        "is none (COMFY_PARALLEL_RANKS / COMFY_PARALLEL_DEVICE override)."))
+    return Backend.Input(
+        "backend",
+        optional=True,
+        tooltip=(
+            "Which backend runs this (a ParallelBackend node). Without it: every visible GPU, or 2 CPU ranks when "
+            "there is none (COMFY_PARALLEL_RANKS / COMFY_PARALLEL_DEVICE override)."
+        ),
+    )
 
 
 def dtype_input() -> io.Input:
-    return io.Combo.Input("dtype", options=list(jobs.DTYPES), default="auto", optional=True,
-                          tooltip="Weights' dtype. auto: bfloat16 on GPUs, float32 on CPU.")
+    return io.Combo.Input(
+        "dtype",
+        options=list(jobs.DTYPES),
+        default="auto",
+        optional=True,
+        tooltip="Weights' dtype. auto: bfloat16 on GPUs, float32 on CPU.",
+    )
 
 
 def max_memory_input() -> io.Input:
-    return io.String.Input("max_memory", default="", optional=True, tooltip=(
-        "Per-device budget for device_map placement, e.g. 0:16GB,1:16GB (GPU index or cpu). Empty: no limit."))
+    return io.String.Input(
+        "max_memory",
+        default="",
+        optional=True,
+        tooltip=("Per-device budget for device_map placement, e.g. 0:16GB,1:16GB (GPU index or cpu). Empty: no limit."),
+    )
 
 
 def model_input(tooltip: str) -> io.Input:

@@ -17,13 +17,18 @@ class VAEDecodeSingleGPU(io.ComfyNode):
             node_id="VAEDecodeSingleGPU",
             display_name="VAE Decode (single GPU)",
             category=CATEGORY,
-            description=("Decodes on one device of the backend. Accepts LATENTs from ParallelSampler or from "
-                         "ComfyUI's samplers."),
+            description=(
+                "Decodes on one device of the backend. Accepts LATENTs from ParallelSampler or from ComfyUI's samplers."
+            ),
             inputs=[
                 io.Latent.Input("samples", tooltip="Un-normalised VAE-space latents (ComfyUI's convention)."),
                 model_input("The pipeline folder whose VAE decodes."),
-                io.Combo.Input("device", options=jobs.decode_device_choices(), default="auto",
-                               tooltip="auto: the first GPU, or the CPU without one."),
+                io.Combo.Input(
+                    "device",
+                    options=jobs.decode_device_choices(),
+                    default="auto",
+                    tooltip="auto: the first GPU, or the CPU without one.",
+                ),
                 dtype_input(),
                 backend_input(),
             ],

@@ -10,6 +10,7 @@ when a message does not fit.
 Segments are files under /dev/shm named ``<prefix>-<random>``, created 0600. Everything one backend
 creates shares its prefix, so ``remove_segments(prefix)`` clears it after a shutdown or a crash.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -236,10 +237,13 @@ class SharedMemoryFull(OSError):
     """/dev/shm has no room for a segment; the message says how much was needed, what is free and the fix."""
 
     def __init__(self, needed: int):
-        super().__init__(errno.ENOSPC, f"{SHM_DIR} has no room for a {needed / 2**20:.0f} MiB shared-memory segment "
-                                       f"({shm_free_bytes() / 2**20:.0f} MiB free). Give it more room (Docker: "
-                                       "--shm-size=8g or more; Linux: mount -o remount,size=16G /dev/shm), or make "
-                                       "the batch or the image smaller")
+        super().__init__(
+            errno.ENOSPC,
+            f"{SHM_DIR} has no room for a {needed / 2**20:.0f} MiB shared-memory segment "
+            f"({shm_free_bytes() / 2**20:.0f} MiB free). Give it more room (Docker: "
+            "--shm-size=8g or more; Linux: mount -o remount,size=16G /dev/shm), or make "
+            "the batch or the image smaller",
+        )
         self.needed = needed
 
 

@@ -1,4 +1,5 @@
 """``comfy-parallel``: check a backend, build tiny offline models, run the demo."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,24 +23,45 @@ def doctor(ranks: int, device: str) -> dict:
     from .wire import AllreduceArgs, EchoArgs
 
     spec = default_spec(device=device, ranks=ranks)
-    report: dict = {"world_size": None, "device": spec.device, "ranks": [], "startup_s": None,
-                    "collective_ok": False, "roundtrip_ok": False, "shm_free_gib": round(shm_free_bytes() / 2**30, 2),
-                    "errors": []}
+    report: dict = {
+        "world_size": None,
+        "device": spec.device,
+        "ranks": [],
+        "startup_s": None,
+        "collective_ok": False,
+        "roundtrip_ok": False,
+        "shm_free_gib": round(shm_free_bytes() / 2**30, 2),
+        "errors": [],
+    }
     backend = Backend(spec)
     try:
         backend.start()
         report["startup_s"] = round(backend.startup_s, 3)
         status = backend.status()
         report["world_size"] = status.world_size
-        report["ranks"] = [{"rank": r.rank, "device": r.device, "device_name": r.device_name, "pid": r.pid,
-                            "hostname": r.hostname, "memory_free_gib": round(r.memory.free_bytes / 2**30, 2),
-                            "memory_total_gib": round(r.memory.total_bytes / 2**30, 2)} for r in status.ranks]
+        report["ranks"] = [
+            {
+                "rank": r.rank,
+                "device": r.device,
+                "device_name": r.device_name,
+                "pid": r.pid,
+                "hostname": r.hostname,
+                "memory_free_gib": round(r.memory.free_bytes / 2**30, 2),
+                "memory_total_gib": round(r.memory.total_bytes / 2**30, 2),
+            }
+            for r in status.ranks
+        ]
         x = torch.arange(1024, dtype=torch.float32)
         reduced = backend.call(AllreduceArgs(), tensors={"x": x})
         report["collective_ok"] = torch.equal(reduced.tensors["x"], x * reduced.result.expected_factor)
-        sent = {"float32": torch.randn(64, 64), "bfloat16": torch.randn(8, 8).bfloat16(),
-                "uint8": torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8), "bool": torch.rand(9) > 0.5,
-                "int64": torch.arange(5), "big": torch.randn(16 << 20 >> 2)}
+        sent = {
+            "float32": torch.randn(64, 64),
+            "bfloat16": torch.randn(8, 8).bfloat16(),
+            "uint8": torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8),
+            "bool": torch.rand(9) > 0.5,
+            "int64": torch.arange(5),
+            "big": torch.randn(16 << 20 >> 2),
+        }
         t0 = time.perf_counter()
         back = backend.call(EchoArgs(), tensors=sent).tensors
         report["roundtrip_s"] = round(time.perf_counter() - t0, 4)
@@ -48,20 +70,28 @@ def doctor(ranks: int, device: str) -> dict:
         report["errors"].append(str(e))
     finally:
         backend.shutdown()
-    report["ok"] = (not report["errors"] and report["collective_ok"] and report["roundtrip_ok"]
-                    and report["world_size"] == spec.world_size)
+    report["ok"] = (
+        not report["errors"]
+        and report["collective_ok"]
+        and report["roundtrip_ok"]
+        and report["world_size"] == spec.world_size
+    )
     return report
 
 
 def _print_doctor(report: dict) -> None:
     print(f"backend: {report['world_size']} ranks on {report['device']}, up in {report['startup_s']} s")
     for r in report["ranks"]:
-        print(f"  rank {r['rank']}: {r['device']} ({r['device_name']}) pid {r['pid']} on {r['hostname']}, "
-              f"{r['memory_free_gib']} of {r['memory_total_gib']} GiB free")
+        print(
+            f"  rank {r['rank']}: {r['device']} ({r['device_name']}) pid {r['pid']} on {r['hostname']}, "
+            f"{r['memory_free_gib']} of {r['memory_total_gib']} GiB free"
+        )
     print(f"collective (all-reduce): {'ok' if report['collective_ok'] else 'FAILED'}")
     print(f"/dev/shm free: {report['shm_free_gib']} GiB (tensors to and from the backend live there)")
-    print(f"shared-memory round trip: {'ok' if report['roundtrip_ok'] else 'FAILED'}"
-          + (f" ({report['roundtrip_s'] * 1000:.1f} ms for 16 MB + small tensors)" if "roundtrip_s" in report else ""))
+    print(
+        f"shared-memory round trip: {'ok' if report['roundtrip_ok'] else 'FAILED'}"
+        + (f" ({report['roundtrip_s'] * 1000:.1f} ms for 16 MB + small tensors)" if "roundtrip_s" in report else "")
+    )
     for e in report["errors"]:
         print(f"error: {e}")
     print("OK" if report["ok"] else "FAILED")
@@ -84,7 +114,8 @@ def demo(ranks: int, device: str, out: str, models_dir: str, steps: int, size: i
         family("flux").make_tiny_model(model_dir)
         timings["build tiny model"] = time.perf_counter() - t0
     os.environ["COMFY_PARALLEL_MODELS"] = os.pathsep.join(
-        [models_dir] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p])
+        [models_dir] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p]
+    )
 
     def timed(stage: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         t0 = time.perf_counter()
@@ -95,12 +126,23 @@ def demo(ranks: int, device: str, out: str, models_dir: str, steps: int, size: i
     try:
         backend = default_spec(device=device, ranks=ranks, memory_policy="staged")
         timed("start backend", lambda: get_backend(backend).start())
-        positive = timed("encode (text encoders)", jobs.encode_prompt, backend, model=DEMO_MODEL,
-                         prompt="a red cat on a blue sky")
-        transformer = timed("validate transformer", jobs.plan_transformer, backend, model=DEMO_MODEL,
-                            strategy="device_map")
-        latent = timed("sample (load + denoise)", jobs.sample, transformer, positive, seed=seed, steps=steps,
-                       guidance_scale=3.5, width=size, height=size)
+        positive = timed(
+            "encode (text encoders)", jobs.encode_prompt, backend, model=DEMO_MODEL, prompt="a red cat on a blue sky"
+        )
+        transformer = timed(
+            "validate transformer", jobs.plan_transformer, backend, model=DEMO_MODEL, strategy="device_map"
+        )
+        latent = timed(
+            "sample (load + denoise)",
+            jobs.sample,
+            transformer,
+            positive,
+            seed=seed,
+            steps=steps,
+            guidance_scale=3.5,
+            width=size,
+            height=size,
+        )
         image = timed("decode (VAE)", jobs.decode, backend, model=DEMO_MODEL, samples=latent)
         status = current_backend().status()
     finally:
@@ -110,9 +152,14 @@ def demo(ranks: int, device: str, out: str, models_dir: str, steps: int, size: i
     pixels = (image[0].clamp(0, 1) * 255).round().to(torch.uint8).numpy()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     Image.fromarray(pixels).save(out)
-    return {"out": os.path.abspath(out), "timings_s": timings, "world_size": status.world_size,
-            "devices": [r.device for r in status.ranks], "image_shape": list(image.shape),
-            "load_counts": status.ranks[0].load_counts}
+    return {
+        "out": os.path.abspath(out),
+        "timings_s": timings,
+        "world_size": status.world_size,
+        "devices": [r.device for r in status.ranks],
+        "image_shape": list(image.shape),
+        "load_counts": status.ranks[0].load_counts,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="demo.png", help="where to write the PNG")
-    p.add_argument("--models", default=DEFAULT_MODELS_DIR,
-                   help="folder of diffusers models (the tiny one is built here)")
+    p.add_argument(
+        "--models", default=DEFAULT_MODELS_DIR, help="folder of diffusers models (the tiny one is built here)"
+    )
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--size", type=int, default=256, help="width and height, a multiple of 16")
     p.add_argument("--seed", type=int, default=0)
@@ -144,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "demo":
         result = demo(args.ranks, args.device, args.out, args.models, args.steps, args.size, args.seed)
-        print(f"wrote {result['out']} ({result['image_shape'][2]}x{result['image_shape'][1]}) on "
-              f"{result['world_size']} ranks ({', '.join(result['devices'])})")
+        print(
+            f"wrote {result['out']} ({result['image_shape'][2]}x{result['image_shape'][1]}) on "
+            f"{result['world_size']} ranks ({', '.join(result['devices'])})"
+        )
         for stage, seconds in result["timings_s"].items():
             print(f"  {stage:<26} {seconds:7.2f} s")
         print(f"  weights loaded: {result['load_counts']}")

@@ -5,6 +5,7 @@ turning a cancel request into the protocol's ``cancel``. While it waits it watch
 a dead rank becomes ``BackendDied`` naming that rank, the group is torn down, and the next call starts a
 fresh one. Calls from several threads are serialised, never interleaved.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -145,14 +146,21 @@ class Backend:
         self._arena = Arena(f"{group.shm_prefix}-in")
         self._pids = group.worker_pids()
         self.startup_s = time.monotonic() - t0
-        log.info("parallel backend up: %d ranks on %s in %.1f s (%s)", self.spec.world_size, self.spec.device,
-                 self.startup_s, group.run_dir)
+        log.info(
+            "parallel backend up: %d ranks on %s in %.1f s (%s)",
+            self.spec.world_size,
+            self.spec.device,
+            self.startup_s,
+            group.run_dir,
+        )
 
     def _start_failure(self, what: str) -> str:
         g = self._group
         tails = "\n".join(f"--- rank {r} ---\n{g.log_tail(f'rank{r}.log')}" for r in sorted(g.worker_pids()))
-        return (f"the parallel backend ({self.spec.ranks} {self.spec.device} ranks) {what}.\n"
-                f"--- torchrun ---\n{g.log_tail('launcher.log')}\n{tails}")
+        return (
+            f"the parallel backend ({self.spec.ranks} {self.spec.device} ranks) {what}.\n"
+            f"--- torchrun ---\n{g.log_tail('launcher.log')}\n{tails}"
+        )
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every rank and free everything: no process and no shared-memory segment is left."""
@@ -206,13 +214,24 @@ class Backend:
         self._teardown()
         who = (f"rank {rank}" + (f" (pid {pid})" if pid else "")) if rank is not None else "a rank"
         detail = f"\n{tb.strip().splitlines()[-1]}" if tb.strip() else ""
-        return BackendDied(f"the parallel backend failed: {who} {reason}; it was shut down and the next run "
-                           f"starts a fresh one.{detail}", rank=rank, log_tail=tail, traceback=tb)
+        return BackendDied(
+            f"the parallel backend failed: {who} {reason}; it was shut down and the next run "
+            f"starts a fresh one.{detail}",
+            rank=rank,
+            log_tail=tail,
+            traceback=tb,
+        )
 
     # -- calls ----------------------------------------------------------------------------------------
-    def call(self, args: OpArgs, tensors: dict[str, torch.Tensor] | None = None, *,
-             on_progress: ProgressFn | None = None, should_cancel: Callable[[], bool] | None = None,
-             timeout: float = CALL_TIMEOUT_S) -> CallResult:
+    def call(
+        self,
+        args: OpArgs,
+        tensors: dict[str, torch.Tensor] | None = None,
+        *,
+        on_progress: ProgressFn | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        timeout: float = CALL_TIMEOUT_S,
+    ) -> CallResult:
         """Run the op ``args`` names on the backend (starting it if needed) and return its result.
 
         ``on_progress(step, total, text)`` is called for each progress event; if it raises, the op is
@@ -224,12 +243,23 @@ class Backend:
             try:
                 return self._call(args, tensors, on_progress, should_cancel, timeout)
             except (BackendDied, BackendStartError, DeadlineExceeded, OpFailed) as e:
-                _last_error = {"op": args.op, "type": type(e).__name__, "message": str(e),
-                               "rank": getattr(e, "rank", None), "time": time.time()}
+                _last_error = {
+                    "op": args.op,
+                    "type": type(e).__name__,
+                    "message": str(e),
+                    "rank": getattr(e, "rank", None),
+                    "time": time.time(),
+                }
                 raise
 
-    def _call(self, args: OpArgs, tensors: dict[str, torch.Tensor] | None, on_progress: ProgressFn | None,
-              should_cancel: Callable[[], bool] | None, timeout: float) -> CallResult:
+    def _call(
+        self,
+        args: OpArgs,
+        tensors: dict[str, torch.Tensor] | None,
+        on_progress: ProgressFn | None,
+        should_cancel: Callable[[], bool] | None,
+        timeout: float,
+    ) -> CallResult:
         if self._group is None:
             self._start()
         call_id = f"c{next(self._ids)}"
@@ -252,8 +282,14 @@ class Backend:
             except OSError:
                 pass
 
-    def _wait(self, args: OpArgs, call_id: str, on_progress: ProgressFn | None,
-              should_cancel: Callable[[], bool] | None, deadline: float) -> CallResult:
+    def _wait(
+        self,
+        args: OpArgs,
+        call_id: str,
+        on_progress: ProgressFn | None,
+        should_cancel: Callable[[], bool] | None,
+        deadline: float,
+    ) -> CallResult:
         pending_exc: BaseException | None = None
         next_health_check = 0.0
         while True:
@@ -271,8 +307,10 @@ class Backend:
                     if self._dead_ranks():
                         raise self._die("exited")
                 if time.monotonic() > deadline:
-                    raise DeadlineExceeded(f"op {call_id} ran past its deadline; the backend was shut down. "
-                                           f"{self._die('was still running at the deadline')}")
+                    raise DeadlineExceeded(
+                        f"op {call_id} ran past its deadline; the backend was shut down. "
+                        f"{self._die('was still running at the deadline')}"
+                    )
                 continue
             if getattr(msg, "id", None) not in (call_id, None):
                 continue  # a late event of an earlier, abandoned call
@@ -288,8 +326,11 @@ class Backend:
                 if pending_exc is not None:
                     raise pending_exc
                 kind = args.result
-                return CallResult(None if msg.result is None else from_json(kind, msg.result),
-                                  tuple(None if r is None else from_json(kind, r) for r in msg.per_rank), tensors)
+                return CallResult(
+                    None if msg.result is None else from_json(kind, msg.result),
+                    tuple(None if r is None else from_json(kind, r) for r in msg.per_rank),
+                    tensors,
+                )
             elif isinstance(msg, CancelledReply):
                 if pending_exc is not None and not isinstance(pending_exc, Cancelled):
                     raise pending_exc
@@ -298,8 +339,12 @@ class Backend:
                 if pending_exc is not None:
                     raise pending_exc
                 who = f"rank {msg.rank}" if msg.rank is not None else "the backend"
-                raise OpFailed(f"{who}: {msg.error_type}: {msg.message}", rank=msg.rank, error_type=msg.error_type,
-                               traceback=msg.traceback)
+                raise OpFailed(
+                    f"{who}: {msg.error_type}: {msg.message}",
+                    rank=msg.rank,
+                    error_type=msg.error_type,
+                    traceback=msg.traceback,
+                )
             elif isinstance(msg, Fatal):
                 raise self._die(f"failed and left the group stuck: {msg.message}", rank=msg.rank, tb=msg.traceback)
             elif isinstance(msg, RefusedFrame):
@@ -308,8 +353,9 @@ class Backend:
     def status(self) -> BackendStatus:
         """World size, and per rank: device, pid, memory, resident models."""
         r = self.call(StatusArgs(), timeout=60.0)
-        self._last_status = BackendStatus(world_size=len(r.per_rank), device=self.spec.device, ranks=r.per_rank,
-                                          startup_s=self.startup_s)
+        self._last_status = BackendStatus(
+            world_size=len(r.per_rank), device=self.spec.device, ranks=r.per_rank, startup_s=self.startup_s
+        )
         return self._last_status
 
     def free(self) -> None:
@@ -319,8 +365,12 @@ class Backend:
     def snapshot(self) -> dict:
         """Status as JSON (the status panel's), without waiting: fresh when the backend is idle, the last one seen
         (``busy``) while an op runs, and never a reason to start a backend."""
-        view = {"running": self.running, "busy": False, "spec": dataclasses.asdict(self.spec),
-                "last_error": _last_error}
+        view = {
+            "running": self.running,
+            "busy": False,
+            "spec": dataclasses.asdict(self.spec),
+            "last_error": _last_error,
+        }
         if not self._lock.acquire(blocking=False):
             return {**view, "busy": True, **(to_json(self._last_status) if self._last_status else {})}
         try:

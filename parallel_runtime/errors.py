@@ -1,4 +1,5 @@
 """Errors the client raises. Each says what happened and, where there is one, what to do about it."""
+
 from __future__ import annotations
 
 

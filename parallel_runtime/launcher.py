@@ -4,6 +4,7 @@ The group lives in a private run directory (0700): the control socket, the token
 one pid file per rank. torchrun starts each rank in a session of its own, so teardown signals the
 agent's process group and every rank's pid; nothing it started is left running.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -105,13 +106,32 @@ def sweep_stale() -> list[str]:
 def torchrun_command(spec: BackendSpec, run_dir: str) -> list[str]:
     # torchrun's own logs go into the run directory, which teardown removes: by default it leaves a torchelastic_*
     # directory in /tmp behind for every launch.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.ranks),
-           "--max-restarts", "0", "--monitor-interval", "0.2", "--log-dir", os.path.join(run_dir, "torchelastic")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(spec.ranks),
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.2",
+        "--log-dir",
+        os.path.join(run_dir, "torchelastic"),
+    ]
     if spec.nnodes == 1:
         cmd += ["--standalone"]
     else:
-        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint]
+        cmd += [
+            "--nnodes",
+            str(spec.nnodes),
+            "--node-rank",
+            str(spec.node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            spec.rdzv_endpoint,
+        ]
     return cmd + ["-m", "parallel_runtime.worker"]
 
 
@@ -128,14 +148,16 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
     shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.update({
-        "COMFY_PARALLEL_RUN_DIR": run_dir,
-        "COMFY_PARALLEL_CLIENT_PID": str(os.getpid()),
-        "COMFY_PARALLEL_DEVICE": spec.device,
-        "COMFY_PARALLEL_MEMORY_POLICY": spec.memory_policy,
-        "COMFY_PARALLEL_SHM_PREFIX": shm_prefix,
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "COMFY_PARALLEL_RUN_DIR": run_dir,
+            "COMFY_PARALLEL_CLIENT_PID": str(os.getpid()),
+            "COMFY_PARALLEL_DEVICE": spec.device,
+            "COMFY_PARALLEL_MEMORY_POLICY": spec.memory_policy,
+            "COMFY_PARALLEL_SHM_PREFIX": shm_prefix,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     # The ranks wait on torchrun's store with short timeouts by design; c10d would log a warning for each.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if spec.device == "cpu":
@@ -150,8 +172,15 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(16 << 30))
     log = open(os.path.join(run_dir, "launcher.log"), "ab")
     try:
-        proc = subprocess.Popen(torchrun_command(spec, run_dir), env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=run_dir)
+        proc = subprocess.Popen(
+            torchrun_command(spec, run_dir),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=run_dir,
+        )
     finally:
         log.close()
     return LaunchedGroup(spec=spec, proc=proc, run_dir=run_dir, token=token, shm_prefix=shm_prefix)

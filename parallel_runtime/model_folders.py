@@ -6,6 +6,7 @@ directories in ``COMFY_PARALLEL_MODELS`` (os.pathsep-separated). A model is name
 resolves (no ``..``, no absolute path); a model folder that is a symbolic link the user put into a root (models kept
 on another disk) is the user's choice and loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,11 +102,20 @@ def _confined(name: str, widget: str) -> str:
 def resolve(name: str, widget: str = "model") -> ModelRef:
     """Model ``name`` checked: a listed folder below a root, a supported pipeline, safetensors weights only."""
     if not name:
-        raise InvalidInput(widget, "no model selected; put a diffusers folder (save_pretrained) in "
-                                   "models/diffusers or COMFY_PARALLEL_MODELS and pick it here")
+        raise InvalidInput(
+            widget,
+            "no model selected; put a diffusers folder (save_pretrained) in "
+            "models/diffusers or COMFY_PARALLEL_MODELS and pick it here",
+        )
     relative = _confined(name, widget)
-    model_dir = next((os.path.join(root, relative) for root in roots()
-                      if os.path.isfile(os.path.join(root, relative, "model_index.json"))), None)
+    model_dir = next(
+        (
+            os.path.join(root, relative)
+            for root in roots()
+            if os.path.isfile(os.path.join(root, relative, "model_index.json"))
+        ),
+        None,
+    )
     if model_dir is None:
         where = ", ".join(roots()) or "no model folder is configured (set COMFY_PARALLEL_MODELS)"
         raise InvalidInput(widget, f"unknown model {name!r}; models are diffusers folders in: {where}")
@@ -121,8 +131,11 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
         files = os.listdir(sub)
         unsafe = sorted(f for f in files if f.endswith(_UNSAFE_WEIGHTS))
         if unsafe and not any(f.endswith(".safetensors") for f in files):
-            raise InvalidInput(widget, f"{name}/{component} has only pickle weights ({unsafe[0]}); only safetensors "
-                                       "are loaded — re-save it with save_pretrained(safe_serialization=True)")
+            raise InvalidInput(
+                widget,
+                f"{name}/{component} has only pickle weights ({unsafe[0]}); only safetensors "
+                "are loaded — re-save it with save_pretrained(safe_serialization=True)",
+            )
     return ModelRef(name=name, path=model_dir, family=adapter.key)
 
 

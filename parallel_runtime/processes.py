@@ -1,4 +1,5 @@
 """What a process is doing, read from /proc: shared by the launcher, the client and the ranks (a leaf module)."""
+
 from __future__ import annotations
 
 

@@ -17,6 +17,7 @@ out mid-frame and resume without losing bytes.
     Shutdown                           ──▶
                                        ◀──   Bye
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -154,8 +155,10 @@ class Fatal(Frame):
     traceback: str = ""
 
 
-FRAMES: dict[str, type[Frame]] = {cls.kind: cls for cls in (
-    Hello, Welcome, Refused, Call, Cancel, Shutdown, Bye, Progress, Result, Error, CancelledReply, Fatal)}
+FRAMES: dict[str, type[Frame]] = {
+    cls.kind: cls
+    for cls in (Hello, Welcome, Refused, Call, Cancel, Shutdown, Bye, Progress, Result, Error, CancelledReply, Fatal)
+}
 
 
 def encode_frame(frame: Frame) -> bytes:

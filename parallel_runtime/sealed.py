@@ -11,6 +11,7 @@ token, read from the private run directory; never written to the store):
 ``context`` is the store key the record is written under, so a record moved to another key (a replayed header) does
 not open. A record that does not open is refused (``Tampered``), never acted on. Standard library only.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,8 +50,13 @@ class Sealer:
         """The plaintext of ``record`` written under ``context``; Tampered when it does not authenticate."""
         if len(record) < 1 + _NONCE + _TAG or record[:1] != _VERSION:
             raise Tampered(f"{context}: not a sealed record")
-        nonce, tag, ciphertext = record[1:1 + _NONCE], record[1 + _NONCE:1 + _NONCE + _TAG], record[1 + _NONCE + _TAG:]
+        nonce, tag, ciphertext = (
+            record[1 : 1 + _NONCE],
+            record[1 + _NONCE : 1 + _NONCE + _TAG],
+            record[1 + _NONCE + _TAG :],
+        )
         if not hmac.compare_digest(tag, self._tag(context, nonce, ciphertext)):
-            raise Tampered(f"{context}: the record does not authenticate (written by someone without the secret, or "
-                           "changed since)")
+            raise Tampered(
+                f"{context}: the record does not authenticate (written by someone without the secret, or changed since)"
+            )
         return self._xor(nonce, ciphertext)

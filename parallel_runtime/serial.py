@@ -9,6 +9,7 @@ own checks (a StrategyPlan's degrees, a tensor descriptor's shape) hold on both 
 
 No pickle, no code: what arrives is data, and only the types named here can be built from it.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """What a backend is: the frozen description that keys a running backend."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,11 +66,16 @@ def default_spec(device: str = "auto", ranks: int = 0, memory_policy: str = "sta
         device = "cuda" if cuda_device_count() > 0 else "cpu"
     gpus = cuda_device_count() if device == "cuda" else 0
     if device == "cuda" and not gpus:
-        raise InvalidInput("device", "cuda was chosen but this process sees no GPU (check CUDA_VISIBLE_DEVICES and "
-                                     "the driver); choose auto or cpu")
+        raise InvalidInput(
+            "device",
+            "cuda was chosen but this process sees no GPU (check CUDA_VISIBLE_DEVICES and "
+            "the driver); choose auto or cpu",
+        )
     if device == "cuda" and ranks > gpus:
-        raise InvalidInput("ranks", f"{ranks} ranks need one GPU each, but this process sees {gpus}; use 0 (one per "
-                                    f"GPU) or at most {gpus}")
+        raise InvalidInput(
+            "ranks",
+            f"{ranks} ranks need one GPU each, but this process sees {gpus}; use 0 (one per GPU) or at most {gpus}",
+        )
     if not ranks:
         ranks = gpus or 2
     return BackendSpec(ranks=ranks, device=device, memory_policy=memory_policy)

@@ -5,6 +5,7 @@ its constructor against the transformer it splits (``TransformerFacts``: class, 
 backend's ranks, and travels to the ranks as it is (``serial``), where it is rebuilt and checked again. Every error
 names the widget and the fix. The ranks act on its fields and properties, never on strings.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,17 +50,25 @@ class TransformerFacts:
 
         name = config["_class_name"]
         model = getattr(diffusers, name, None)
-        return cls(class_name=name, heads=config.get("num_attention_heads"),
-                   has_cp_plan=getattr(model, "_cp_plan", None) is not None,
-                   has_tp_plan=getattr(model, "_tp_plan", None) is not None)
+        return cls(
+            class_name=name,
+            heads=config.get("num_attention_heads"),
+            has_cp_plan=getattr(model, "_cp_plan", None) is not None,
+            has_tp_plan=getattr(model, "_tp_plan", None) is not None,
+        )
 
 
 @functools.cache
 def _models_with(attribute: str) -> str:
     import diffusers
 
-    return ", ".join(sorted(n for n in dir(diffusers)
-                            if n.endswith("Transformer2DModel") and getattr(getattr(diffusers, n), attribute, None)))
+    return ", ".join(
+        sorted(
+            n
+            for n in dir(diffusers)
+            if n.endswith("Transformer2DModel") and getattr(getattr(diffusers, n), attribute, None)
+        )
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,38 +106,59 @@ class StrategyPlan:
         if self.kind in (Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
             self._check_tensor_parallel()
         elif self.tp_degree != 1:
-            raise InvalidInput("tp_degree", f"{self.kind.value} does not split the weights; leave tp_degree at 0, "
-                                            "or choose tensor_parallel or tp_cp")
+            raise InvalidInput(
+                "tp_degree",
+                f"{self.kind.value} does not split the weights; leave tp_degree at 0, "
+                "or choose tensor_parallel or tp_cp",
+            )
         if self.kind in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP):
             self._check_context_parallel()
         elif (self.ring_degree, self.ulysses_degree, self.anything, self.attention_backend) != (1, 1, False, "auto"):
-            raise InvalidInput("strategy", f"{self.kind.value} does not split the tokens, so ring_degree, "
-                                           "ulysses_degree, anything and attention_backend keep their defaults")
+            raise InvalidInput(
+                "strategy",
+                f"{self.kind.value} does not split the tokens, so ring_degree, "
+                "ulysses_degree, anything and attention_backend keep their defaults",
+            )
 
     # -- checks -----------------------------------------------------------------------------------------------
     def _check_tensor_parallel(self) -> None:
         facts, tp = self.transformer, self.tp_degree
         if not facts.has_tp_plan:
-            raise InvalidInput("strategy", f"{facts.class_name} has no tensor-parallel plan (_tp_plan) in this "
-                                           "diffusers; use context_parallel or data_parallel. Models with one: "
-                                           f"{_models_with('_tp_plan')}")
+            raise InvalidInput(
+                "strategy",
+                f"{facts.class_name} has no tensor-parallel plan (_tp_plan) in this "
+                "diffusers; use context_parallel or data_parallel. Models with one: "
+                f"{_models_with('_tp_plan')}",
+            )
         if self.kind is Strategy.TENSOR_PARALLEL and tp != self.ranks:
-            raise InvalidInput("tp_degree", f"tp_degree {tp} must equal the backend's {self.ranks} ranks "
-                                            "(0 uses them all; tp_cp combines TP with context parallelism)")
+            raise InvalidInput(
+                "tp_degree",
+                f"tp_degree {tp} must equal the backend's {self.ranks} ranks "
+                "(0 uses them all; tp_cp combines TP with context parallelism)",
+            )
         if self.kind is Strategy.TP_CP and (tp < 2 or self.ranks % tp or self.ranks // tp < 2):
-            raise InvalidInput("tp_degree", f"tp_cp needs tp_degree ≥ 2 dividing the backend's {self.ranks} ranks "
-                                            f"and leaving ≥ 2 for context parallelism (e.g. tp_degree 2 on 4 ranks); "
-                                            f"got {tp}. With fewer ranks use tensor_parallel or context_parallel")
+            raise InvalidInput(
+                "tp_degree",
+                f"tp_cp needs tp_degree ≥ 2 dividing the backend's {self.ranks} ranks "
+                f"and leaving ≥ 2 for context parallelism (e.g. tp_degree 2 on 4 ranks); "
+                f"got {tp}. With fewer ranks use tensor_parallel or context_parallel",
+            )
         if facts.heads and facts.heads % tp:
-            raise InvalidInput("tp_degree", f"{facts.heads} attention heads do not split over tp_degree {tp}; use a "
-                                            f"divisor of {facts.heads} (and as many ranks)")
+            raise InvalidInput(
+                "tp_degree",
+                f"{facts.heads} attention heads do not split over tp_degree {tp}; use a "
+                f"divisor of {facts.heads} (and as many ranks)",
+            )
 
     def _check_context_parallel(self) -> None:
         facts = self.transformer
         if not facts.has_cp_plan:
-            raise InvalidInput("strategy", f"{facts.class_name} has no context-parallel plan (_cp_plan) in this "
-                                           "diffusers; use tensor_parallel or data_parallel, or a model that has "
-                                           f"one: {_models_with('_cp_plan')}")
+            raise InvalidInput(
+                "strategy",
+                f"{facts.class_name} has no context-parallel plan (_cp_plan) in this "
+                "diffusers; use tensor_parallel or data_parallel, or a model that has "
+                f"one: {_models_with('_cp_plan')}",
+            )
         ring, ulysses, tp = self.ring_degree, self.ulysses_degree, self.tp_degree
         if ring < 1:
             raise InvalidInput("ring_degree", f"{ring} is not a degree; use 1 (no ring) or more")
@@ -137,27 +167,42 @@ class StrategyPlan:
         cp_ranks = self.ranks // tp if self.kind is Strategy.TP_CP else self.ranks
         if ring * ulysses != cp_ranks:
             across = "the backend has" if self.kind is Strategy.CONTEXT_PARALLEL else f"tp_degree {tp} leaves"
-            raise InvalidInput("ulysses_degree", f"ring_degree × ulysses_degree = {ring} × {ulysses} = "
-                                                 f"{ring * ulysses}, but {across} {cp_ranks} ranks; make the product "
-                                                 f"{cp_ranks} (ulysses_degree 0 fills the rest)")
+            raise InvalidInput(
+                "ulysses_degree",
+                f"ring_degree × ulysses_degree = {ring} × {ulysses} = "
+                f"{ring * ulysses}, but {across} {cp_ranks} ranks; make the product "
+                f"{cp_ranks} (ulysses_degree 0 fills the rest)",
+            )
         if ring * ulysses == 1:
-            raise InvalidInput("ulysses_degree", "context parallelism needs 2 or more ranks; raise ranks on the "
-                                                 "ParallelBackend node, or use device_map")
+            raise InvalidInput(
+                "ulysses_degree",
+                "context parallelism needs 2 or more ranks; raise ranks on the ParallelBackend node, or use device_map",
+            )
         if self.anything and ring > 1 and ulysses > 1:
-            raise InvalidInput("anything", "Ulysses-anything and Ring-anything each work on one axis; set "
-                                           "ring_degree or ulysses_degree to 1, or turn anything off")
+            raise InvalidInput(
+                "anything",
+                "Ulysses-anything and Ring-anything each work on one axis; set "
+                "ring_degree or ulysses_degree to 1, or turn anything off",
+            )
         if facts.heads and ulysses > 1:
             local = facts.heads // tp
             held = f"{facts.heads} attention heads" if tp == 1 else f"{local} attention heads per TP rank"
             if self.anything and local < ulysses:
-                raise InvalidInput("ulysses_degree", f"Ulysses-anything needs at least as many attention heads as "
-                                                     f"ranks: {held} < ulysses_degree {ulysses}")
+                raise InvalidInput(
+                    "ulysses_degree",
+                    f"Ulysses-anything needs at least as many attention heads as "
+                    f"ranks: {held} < ulysses_degree {ulysses}",
+                )
             if not self.anything and local % ulysses:
-                raise InvalidInput("ulysses_degree", f"{held} do not split over ulysses_degree {ulysses}; use a "
-                                                     f"divisor of {local}, or turn anything on")
+                raise InvalidInput(
+                    "ulysses_degree",
+                    f"{held} do not split over ulysses_degree {ulysses}; use a divisor of {local}, or turn anything on",
+                )
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidInput("attention_backend", f"unknown backend {self.attention_backend!r}; choose one of "
-                                                    f"{', '.join(ATTENTION_BACKENDS)}")
+            raise InvalidInput(
+                "attention_backend",
+                f"unknown backend {self.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}",
+            )
 
     # -- what the ranks act on --------------------------------------------------------------------------------
     @property
@@ -180,24 +225,39 @@ class StrategyPlan:
 
     def describe(self) -> str:
         """A short, stable name: the resident transformer's placement in status and model keys."""
-        cp = (f"cp:ring{self.ring_degree}xulysses{self.ulysses_degree}{'+anything' if self.anything else ''}"
-              f":{self.attention_backend}")
-        return {Strategy.CONTEXT_PARALLEL: cp, Strategy.TENSOR_PARALLEL: f"tp{self.tp_degree}",
-                Strategy.TP_CP: f"tp{self.tp_degree}x{cp}"}.get(self.kind, self.kind.value)
+        cp = (
+            f"cp:ring{self.ring_degree}xulysses{self.ulysses_degree}{'+anything' if self.anything else ''}"
+            f":{self.attention_backend}"
+        )
+        return {
+            Strategy.CONTEXT_PARALLEL: cp,
+            Strategy.TENSOR_PARALLEL: f"tp{self.tp_degree}",
+            Strategy.TP_CP: f"tp{self.tp_degree}x{cp}",
+        }.get(self.kind, self.kind.value)
 
     # -- from LoadShardedTransformer's widgets -----------------------------------------------------------------
     @classmethod
-    def from_widgets(cls, transformer: TransformerFacts, ranks: int, *, strategy: str, ring_degree: int = 1,
-                     ulysses_degree: int = 0, anything: bool = False, attention_backend: str = "auto",
-                     tp_degree: int = 0) -> StrategyPlan:
+    def from_widgets(
+        cls,
+        transformer: TransformerFacts,
+        ranks: int,
+        *,
+        strategy: str,
+        ring_degree: int = 1,
+        ulysses_degree: int = 0,
+        anything: bool = False,
+        attention_backend: str = "auto",
+        tp_degree: int = 0,
+    ) -> StrategyPlan:
         """The plan LoadShardedTransformer's widgets describe. ``ulysses_degree`` 0 means every rank the ring (and,
         under tp_cp, the TP degree) does not use; ``tp_degree`` 0 means every rank under tensor_parallel. Widgets the
         strategy does not use are ignored."""
         try:
             kind = Strategy(strategy)
         except ValueError:
-            raise InvalidInput("strategy", f"unknown strategy {strategy!r}; choose one of "
-                                           f"{', '.join(s.value for s in Strategy)}") from None
+            raise InvalidInput(
+                "strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(s.value for s in Strategy)}"
+            ) from None
         if kind is Strategy.TENSOR_PARALLEL:
             return cls(kind, ranks, transformer, tp_degree=tp_degree or ranks)
         if kind not in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP):
@@ -207,5 +267,13 @@ class StrategyPlan:
         if ring_degree < 1:
             raise InvalidInput("ring_degree", f"{ring_degree} is not a degree; use 1 (no ring) or more")
         ulysses = ulysses_degree or max(1, cp_ranks // ring_degree)
-        return cls(kind, ranks, transformer, ring_degree=ring_degree, ulysses_degree=ulysses, anything=bool(anything),
-                   attention_backend=attention_backend, tp_degree=tp_degree if kind is Strategy.TP_CP else 1)
+        return cls(
+            kind,
+            ranks,
+            transformer,
+            ring_degree=ring_degree,
+            ulysses_degree=ulysses,
+            anything=bool(anything),
+            attention_backend=attention_backend,
+            tp_degree=tp_degree if kind is Strategy.TP_CP else 1,
+        )

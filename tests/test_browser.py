@@ -8,6 +8,7 @@ shipped workflow loads unchanged: a tiny random FLUX.1 sits under its placeholde
 Screenshots land in the test's tmp dir; with PD_SAVE_SCREENSHOTS=1 they are also copied to docs/screenshots/.
 Needs COMFYUI_DIR, /usr/bin/chromium (or PD_CHROMIUM), node, and `npm ci` in tests/browser (.ci/run does all).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,11 @@ def _browser_missing() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.multirank,
-              pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing()))]
+pytestmark = [
+    pytest.mark.comfyui,
+    pytest.mark.multirank,
+    pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing())),
+]
 
 
 @pytest.fixture
@@ -53,15 +57,34 @@ def placeholder_model(comfyui_models_dir) -> Path:
 
 
 def test_template_runs_from_the_browser_and_the_panel_lists_two_ranks(comfyui_server, placeholder_model, tmp_path):
-    command = ["node", str(SCRIPT), comfyui_server.base_url, TEMPLATE, str(tmp_path), "--size", str(SIZE),
-               "--steps", "3", "--shutdown"]
-    proc = subprocess.run(command, check=False, cwd=BROWSER_DIR, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PD_CHROMIUM": CHROMIUM})
+    command = [
+        "node",
+        str(SCRIPT),
+        comfyui_server.base_url,
+        TEMPLATE,
+        str(tmp_path),
+        "--size",
+        str(SIZE),
+        "--steps",
+        "3",
+        "--shutdown",
+    ]
+    proc = subprocess.run(
+        command,
+        check=False,
+        cwd=BROWSER_DIR,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PD_CHROMIUM": CHROMIUM},
+    )
     lines = proc.stdout.strip().splitlines()
     assert lines, f"{' '.join(command)} printed nothing (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
     report = json.loads(lines[-1])
-    context = (f"\n--- report ---\n{json.dumps(report, indent=1)[:6000]}\n--- stderr ---\n{proc.stderr[-2000:]}"
-               f"\n--- ComfyUI log tail ---\n{comfyui_server.log_tail(60)}")
+    context = (
+        f"\n--- report ---\n{json.dumps(report, indent=1)[:6000]}\n--- stderr ---\n{proc.stderr[-2000:]}"
+        f"\n--- ComfyUI log tail ---\n{comfyui_server.log_tail(60)}"
+    )
     if os.environ.get("PD_SAVE_SCREENSHOTS") == "1":  # keep them even when the test fails: they show why
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         for shot in report.get("screenshots", []):

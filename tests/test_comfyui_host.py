@@ -3,6 +3,7 @@ over /prompt + the websocket, images come back through /view, bad prompts get a 
 runtime errors and interrupts arrive as websocket events. Only ComfyUI core nodes are used here, so these
 tests hold whatever state the pack's own nodes are in.
 """
+
 import io
 import os
 import sys
@@ -15,8 +16,10 @@ pytestmark = pytest.mark.comfyui
 
 def _solid_image_to_png(color: int, width: int = 64, height: int = 48, prefix: str = "e2e_host") -> dict:
     return {
-        "1": {"class_type": "EmptyImage",
-              "inputs": {"width": width, "height": height, "batch_size": 1, "color": color}},
+        "1": {
+            "class_type": "EmptyImage",
+            "inputs": {"width": width, "height": height, "batch_size": 1, "color": color},
+        },
         "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": prefix}},
     }
 
@@ -111,18 +114,23 @@ def test_interrupt_stops_the_running_prompt_and_the_server_goes_on(comfyui_serve
     # cores): ComfyUI checks for an interrupt before each node, so interrupting during the first one stops
     # the prompt long before the last one runs.
     n = 8
-    workflow = {"0": {"class_type": "EmptyImage",
-                      "inputs": {"width": 512, "height": 512, "batch_size": 1, "color": 0x336699}}}
+    workflow = {
+        "0": {"class_type": "EmptyImage", "inputs": {"width": 512, "height": 512, "batch_size": 1, "color": 0x336699}}
+    }
     for i in range(1, n + 1):
-        workflow[str(i)] = {"class_type": "ImageBlur",
-                            "inputs": {"image": [str(i - 1), 0], "blur_radius": 31, "sigma": 10.0}}
+        workflow[str(i)] = {
+            "class_type": "ImageBlur",
+            "inputs": {"image": [str(i - 1), 0], "blur_radius": 31, "sigma": 10.0},
+        }
     workflow["out"] = {"class_type": "PreviewImage", "inputs": {"images": [str(n), 0]}}
 
     start = len(comfyui_server.messages())
     prompt_id = comfyui_server.post_prompt(workflow)
     comfyui_server.wait_for(
-        lambda m: m["type"] == "executing" and m["data"].get("prompt_id") == prompt_id
-        and m["data"].get("node") == "1", timeout=60, start=start)
+        lambda m: m["type"] == "executing" and m["data"].get("prompt_id") == prompt_id and m["data"].get("node") == "1",
+        timeout=60,
+        start=start,
+    )
     comfyui_server.interrupt(prompt_id)
     messages = comfyui_server.follow(prompt_id, timeout=60)
     assert messages[-1]["type"] == "execution_interrupted", [m["type"] for m in messages]

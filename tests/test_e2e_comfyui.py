@@ -8,6 +8,7 @@ ComfyUI process dies, every rank of its backend exits on its own. (Progress text
 combinations refused with a 400: test_e2e_queue.py. Every example's UI file against /object_info, the template
 browser, and the other examples' runs: test_examples_comfyui.py.)
 """
+
 from __future__ import annotations
 
 import glob
@@ -40,7 +41,6 @@ from comfyui_workflows import (
 pytestmark = pytest.mark.comfyui  # and multirank on the tests that start a backend
 
 
-
 @pytest.fixture(scope="module")
 def tiny_model(comfyui_models_dir) -> Path:
     return tiny_flux(comfyui_models_dir)
@@ -51,8 +51,15 @@ def reference_uint8(model_dir: Path, prompt: str, seed: int) -> np.ndarray:
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(model_dir)
-    image = pipe(prompt, num_inference_steps=STEPS, guidance_scale=GUIDANCE, width=SIZE, height=SIZE,
-                 generator=torch.Generator("cpu").manual_seed(seed), output_type="pt").images[0]
+    image = pipe(
+        prompt,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
+        width=SIZE,
+        height=SIZE,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="pt",
+    ).images[0]
     return np.clip(255.0 * image.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
 
 
@@ -85,8 +92,11 @@ def _refused_model(rejected: PromptRejected, node_id: str) -> bool:
     errors = rejected.node_errors[node_id]["errors"]
     if [e["type"] for e in errors] == ["value_not_in_list"]:
         return True
-    return ([e["type"] for e in errors] == ["custom_validation_failed"] and "model: " in errors[0]["details"]
-            and "pick one from the list" in errors[0]["details"])
+    return (
+        [e["type"] for e in errors] == ["custom_validation_failed"]
+        and "model: " in errors[0]["details"]
+        and "pick one from the list" in errors[0]["details"]
+    )
 
 
 def test_shipped_workflow_validates_except_for_the_missing_model(comfyui_server, tiny_model):
@@ -176,17 +186,22 @@ def test_backend_ranks_exit_when_comfyui_dies(comfyui_dir, comfyui_models_dir, t
             time.sleep(0.1)
         left_behind = glob.glob(f"/dev/shm/pd-{comfy_pid}-*") + ([run_dir] if os.path.exists(run_dir) else [])
         if left_behind:
-            logs = {name: open(os.path.join(run_dir, name), errors="replace").read()
-                    for name in ("rank0.log", "rank1.log") if os.path.exists(os.path.join(run_dir, name))}
+            logs = {
+                name: open(os.path.join(run_dir, name), errors="replace").read()
+                for name in ("rank0.log", "rank1.log")
+                if os.path.exists(os.path.join(run_dir, name))
+            }
             noticed = [name for name, text in logs.items() if "client or launcher died" in text]
             for path in left_behind:  # report it, but leave no litter
                 if os.path.isdir(path):
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     os.unlink(path)
-            pytest.fail(f"left behind after every backend process exited: {left_behind}; ranks whose log says "
-                        f"they saw the client die: {noticed} (only rank 0 cleans up; if another rank exits first, "
-                        f"torchrun's agent SIGTERMs rank 0 before its own check runs)")
+            pytest.fail(
+                f"left behind after every backend process exited: {left_behind}; ranks whose log says "
+                f"they saw the client die: {noticed} (only rank 0 cleans up; if another rank exits first, "
+                f"torchrun's agent SIGTERMs rank 0 before its own check runs)"
+            )
         print(f"torchrun's agent and both ranks gone {exit_s:.1f} s after ComfyUI was killed")
     finally:
         server.stop()

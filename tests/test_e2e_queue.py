@@ -13,6 +13,7 @@
 
 All on the session's server, a tiny FLUX.1, 2 CPU ranks, 64x64 (see comfyui_workflows).
 """
+
 from __future__ import annotations
 
 import collections
@@ -82,9 +83,16 @@ def load_counts(server) -> dict[str, int]:
 
 def wait_for_step(server, prompt_id: str, at_least: int = 1) -> dict:
     """The sampler's first ``progress`` message of ``prompt_id`` at step ``at_least`` or later."""
-    return server.wait_for(lambda m: m.get("type") == "progress" and m["data"].get("prompt_id") == prompt_id
-                           and m["data"].get("node") == SAMPLER and m["data"]["max"] == MANY_STEPS
-                           and m["data"]["value"] >= at_least, timeout=240)
+    return server.wait_for(
+        lambda m: (
+            m.get("type") == "progress"
+            and m["data"].get("prompt_id") == prompt_id
+            and m["data"].get("node") == SAMPLER
+            and m["data"]["max"] == MANY_STEPS
+            and m["data"]["value"] >= at_least
+        ),
+        timeout=240,
+    )
 
 
 # --- refused before anything runs ---------------------------------------------------------------------------------
@@ -123,17 +131,42 @@ def _cuda_without_a_gpu(w: dict) -> None:
 
 
 BAD_COMBINATIONS = {
-    "ulysses_x_ring_is_not_ranks": (_ulysses_times_ring_is_not_ranks, TRANSFORMER, "LoadShardedTransformer",
-                                    "ulysses_degree: ", "but the backend has 2 ranks; make the product 2"),
-    "tp_degree_does_not_divide_heads": (_tp_degree_does_not_divide_heads, TRANSFORMER, "LoadShardedTransformer",
-                                        "tp_degree: ", "use a divisor of 4"),
+    "ulysses_x_ring_is_not_ranks": (
+        _ulysses_times_ring_is_not_ranks,
+        TRANSFORMER,
+        "LoadShardedTransformer",
+        "ulysses_degree: ",
+        "but the backend has 2 ranks; make the product 2",
+    ),
+    "tp_degree_does_not_divide_heads": (
+        _tp_degree_does_not_divide_heads,
+        TRANSFORMER,
+        "LoadShardedTransformer",
+        "tp_degree: ",
+        "use a divisor of 4",
+    ),
     "width_off_the_16_grid": (_width_off_the_16_grid, SAMPLER, "ParallelSampler", "width: ", "use 992 or 1008"),
-    "cp_image_tokens_do_not_split": (_image_tokens_do_not_split_over_the_ranks, SAMPLER, "ParallelSampler",
-                                     "width: ", "turn on anything (Ulysses/Ring-anything) on LoadShardedTransformer"),
-    "prompt_2_lines_do_not_match": (_prompt_2_lines_do_not_match, ENCODER, "EncodeOnBalancedGPUs", "prompt_2: ",
-                                    "give prompt_2 one line per prompt"),
-    "fewer_images_than_data_parallel_ranks": (_fewer_images_than_data_parallel_ranks, SAMPLER, "ParallelSampler",
-                                              "batch_size: ", "batch_size 1 × 3 prompts makes 3"),
+    "cp_image_tokens_do_not_split": (
+        _image_tokens_do_not_split_over_the_ranks,
+        SAMPLER,
+        "ParallelSampler",
+        "width: ",
+        "turn on anything (Ulysses/Ring-anything) on LoadShardedTransformer",
+    ),
+    "prompt_2_lines_do_not_match": (
+        _prompt_2_lines_do_not_match,
+        ENCODER,
+        "EncodeOnBalancedGPUs",
+        "prompt_2: ",
+        "give prompt_2 one line per prompt",
+    ),
+    "fewer_images_than_data_parallel_ranks": (
+        _fewer_images_than_data_parallel_ranks,
+        SAMPLER,
+        "ParallelSampler",
+        "batch_size: ",
+        "batch_size 1 × 3 prompts makes 3",
+    ),
     "cuda_without_a_gpu": (_cuda_without_a_gpu, BACKEND, "ParallelBackend", "device: ", "choose auto or cpu"),
 }
 
@@ -180,8 +213,8 @@ def test_three_prompts_back_to_back_succeed_loading_weights_once_and_report_prog
     assert all(len(found) == 1 for found in images) and len(set(pngs)) == 3, images  # three seeds, three images
 
     run_dirs = backend_run_dirs(server)
-    assert len(run_dirs) - len(run_dirs_before) <= 1 and run_dirs[:len(run_dirs_before)] == run_dirs_before
-    loads = weight_loads(run_dirs[-1])[len(loads_before) if run_dirs == run_dirs_before else 0:]
+    assert len(run_dirs) - len(run_dirs_before) <= 1 and run_dirs[: len(run_dirs_before)] == run_dirs_before
+    loads = weight_loads(run_dirs[-1])[len(loads_before) if run_dirs == run_dirs_before else 0 :]
     assert loads and max(collections.Counter(loads).values()) == 1, loads  # each component at most once
 
     # The first run: each node says what it is doing, and the sampler reports every step in order.
@@ -199,8 +232,9 @@ def test_three_prompts_back_to_back_succeed_loading_weights_once_and_report_prog
 
 
 @pytest.mark.multirank
-def test_cancel_stops_every_rank_within_one_step_and_the_next_prompt_runs_on_the_same_backend(comfyui_server,
-                                                                                            tiny_model):
+def test_cancel_stops_every_rank_within_one_step_and_the_next_prompt_runs_on_the_same_backend(
+    comfyui_server, tiny_model
+):
     server = comfyui_server
     mark = server.log_mark()
     prompt_id = server.post_prompt(context_parallel(small_workflow(seed=21, steps=MANY_STEPS)))
@@ -230,7 +264,8 @@ def test_cancel_stops_every_rank_within_one_step_and_the_next_prompt_runs_on_the
 
 @pytest.mark.multirank
 def test_a_killed_rank_fails_its_prompt_by_name_and_the_prompt_queued_behind_it_runs_on_a_fresh_backend(
-        comfyui_server, tiny_model):
+    comfyui_server, tiny_model
+):
     server = comfyui_server
     if not backend_status(server)["running"]:
         server.run(context_parallel(small_workflow(seed=30, steps=1)), timeout=240)
@@ -244,8 +279,9 @@ def test_a_killed_rank_fails_its_prompt_by_name_and_the_prompt_queued_behind_it_
     assert error["type"] == "execution_error" and error["data"]["node_id"] == SAMPLER, error
     message = error["data"]["exception_message"]
     # "exited", or "closed the control connection" when rank 0 is gone before the client looks at the processes.
-    assert message.startswith("the parallel backend failed: rank 1 ") and "next run starts a fresh one" in message, \
+    assert message.startswith("the parallel backend failed: rank 1 ") and "next run starts a fresh one" in message, (
         message
+    )
     assert "--- rank 1 ---" in message, message  # that rank's log tail
 
     assert server.follow(behind, timeout=300)[-1]["type"] == "execution_success"
@@ -254,8 +290,7 @@ def test_a_killed_rank_fails_its_prompt_by_name_and_the_prompt_queued_behind_it_
 
 
 @pytest.mark.multirank
-def test_an_exception_on_a_rank_reaches_the_ui_with_its_traceback_and_the_backend_stays_up(comfyui_server,
-                                                                                         tiny_model):
+def test_an_exception_on_a_rank_reaches_the_ui_with_its_traceback_and_the_backend_stays_up(comfyui_server, tiny_model):
     """A transformer whose weights file was cut short: LoadShardedTransformer validates its config and passes, the
     load fails inside rank 0 on the backend; every rank survives it."""
     server = comfyui_server
@@ -264,7 +299,7 @@ def test_an_exception_on_a_rank_reaches_the_ui_with_its_traceback_and_the_backen
     if not broken_dir.exists():
         shutil.copytree(tiny_model, broken_dir)
         (weights,) = (broken_dir / "transformer").glob("*.safetensors")
-        weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+        weights.write_bytes(weights.read_bytes()[: len(weights.read_bytes()) // 2])
     workflow = small_workflow(seed=40, model=MODEL)
     workflow[TRANSFORMER]["inputs"]["model"] = broken
     if not backend_status(server)["running"]:

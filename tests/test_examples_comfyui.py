@@ -6,6 +6,7 @@ through /prompt with its placeholder models swapped for tiny random ones of the 
 example keeps its 4, marked ``four_ranks``), 64×64 and 2 steps, and every saved PNG must equal diffusers'
 one-shot pipeline after 8-bit quantisation (±1 level).
 """
+
 from __future__ import annotations
 
 import io
@@ -177,12 +178,20 @@ def reference_images(family: str, model_dir: Path, workflow: dict) -> np.ndarray
     from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
 
     encode, sampler = inputs_of(workflow, "EncodeOnBalancedGPUs"), inputs_of(workflow, "ParallelSampler")
-    prompts = ([line.strip() for line in encode["prompt"].splitlines() if line.strip()]
-               if encode["one_prompt_per_line"] else [encode["prompt"]])
+    prompts = (
+        [line.strip() for line in encode["prompt"].splitlines() if line.strip()]
+        if encode["one_prompt_per_line"]
+        else [encode["prompt"]]
+    )
     per_prompt = sampler["batch_size"]
-    kwargs = {"num_images_per_prompt": per_prompt, "num_inference_steps": sampler["steps"],
-              "width": sampler["width"], "height": sampler["height"],
-              "max_sequence_length": encode["max_sequence_length"], "output_type": "pt"}
+    kwargs = {
+        "num_images_per_prompt": per_prompt,
+        "num_inference_steps": sampler["steps"],
+        "width": sampler["width"],
+        "height": sampler["height"],
+        "max_sequence_length": encode["max_sequence_length"],
+        "output_type": "pt",
+    }
     if family == "qwenimage":
         pipeline = QwenImagePipeline
         kwargs.update(negative_prompt=encode["negative_prompt"], true_cfg_scale=sampler["true_cfg_scale"])
@@ -192,10 +201,16 @@ def reference_images(family: str, model_dir: Path, workflow: dict) -> np.ndarray
     pipe = pipeline.from_pretrained(model_dir)
     pipe.set_progress_bar_config(disable=True)
     first = sampler["seed"]
-    images = torch.cat([
-        pipe(prompt=prompt, generator=[torch.Generator("cpu").manual_seed(first + p * per_prompt + i)
-                                       for i in range(per_prompt)], **kwargs).images
-        for p, prompt in enumerate(prompts)])
+    images = torch.cat(
+        [
+            pipe(
+                prompt=prompt,
+                generator=[torch.Generator("cpu").manual_seed(first + p * per_prompt + i) for i in range(per_prompt)],
+                **kwargs,
+            ).images
+            for p, prompt in enumerate(prompts)
+        ]
+    )
     return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
 
 
@@ -207,8 +222,14 @@ def saved_pngs(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.four_ranks] if name in FOUR_RANKS else [])
-                                  for name in EXAMPLES if name not in RUN_ELSEWHERE])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.four_ranks] if name in FOUR_RANKS else [])
+        for name in EXAMPLES
+        if name not in RUN_ELSEWHERE
+    ],
+)
 def test_example_runs_headless_and_equals_the_one_shot_pipeline(comfyui_server, tiny_models, name):
     workflow, family = small(name, tiny_models)
     prompt_id, _ = comfyui_server.run(workflow, timeout=300)

@@ -27,11 +27,20 @@ CPU = Placement("cpu")
 
 FAMILIES = {
     # FLUX.2's max_sequence_length counts the chat template's system message (31 tiny tokens) too.
-    "flux2": {"adapter": flux2, "pipeline": Flux2Pipeline, "max_sequence_length": 48,
-              "sampling": {"guidance_scale": 4.0}, "encode": {}},
-    "qwenimage": {"adapter": qwenimage, "pipeline": QwenImagePipeline,
-                  "max_sequence_length": 64, "sampling": {"guidance_scale": 4.0, "true_cfg_scale": 4.0},
-                  "encode": {"negative_prompts": (NEGATIVE,)}},
+    "flux2": {
+        "adapter": flux2,
+        "pipeline": Flux2Pipeline,
+        "max_sequence_length": 48,
+        "sampling": {"guidance_scale": 4.0},
+        "encode": {},
+    },
+    "qwenimage": {
+        "adapter": qwenimage,
+        "pipeline": QwenImagePipeline,
+        "max_sequence_length": 64,
+        "sampling": {"guidance_scale": 4.0, "true_cfg_scale": 4.0},
+        "encode": {"negative_prompts": (NEGATIVE,)},
+    },
 }
 
 
@@ -81,8 +90,14 @@ def embeds_of(family) -> dict[str, torch.Tensor]:
 
 def staged_latents(family, seed: int, batch_size: int = 1, on_step=None, **overrides) -> torch.Tensor:
     _, settings, model_dir, (_, transformer, _) = family
-    sampling = Sampling(seed=seed, steps=STEPS, width=WIDTH, height=HEIGHT, batch_size=batch_size,
-                        **{**settings["sampling"], **overrides})
+    sampling = Sampling(
+        seed=seed,
+        steps=STEPS,
+        width=WIDTH,
+        height=HEIGHT,
+        batch_size=batch_size,
+        **{**settings["sampling"], **overrides},
+    )
     return settings["adapter"].denoise(model_dir, transformer, embeds_of(family), sampling, on_step=on_step)
 
 
@@ -208,8 +223,12 @@ def test_encode_shapes(family):
         assert embeds["prompt_embeds"].shape == (1, settings["max_sequence_length"], 48)
     else:
         # The prompt's own length after the template's 34-token prefix, not padded; the negative has its own.
-        assert set(embeds) == {"prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds",
-                               "negative_prompt_embeds_mask"}
+        assert set(embeds) == {
+            "prompt_embeds",
+            "prompt_embeds_mask",
+            "negative_prompt_embeds",
+            "negative_prompt_embeds_mask",
+        }
         assert embeds["prompt_embeds"].shape[0] == 1 and embeds["prompt_embeds"].shape[2] == 32
         assert embeds["prompt_embeds_mask"].shape == embeds["prompt_embeds"].shape[:2]
         assert embeds["prompt_embeds_mask"].dtype == torch.long and bool(embeds["prompt_embeds_mask"].all())
@@ -226,12 +245,20 @@ def test_on_step_reports_every_step(family):
 def test_qwenimage_refuses_one_step(qwen):
     _, _, model_dir, (_, transformer, _) = qwen
     with pytest.raises(ValueError, match="at least 2 steps"):
-        qwenimage.denoise(model_dir, transformer, embeds_of(qwen),
-                          Sampling(seed=0, steps=1, guidance_scale=1.0, width=WIDTH, height=HEIGHT))
+        qwenimage.denoise(
+            model_dir,
+            transformer,
+            embeds_of(qwen),
+            Sampling(seed=0, steps=1, guidance_scale=1.0, width=WIDTH, height=HEIGHT),
+        )
 
 
 def test_size_not_divisible_by_16_is_refused(family):
     _, settings, model_dir, (_, transformer, _) = family
     with pytest.raises(ValueError, match="divisible by 16"):
-        settings["adapter"].denoise(model_dir, transformer, embeds_of(family),
-                                    Sampling(seed=0, steps=STEPS, guidance_scale=1.0, width=72, height=64))
+        settings["adapter"].denoise(
+            model_dir,
+            transformer,
+            embeds_of(family),
+            Sampling(seed=0, steps=STEPS, guidance_scale=1.0, width=72, height=64),
+        )

@@ -63,8 +63,9 @@ def one_shot(model_dir: str, seed: int, num_images_per_prompt: int = 1) -> torch
 def staged_latents(model_dir: str, stages, seed: int, batch_size: int = 1, on_step=None) -> torch.Tensor:
     text_pipe, transformer, _ = stages
     embeds = flux.encode(text_pipe, Prompts((PROMPT,), max_sequence_length=MAX_SEQUENCE_LENGTH))
-    sampling = Sampling(seed=seed, steps=STEPS, guidance_scale=GUIDANCE, width=WIDTH, height=HEIGHT,
-                        batch_size=batch_size)
+    sampling = Sampling(
+        seed=seed, steps=STEPS, guidance_scale=GUIDANCE, width=WIDTH, height=HEIGHT, batch_size=batch_size
+    )
     return flux.denoise(model_dir, transformer, embeds, sampling, on_step=on_step)
 
 
@@ -109,8 +110,9 @@ def test_batch_of_two_equals_num_images_per_prompt(tiny_flux, stages):
 
 
 def test_different_prompts_give_different_embeds(stages):
-    embeds = flux.encode(stages[0], Prompts(("a photo of a cat", "a painting of a dog"),
-                                            max_sequence_length=MAX_SEQUENCE_LENGTH))
+    embeds = flux.encode(
+        stages[0], Prompts(("a photo of a cat", "a painting of a dog"), max_sequence_length=MAX_SEQUENCE_LENGTH)
+    )
     assert embeds["prompt_embeds"].shape == (2, MAX_SEQUENCE_LENGTH, 32)
     assert embeds["pooled_prompt_embeds"].shape == (2, 32)
     for name, tensor in embeds.items():

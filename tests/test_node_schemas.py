@@ -2,6 +2,7 @@
 defaults from the schema, the link-type check validate_inputs takes over from ComfyUI, and one graph through the
 nodes' execute equal to the same graph through the steps they call. Needs COMFYUI_DIR (comfy_api); the end-to-end
 tests run the same nodes inside a real ComfyUI server."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,13 +14,30 @@ from parallel_runtime import default_spec, jobs
 # types. UI-format workflows store widget values by position, so this may only grow at the end of "optional".
 CONTRACT_0_1_0 = {
     "ParallelBackend": (["ranks", "device", "memory_policy"], [], ["PD_BACKEND"]),
-    "EncodeOnBalancedGPUs": (["model", "prompt"], ["prompt_2", "max_sequence_length", "max_memory", "dtype", "backend",
-                                                   "negative_prompt", "one_prompt_per_line"], ["PD_CONDITIONING"]),
-    "LoadShardedTransformer": (["model", "strategy"], ["ring_degree", "ulysses_degree", "anything", "attention_backend",
-                                                       "tp_degree", "max_memory", "dtype", "backend"],
-                               ["PD_TRANSFORMER"]),
-    "ParallelSampler": (["transformer", "positive", "seed", "steps", "guidance_scale", "width", "height", "batch_size"],
-                        ["true_cfg_scale"], ["LATENT"]),
+    "EncodeOnBalancedGPUs": (
+        ["model", "prompt"],
+        ["prompt_2", "max_sequence_length", "max_memory", "dtype", "backend", "negative_prompt", "one_prompt_per_line"],
+        ["PD_CONDITIONING"],
+    ),
+    "LoadShardedTransformer": (
+        ["model", "strategy"],
+        [
+            "ring_degree",
+            "ulysses_degree",
+            "anything",
+            "attention_backend",
+            "tp_degree",
+            "max_memory",
+            "dtype",
+            "backend",
+        ],
+        ["PD_TRANSFORMER"],
+    ),
+    "ParallelSampler": (
+        ["transformer", "positive", "seed", "steps", "guidance_scale", "width", "height", "batch_size"],
+        ["true_cfg_scale"],
+        ["LATENT"],
+    ),
     "VAEDecodeSingleGPU": (["samples", "model", "device"], ["dtype", "backend"], ["IMAGE"]),
 }
 
@@ -28,9 +46,9 @@ def test_saved_workflows_keep_their_inputs(nodes):
     assert set(nodes) == set(CONTRACT_0_1_0)
     for node_id, (required, optional, outputs) in CONTRACT_0_1_0.items():
         types = nodes[node_id].INPUT_TYPES(include_hidden=False)
-        assert list(types.get("required", {}))[:len(required)] == required, node_id
+        assert list(types.get("required", {}))[: len(required)] == required, node_id
         assert list(types.get("required", {})) == required, f"{node_id}: a new input must be optional, and last"
-        assert list(types.get("optional", {}))[:len(optional)] == optional, node_id
+        assert list(types.get("optional", {}))[: len(optional)] == optional, node_id
         assert list(nodes[node_id].RETURN_TYPES) == outputs, node_id
 
 
@@ -46,8 +64,18 @@ def test_an_input_left_out_takes_the_schema_default(nodes):
     from parallel_nodes import comfy
 
     values = comfy.with_defaults(nodes["LoadShardedTransformer"], {"model": "m", "strategy": "tp_cp"})
-    assert values == {"model": "m", "strategy": "tp_cp", "ring_degree": 1, "ulysses_degree": 0, "anything": False,
-                      "attention_backend": "auto", "tp_degree": 0, "max_memory": "", "dtype": "auto", "backend": None}
+    assert values == {
+        "model": "m",
+        "strategy": "tp_cp",
+        "ring_degree": 1,
+        "ulysses_degree": 0,
+        "anything": False,
+        "attention_backend": "auto",
+        "tp_degree": 0,
+        "max_memory": "",
+        "dtype": "auto",
+        "backend": None,
+    }
 
 
 def test_a_link_of_the_wrong_type_is_refused(nodes):
@@ -71,14 +99,33 @@ def test_the_nodes_give_what_their_steps_give(nodes, tiny):
     """The nodes are thin: the same graph through their execute and through jobs is the same image, bit for bit; the
     decoder takes a LATENT as ComfyUI's samplers make it (extra keys such as batch_index)."""
     (backend,) = nodes["ParallelBackend"].execute(ranks=2, device="cpu", memory_policy="staged").args
-    (positive,) = nodes["EncodeOnBalancedGPUs"].execute(model=tiny, prompt="a red cat", max_sequence_length=16,
-                                                        backend=backend).args
-    (transformer,) = nodes["LoadShardedTransformer"].execute(model=tiny, strategy="tensor_parallel",
-                                                             backend=backend).args
-    (latent,) = nodes["ParallelSampler"].execute(transformer=transformer, positive=positive, seed=5, steps=2,
-                                                 guidance_scale=3.5, width=32, height=48, batch_size=1).args
-    (image,) = nodes["VAEDecodeSingleGPU"].execute(samples={**latent, "batch_index": [0]}, model=tiny, device="auto",
-                                                   backend=backend).args
+    (positive,) = (
+        nodes["EncodeOnBalancedGPUs"]
+        .execute(model=tiny, prompt="a red cat", max_sequence_length=16, backend=backend)
+        .args
+    )
+    (transformer,) = (
+        nodes["LoadShardedTransformer"].execute(model=tiny, strategy="tensor_parallel", backend=backend).args
+    )
+    (latent,) = (
+        nodes["ParallelSampler"]
+        .execute(
+            transformer=transformer,
+            positive=positive,
+            seed=5,
+            steps=2,
+            guidance_scale=3.5,
+            width=32,
+            height=48,
+            batch_size=1,
+        )
+        .args
+    )
+    (image,) = (
+        nodes["VAEDecodeSingleGPU"]
+        .execute(samples={**latent, "batch_index": [0]}, model=tiny, device="auto", backend=backend)
+        .args
+    )
 
     spec = default_spec(ranks=2, device="cpu")
     assert backend == spec

@@ -1,4 +1,5 @@
 """The runtime core on real torchrun ranks (CPU, gloo): transport, ops, progress, cancel, failures, cleanup."""
+
 from __future__ import annotations
 
 import os
@@ -60,7 +61,7 @@ ROUND_TRIP = {
     "float16": torch.randn(4, 9).half(),
     "bfloat16": torch.randn(2, 3, 8).bfloat16(),
     "int64": torch.arange(-50, 50, dtype=torch.int64).reshape(10, 10),
-    "int32": torch.randint(-2**31, 2**31 - 1, (17,), dtype=torch.int32),
+    "int32": torch.randint(-(2**31), 2**31 - 1, (17,), dtype=torch.int32),
     "uint8": torch.randint(0, 256, (4, 4, 3), dtype=torch.uint8),
     "bool": torch.rand(33) > 0.5,
     "zero_d": torch.tensor(2.5),
@@ -210,8 +211,12 @@ CLIENT = textwrap.dedent("""
 
 
 def test_killing_the_client_makes_the_workers_exit():
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": launcher.PACKAGE_ROOT})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": launcher.PACKAGE_ROOT},
+    )
     try:
         prefix, run_dir, *pids = proc.stdout.readline().split()
         pids = [int(p) for p in pids]

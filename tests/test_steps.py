@@ -1,6 +1,7 @@
 """The nodes' steps (``parallel_runtime.jobs``, what each node's execute calls) as plain Python on a 2-rank CPU backend
 and a tiny FLUX.1: the image equals diffusers' one-shot pipeline, a warm run loads nothing, staged frees the text
 encoders, bad widgets fail before any load. tests/test_node_schemas.py runs the node classes themselves."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,16 @@ def staged_spec(policy: str = "staged") -> BackendSpec:
 def run_graph(spec: BackendSpec, *, seed: int, batch_size: int = 1, prompt: str = PROMPT):
     positive = jobs.encode_prompt(spec, model=MODEL, prompt=prompt)
     transformer = jobs.plan_transformer(spec, model=MODEL, strategy="device_map")
-    latent = jobs.sample(transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5, width=SIZE, height=SIZE,
-                         batch_size=batch_size)
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=seed,
+        steps=STEPS,
+        guidance_scale=3.5,
+        width=SIZE,
+        height=SIZE,
+        batch_size=batch_size,
+    )
     return latent, jobs.decode(spec, model=MODEL, samples=latent)
 
 
@@ -54,9 +63,16 @@ def test_image_equals_one_shot_pipeline(models_dir):
     spec = staged_spec()
     latent, image = run_graph(spec, seed=7, batch_size=2)
     pipe = FluxPipeline.from_pretrained(models_dir / MODEL)
-    reference = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=3.5, width=SIZE, height=SIZE,
-                     num_images_per_prompt=2, output_type="pt",
-                     generator=[torch.Generator("cpu").manual_seed(7 + i) for i in range(2)]).images  # image i: seed+i
+    reference = pipe(
+        PROMPT,
+        num_inference_steps=STEPS,
+        guidance_scale=3.5,
+        width=SIZE,
+        height=SIZE,
+        num_images_per_prompt=2,
+        output_type="pt",
+        generator=[torch.Generator("cpu").manual_seed(7 + i) for i in range(2)],
+    ).images  # image i: seed+i
     assert image.shape == (2, SIZE, SIZE, 3) and image.dtype == torch.float32
     assert 0 <= image.min() and image.max() <= 1
     assert (image - reference.permute(0, 2, 3, 1)).abs().max() <= 1e-5
@@ -71,8 +87,7 @@ def test_second_run_with_a_new_seed_loads_no_weights(models_dir):
     transformer = jobs.plan_transformer(spec, model=MODEL, strategy="device_map")
     images, loads = [], []
     for seed in (1, 2):
-        latent = jobs.sample(transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5, width=SIZE,
-                             height=SIZE)
+        latent = jobs.sample(transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5, width=SIZE, height=SIZE)
         images.append(jobs.decode(spec, model=MODEL, samples=latent))
         loads.append(rank0(spec).load_counts)
     assert loads[1] == loads[0]
@@ -103,12 +118,15 @@ def test_decode_accepts_a_comfyui_latent(models_dir):
     assert (image - expected).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("widget, kwargs, hint", [
-    ("width", {"width": 1000}, "use 992 or 1008"),
-    ("height", {"height": 8}, "use 16"),
-    ("steps", {"steps": 0}, "at least 1"),
-    ("batch_size", {"batch_size": 0}, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "widget, kwargs, hint",
+    [
+        ("width", {"width": 1000}, "use 992 or 1008"),
+        ("height", {"height": 8}, "use 16"),
+        ("steps", {"steps": 0}, "at least 1"),
+        ("batch_size", {"batch_size": 0}, "at least 1"),
+    ],
+)
 def test_bad_sampler_widgets_name_the_widget_and_the_fix(models_dir, widget, kwargs, hint):
     spec = staged_spec()
     positive = jobs.encode_prompt(spec, model=MODEL, prompt=PROMPT)
@@ -121,15 +139,21 @@ def test_bad_sampler_widgets_name_the_widget_and_the_fix(models_dir, widget, kwa
     assert rank0(spec).load_counts == loads
 
 
-@pytest.mark.parametrize("widget, call", [
-    ("model", lambda spec: jobs.encode_prompt(spec, model="no-such-model", prompt=PROMPT)),
-    ("model", lambda spec: jobs.plan_transformer(spec, model="../escape", strategy="device_map")),
-    ("max_memory", lambda spec: jobs.encode_prompt(spec, model=MODEL, prompt=PROMPT, max_memory="lots")),
-    ("max_memory", lambda spec: jobs.plan_transformer(spec, model=MODEL, strategy="device_map", max_memory="0:16XB")),
-    ("prompt", lambda spec: jobs.encode_prompt(spec, model=MODEL, prompt="   ")),
-    ("device", lambda spec: jobs.decode(spec, model=MODEL, samples=torch.zeros(1, 16, 8, 8), device="cuda:7")),
-    ("samples", lambda spec: jobs.decode(spec, model=MODEL, samples=torch.zeros(1, 4, 8, 8))),
-])
+@pytest.mark.parametrize(
+    "widget, call",
+    [
+        ("model", lambda spec: jobs.encode_prompt(spec, model="no-such-model", prompt=PROMPT)),
+        ("model", lambda spec: jobs.plan_transformer(spec, model="../escape", strategy="device_map")),
+        ("max_memory", lambda spec: jobs.encode_prompt(spec, model=MODEL, prompt=PROMPT, max_memory="lots")),
+        (
+            "max_memory",
+            lambda spec: jobs.plan_transformer(spec, model=MODEL, strategy="device_map", max_memory="0:16XB"),
+        ),
+        ("prompt", lambda spec: jobs.encode_prompt(spec, model=MODEL, prompt="   ")),
+        ("device", lambda spec: jobs.decode(spec, model=MODEL, samples=torch.zeros(1, 16, 8, 8), device="cuda:7")),
+        ("samples", lambda spec: jobs.decode(spec, model=MODEL, samples=torch.zeros(1, 4, 8, 8))),
+    ],
+)
 def test_bad_widgets_fail_before_anything_runs(models_dir, widget, call):
     shutdown_backend()
     spec = staged_spec()

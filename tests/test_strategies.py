@@ -1,5 +1,6 @@
 """Context, tensor and data parallelism through the nodes' steps (``jobs``), on real CPU ranks, against diffusers'
 one-shot pipeline."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,12 +19,24 @@ STEPS, TOKENS = 2, 32
 # Qwen-Image keeps each prompt's own length, so a short max_sequence_length cuts the prompt (13 tokens) and the
 # negative prompt (8) to 8.
 NEW_FAMILIES = {
-    "flux2": {"model": "tiny-flux2", "make": make_tiny_flux2, "pipeline": Flux2Pipeline, "max_sequence_length": 48,
-              "encode": {}, "sample": {"guidance_scale": 4.0}, "reference": {"guidance_scale": 4.0}},
-    "qwenimage": {"model": "tiny-qwenimage", "make": make_tiny_qwenimage, "pipeline": QwenImagePipeline,
-                  "max_sequence_length": 8, "encode": {"negative_prompt": "a blue painting"},
-                  "sample": {"guidance_scale": 3.5, "true_cfg_scale": 4.0},
-                  "reference": {"negative_prompt": "a blue painting", "true_cfg_scale": 4.0}},
+    "flux2": {
+        "model": "tiny-flux2",
+        "make": make_tiny_flux2,
+        "pipeline": Flux2Pipeline,
+        "max_sequence_length": 48,
+        "encode": {},
+        "sample": {"guidance_scale": 4.0},
+        "reference": {"guidance_scale": 4.0},
+    },
+    "qwenimage": {
+        "model": "tiny-qwenimage",
+        "make": make_tiny_qwenimage,
+        "pipeline": QwenImagePipeline,
+        "max_sequence_length": 8,
+        "encode": {"negative_prompt": "a blue painting"},
+        "sample": {"guidance_scale": 3.5, "true_cfg_scale": 4.0},
+        "reference": {"negative_prompt": "a blue painting", "true_cfg_scale": 4.0},
+    },
 }
 
 
@@ -44,10 +57,17 @@ def one_shot(models_dir):
     def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
         key = (seed, width, height, batch_size)
         if key not in cache:
-            cache[key] = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=3.5, width=width, height=height,
-                              max_sequence_length=TOKENS, num_images_per_prompt=batch_size, output_type="pt",
-                              generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-                              ).images.permute(0, 2, 3, 1)
+            cache[key] = pipe(
+                PROMPT,
+                num_inference_steps=STEPS,
+                guidance_scale=3.5,
+                width=width,
+                height=height,
+                max_sequence_length=TOKENS,
+                num_images_per_prompt=batch_size,
+                output_type="pt",
+                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+            ).images.permute(0, 2, 3, 1)
         return cache[key]
 
     return reference
@@ -60,8 +80,16 @@ def backend(ranks: int):
 def generate(spec, strategy: str, *, seed=3, width=64, height=64, batch_size=1, **strategy_args):
     positive = jobs.encode_prompt(spec, model=MODEL, prompt=PROMPT, max_sequence_length=TOKENS)
     transformer = jobs.plan_transformer(spec, model=MODEL, strategy=strategy, **strategy_args)
-    latent = jobs.sample(transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5, width=width,
-                         height=height, batch_size=batch_size)
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=seed,
+        steps=STEPS,
+        guidance_scale=3.5,
+        width=width,
+        height=height,
+        batch_size=batch_size,
+    )
     return jobs.decode(spec, model=MODEL, samples=latent)
 
 
@@ -102,29 +130,62 @@ def test_data_parallel_over_a_list_of_prompts(models_dir, name):
     """Three prompts × 2 images = 6 images over 2 ranks: rank 0 makes prompt 0's two and prompt 1's first, rank 1
     the rest, so a rank's slice spans prompts. Image i (prompt i // 2) uses seed + i, as the one-shot pipeline does
     with num_images_per_prompt=2 and a list of generators."""
-    family = {"model": MODEL, "pipeline": FluxPipeline, "max_sequence_length": TOKENS, "encode": {}, "sample": {},
-              "reference": {"guidance_scale": 3.5}} if name == "flux" else NEW_FAMILIES[name]
+    family = (
+        {
+            "model": MODEL,
+            "pipeline": FluxPipeline,
+            "max_sequence_length": TOKENS,
+            "encode": {},
+            "sample": {},
+            "reference": {"guidance_scale": 3.5},
+        }
+        if name == "flux"
+        else NEW_FAMILIES[name]
+    )
     # Qwen-Image keeps each prompt's own length: 64 tokens keep them different, so rows are padded and masked.
     max_sequence_length = 64 if name == "qwenimage" else family["max_sequence_length"]
     spec = backend(2)
-    positive = jobs.encode_prompt(spec, model=family["model"], prompt="\n".join(PROMPTS) + "\n",
-                                  one_prompt_per_line=True, max_sequence_length=max_sequence_length,
-                                  **family["encode"])
+    positive = jobs.encode_prompt(
+        spec,
+        model=family["model"],
+        prompt="\n".join(PROMPTS) + "\n",
+        one_prompt_per_line=True,
+        max_sequence_length=max_sequence_length,
+        **family["encode"],
+    )
     transformer = jobs.plan_transformer(spec, model=family["model"], strategy="data_parallel")
-    latent = jobs.sample(transformer, positive, seed=3, steps=STEPS, width=64, height=64, batch_size=2,
-                         **{"guidance_scale": 3.5, **family["sample"]})
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=3,
+        steps=STEPS,
+        width=64,
+        height=64,
+        batch_size=2,
+        **{"guidance_scale": 3.5, **family["sample"]},
+    )
     images = jobs.decode(spec, model=family["model"], samples=latent)
 
     pipe = family["pipeline"].from_pretrained(models_dir / family["model"])
     pipe.set_progress_bar_config(disable=True)
     # One call per prompt: diffusers 0.42.1's QwenImagePipeline mis-orders the attention mask of a batched call with
     # prompts of different lengths and num_images_per_prompt > 1 (see test_examples_comfyui.reference_images).
-    expected = torch.cat([
-        pipe(prompt=prompt, num_images_per_prompt=2, num_inference_steps=STEPS, width=64, height=64,
-             max_sequence_length=max_sequence_length, output_type="pt",
-             generator=[torch.Generator("cpu").manual_seed(3 + 2 * p + i) for i in range(2)],
-             **family["reference"]).images
-        for p, prompt in enumerate(PROMPTS)]).permute(0, 2, 3, 1)
+    expected = torch.cat(
+        [
+            pipe(
+                prompt=prompt,
+                num_images_per_prompt=2,
+                num_inference_steps=STEPS,
+                width=64,
+                height=64,
+                max_sequence_length=max_sequence_length,
+                output_type="pt",
+                generator=[torch.Generator("cpu").manual_seed(3 + 2 * p + i) for i in range(2)],
+                **family["reference"],
+            ).images
+            for p, prompt in enumerate(PROMPTS)
+        ]
+    ).permute(0, 2, 3, 1)
     assert images.shape[0] == 6
     diffs = (images[:, None] - expected[None]).abs().flatten(2).amax(-1)  # [made, expected]
     print(f"{name} data parallel over 3 prompts: max |diff| per image {diffs.diagonal().tolist()}")
@@ -166,12 +227,19 @@ def _transformer_on_each_rank(spec) -> list:
 
 
 FOUR_RANK_CASES = [
-    ("unified", "context_parallel", {"ring_degree": 2, "ulysses_degree": 2},
-     {"ring_degree": 2, "ulysses_degree": 2}),
-    ("tp_cp_ulysses", "tp_cp", {"tp_degree": 2, "ulysses_degree": 2},
-     {"tp_degree": 2, "ring_degree": 1, "ulysses_degree": 2}),
-    ("tp_cp_ring", "tp_cp", {"tp_degree": 2, "ring_degree": 2, "ulysses_degree": 1},
-     {"tp_degree": 2, "ring_degree": 2, "ulysses_degree": 1}),
+    ("unified", "context_parallel", {"ring_degree": 2, "ulysses_degree": 2}, {"ring_degree": 2, "ulysses_degree": 2}),
+    (
+        "tp_cp_ulysses",
+        "tp_cp",
+        {"tp_degree": 2, "ulysses_degree": 2},
+        {"tp_degree": 2, "ring_degree": 1, "ulysses_degree": 2},
+    ),
+    (
+        "tp_cp_ring",
+        "tp_cp",
+        {"tp_degree": 2, "ring_degree": 2, "ulysses_degree": 1},
+        {"tp_degree": 2, "ring_degree": 2, "ulysses_degree": 1},
+    ),
 ]
 
 
@@ -211,25 +279,44 @@ def test_new_family_four_rank_meshes(models_dir, family_one_shot, name):
         assert all(m.parallelism == applied for m in _transformer_on_each_rank(spec)), case
 
 
-@pytest.mark.parametrize("widget, args, hint", [
-    ("ulysses_degree", {"strategy": "context_parallel", "ring_degree": 2, "ulysses_degree": 2}, "backend has 2 ranks"),
-    ("ulysses_degree", {"strategy": "context_parallel", "ulysses_degree": 1, "ranks": 1}, "2 or more ranks"),
-    ("tp_degree", {"strategy": "tensor_parallel", "tp_degree": 3}, "must equal"),
-    ("anything", {"strategy": "context_parallel", "ring_degree": 2, "ulysses_degree": 2, "anything": True, "ranks": 4},
-     "one axis"),
-    ("ulysses_degree", {"strategy": "context_parallel", "ulysses_degree": 3, "ranks": 3}, "divisor of 4"),
-    ("ulysses_degree", {"strategy": "context_parallel", "ulysses_degree": 8, "anything": True, "ranks": 8},
-     "at least as many attention heads"),
-    ("tp_degree", {"strategy": "tensor_parallel", "ranks": 8}, "4 attention heads do not split"),
-    ("attention_backend", {"strategy": "context_parallel", "attention_backend": "magic"}, "unknown backend"),
-    ("tp_degree", {"strategy": "tp_cp", "tp_degree": 2}, "leaving ≥ 2 for context parallelism"),
-    ("tp_degree", {"strategy": "tp_cp", "tp_degree": 3, "ranks": 6}, "4 attention heads do not split"),
-    ("ulysses_degree", {"strategy": "tp_cp", "tp_degree": 2, "ulysses_degree": 3, "ranks": 8},
-     "tp_degree 2 leaves 4 ranks"),
-    # 4 heads over tp 2 leave 2 per rank: Ulysses 4 has nothing to split, even with anything.
-    ("ulysses_degree", {"strategy": "tp_cp", "tp_degree": 2, "ulysses_degree": 4, "anything": True, "ranks": 8},
-     "2 attention heads per TP rank < ulysses_degree 4"),
-])
+@pytest.mark.parametrize(
+    "widget, args, hint",
+    [
+        (
+            "ulysses_degree",
+            {"strategy": "context_parallel", "ring_degree": 2, "ulysses_degree": 2},
+            "backend has 2 ranks",
+        ),
+        ("ulysses_degree", {"strategy": "context_parallel", "ulysses_degree": 1, "ranks": 1}, "2 or more ranks"),
+        ("tp_degree", {"strategy": "tensor_parallel", "tp_degree": 3}, "must equal"),
+        (
+            "anything",
+            {"strategy": "context_parallel", "ring_degree": 2, "ulysses_degree": 2, "anything": True, "ranks": 4},
+            "one axis",
+        ),
+        ("ulysses_degree", {"strategy": "context_parallel", "ulysses_degree": 3, "ranks": 3}, "divisor of 4"),
+        (
+            "ulysses_degree",
+            {"strategy": "context_parallel", "ulysses_degree": 8, "anything": True, "ranks": 8},
+            "at least as many attention heads",
+        ),
+        ("tp_degree", {"strategy": "tensor_parallel", "ranks": 8}, "4 attention heads do not split"),
+        ("attention_backend", {"strategy": "context_parallel", "attention_backend": "magic"}, "unknown backend"),
+        ("tp_degree", {"strategy": "tp_cp", "tp_degree": 2}, "leaving ≥ 2 for context parallelism"),
+        ("tp_degree", {"strategy": "tp_cp", "tp_degree": 3, "ranks": 6}, "4 attention heads do not split"),
+        (
+            "ulysses_degree",
+            {"strategy": "tp_cp", "tp_degree": 2, "ulysses_degree": 3, "ranks": 8},
+            "tp_degree 2 leaves 4 ranks",
+        ),
+        # 4 heads over tp 2 leave 2 per rank: Ulysses 4 has nothing to split, even with anything.
+        (
+            "ulysses_degree",
+            {"strategy": "tp_cp", "tp_degree": 2, "ulysses_degree": 4, "anything": True, "ranks": 8},
+            "2 attention heads per TP rank < ulysses_degree 4",
+        ),
+    ],
+)
 def test_strategy_validation_names_the_widget(models_dir, widget, args, hint):
     args = dict(args)
     spec = backend(args.pop("ranks", 2))
@@ -238,12 +325,24 @@ def test_strategy_validation_names_the_widget(models_dir, widget, args, hint):
     assert info.value.widget == widget
 
 
-@pytest.mark.parametrize("widget, strategy, sampler, hint", [
-    ("width", {"strategy": "context_parallel", "ulysses_degree": 2}, {"width": 48, "height": 80}, "turn on anything"),
-    ("width", {"strategy": "tp_cp", "tp_degree": 2, "ulysses_degree": 2, "ranks": 4}, {"width": 48, "height": 80},
-     "15 image tokens, which do not split over 2 ranks"),
-    ("batch_size", {"strategy": "data_parallel"}, {"batch_size": 1}, "needs at least 2 images"),
-])
+@pytest.mark.parametrize(
+    "widget, strategy, sampler, hint",
+    [
+        (
+            "width",
+            {"strategy": "context_parallel", "ulysses_degree": 2},
+            {"width": 48, "height": 80},
+            "turn on anything",
+        ),
+        (
+            "width",
+            {"strategy": "tp_cp", "tp_degree": 2, "ulysses_degree": 2, "ranks": 4},
+            {"width": 48, "height": 80},
+            "15 image tokens, which do not split over 2 ranks",
+        ),
+        ("batch_size", {"strategy": "data_parallel"}, {"batch_size": 1}, "needs at least 2 images"),
+    ],
+)
 def test_sampler_revalidates_against_the_size(models_dir, widget, strategy, sampler, hint):
     strategy = dict(strategy)
     spec = backend(strategy.pop("ranks", 2))
@@ -259,8 +358,9 @@ def family_one_shot(models_dir):
     """(family, seed, batch_size) -> the one-shot pipeline's IMAGE at 64x64, image i from seed + i."""
     cache = {}
 
-    def reference(name: str, seed: int, batch_size: int = 1, width: int = 64, height: int = 64,
-                  **overrides) -> torch.Tensor:
+    def reference(
+        name: str, seed: int, batch_size: int = 1, width: int = 64, height: int = 64, **overrides
+    ) -> torch.Tensor:
         family = NEW_FAMILIES[name]
         key = (name, seed, batch_size, width, height, tuple(sorted(overrides.items())))
         if key not in cache:
@@ -268,23 +368,37 @@ def family_one_shot(models_dir):
             pipe.set_progress_bar_config(disable=True)
             kwargs = {"max_sequence_length": family["max_sequence_length"], **family["reference"], **overrides}
             cache[key] = pipe(
-                prompt=PROMPT, num_inference_steps=STEPS, width=width, height=height,
+                prompt=PROMPT,
+                num_inference_steps=STEPS,
+                width=width,
+                height=height,
                 num_images_per_prompt=batch_size,
                 generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-                output_type="pt", **kwargs).images.permute(0, 2, 3, 1)
+                output_type="pt",
+                **kwargs,
+            ).images.permute(0, 2, 3, 1)
         return cache[key]
 
     return reference
 
 
-def generate_family(spec, name: str, strategy: str, *, seed=3, batch_size=1, width=64, height=64, encode=None,
-                    **strategy_args):
+def generate_family(
+    spec, name: str, strategy: str, *, seed=3, batch_size=1, width=64, height=64, encode=None, **strategy_args
+):
     family = NEW_FAMILIES[name]
     encode = {"max_sequence_length": family["max_sequence_length"], **family["encode"], **(encode or {})}
     positive = jobs.encode_prompt(spec, model=family["model"], prompt=PROMPT, **encode)
     transformer = jobs.plan_transformer(spec, model=family["model"], strategy=strategy, **strategy_args)
-    latent = jobs.sample(transformer, positive, seed=seed, steps=STEPS, width=width, height=height,
-                         batch_size=batch_size, **family["sample"])
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=seed,
+        steps=STEPS,
+        width=width,
+        height=height,
+        batch_size=batch_size,
+        **family["sample"],
+    )
     return latent, jobs.decode(spec, model=family["model"], samples=latent)
 
 
@@ -293,8 +407,14 @@ FAMILY_CASES = [
     ("ring", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 1, 1e-4, (64, 64)),
     # 48x80: 15 image tokens (FLUX.2's 16x-patched latent: 3x5) that do not split evenly over 2 ranks.
     ("ulysses_anything_odd", "context_parallel", {"ulysses_degree": 2, "anything": True}, 1, 1e-4, (48, 80)),
-    ("ring_anything_odd", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1, "anything": True}, 1, 1e-4,
-     (48, 80)),
+    (
+        "ring_anything_odd",
+        "context_parallel",
+        {"ring_degree": 2, "ulysses_degree": 1, "anything": True},
+        1,
+        1e-4,
+        (48, 80),
+    ),
     ("tp", "tensor_parallel", {"tp_degree": 2}, 1, 1e-4, (64, 64)),
     # Not bit-exact: CPU GEMM kernels block differently for another batch size and thread count.
     ("data_parallel", "data_parallel", {}, 2, 1e-5, (64, 64)),
@@ -303,13 +423,16 @@ FAMILY_CASES = [
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", sorted(NEW_FAMILIES))
-@pytest.mark.parametrize("case, strategy, args, batch_size, tolerance, size", FAMILY_CASES,
-                         ids=[c[0] for c in FAMILY_CASES])
-def test_new_family_strategy_matches_one_shot(models_dir, family_one_shot, name, case, strategy, args, batch_size,
-                                              tolerance, size):
+@pytest.mark.parametrize(
+    "case, strategy, args, batch_size, tolerance, size", FAMILY_CASES, ids=[c[0] for c in FAMILY_CASES]
+)
+def test_new_family_strategy_matches_one_shot(
+    models_dir, family_one_shot, name, case, strategy, args, batch_size, tolerance, size
+):
     width, height = size
-    latent, image = generate_family(backend(2), name, strategy, batch_size=batch_size, width=width, height=height,
-                                    **args)
+    latent, image = generate_family(
+        backend(2), name, strategy, batch_size=batch_size, width=width, height=height, **args
+    )
     h, w = (height // 16, width // 16) if name == "flux2" else (height // 8, width // 8)
     assert latent.shape == ((batch_size, 128, h, w) if name == "flux2" else (batch_size, 16, 1, h, w))
     diff = (image - family_one_shot(name, 3, batch_size, width=width, height=height)).abs().max().item()
@@ -327,17 +450,33 @@ def _validate_qwenimage(spec, **overrides):
     jobs.validate_sample(transformer, None, **args)
 
 
-@pytest.mark.parametrize("widget, call, hint", [
-    ("steps", lambda spec: _validate_qwenimage(spec, steps=1), "shift_terminal"),
-    ("true_cfg_scale", lambda spec: _validate_qwenimage(spec, true_cfg_scale=0.5), "use 1"),
-    ("prompt_2", lambda spec: jobs.encode_prompt(spec, model="tiny-flux2", prompt=PROMPT, prompt_2="a dog"),
-     "one text encoder"),
-    ("max_sequence_length", lambda spec: jobs.encode_prompt(spec, model="tiny-flux2", prompt=PROMPT,
-                                                            max_sequence_length=1024), "1..512"),
-    ("samples", lambda spec: jobs.decode(spec, model="tiny-flux2", samples=torch.zeros(1, 32, 8, 8)), "128 channels"),
-    ("samples", lambda spec: jobs.decode(spec, model="tiny-qwenimage", samples=torch.zeros(1, 16, 2, 8, 8)),
-     "one frame"),
-])
+@pytest.mark.parametrize(
+    "widget, call, hint",
+    [
+        ("steps", lambda spec: _validate_qwenimage(spec, steps=1), "shift_terminal"),
+        ("true_cfg_scale", lambda spec: _validate_qwenimage(spec, true_cfg_scale=0.5), "use 1"),
+        (
+            "prompt_2",
+            lambda spec: jobs.encode_prompt(spec, model="tiny-flux2", prompt=PROMPT, prompt_2="a dog"),
+            "one text encoder",
+        ),
+        (
+            "max_sequence_length",
+            lambda spec: jobs.encode_prompt(spec, model="tiny-flux2", prompt=PROMPT, max_sequence_length=1024),
+            "1..512",
+        ),
+        (
+            "samples",
+            lambda spec: jobs.decode(spec, model="tiny-flux2", samples=torch.zeros(1, 32, 8, 8)),
+            "128 channels",
+        ),
+        (
+            "samples",
+            lambda spec: jobs.decode(spec, model="tiny-qwenimage", samples=torch.zeros(1, 16, 2, 8, 8)),
+            "one frame",
+        ),
+    ],
+)
 def test_new_family_widgets_fail_before_anything_runs(models_dir, widget, call, hint):
     with pytest.raises(InvalidInput, match=hint) as info:
         call(backend(2))
@@ -367,7 +506,15 @@ def test_qwenimage_text_tokens_must_split_for_plain_context_parallel(models_dir)
 def test_qwenimage_ulysses_anything_takes_unpadded_prompts(models_dir, family_one_shot):
     """What the sampler tells Qwen-Image users to do about odd token counts: 15 image tokens (48x80), a 13-token
     prompt and the empty negative prompt's 5 tokens, all split unevenly over 2 ranks."""
-    _, image = generate_family(backend(2), "qwenimage", "context_parallel", width=48, height=80, ulysses_degree=2,
-                               anything=True, encode={"max_sequence_length": 64, "negative_prompt": ""})
+    _, image = generate_family(
+        backend(2),
+        "qwenimage",
+        "context_parallel",
+        width=48,
+        height=80,
+        ulysses_degree=2,
+        anything=True,
+        encode={"max_sequence_length": 64, "negative_prompt": ""},
+    )
     reference = family_one_shot("qwenimage", 3, width=48, height=80, max_sequence_length=64, negative_prompt="")
     assert (image - reference).abs().max() <= 1e-4

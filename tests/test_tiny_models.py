@@ -41,9 +41,10 @@ def test_same_seed_same_bytes_other_seed_other_weights(built, tmp_path):
     assert files(TINY_MODELS[name](str(tmp_path / "again"), 0)) == files(model_dir)
     other = files(TINY_MODELS[name](str(tmp_path / "other"), 1))
     assert other.keys() == files(model_dir).keys()
-    assert other["transformer/diffusion_pytorch_model.safetensors"] != files(model_dir)[
-        "transformer/diffusion_pytorch_model.safetensors"
-    ]
+    assert (
+        other["transformer/diffusion_pytorch_model.safetensors"]
+        != files(model_dir)["transformer/diffusion_pytorch_model.safetensors"]
+    )
 
 
 def test_loads_and_generates(built):

@@ -4,6 +4,7 @@ The client and the ranks read this same registry: the client validates widgets a
 ranks run its stages. Adding a family is one module (a ``FamilyAdapter``), one line in ``REGISTRY``, its tiny model
 in ``parallel_runtime.testing`` and its tests (docs/ARCHITECTURE.md has the recipe).
 """
+
 from __future__ import annotations
 
 from .base import FamilyAdapter, LatentLayout, Placement

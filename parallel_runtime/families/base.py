@@ -9,6 +9,7 @@ diffusers when a rank first calls them.
 Each stage runs the family's real diffusers pipeline with the other components set to None (the staged recipe of
 diffusers' distributed-inference guide), so the staged result equals the one-shot pipeline for the same seed.
 """
+
 from __future__ import annotations
 
 import abc
@@ -115,12 +116,19 @@ class FamilyAdapter(abc.ABC):
 
     def load_transformer(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> torch.nn.Module:
         """The transformer alone, on one device or spread with ``device_map="auto"``."""
-        return load_placed(self.transformer_class(), model_dir, dtype, placement, f"{self.name} transformer",
-                           subfolder="transformer")
+        return load_placed(
+            self.transformer_class(), model_dir, dtype, placement, f"{self.name} transformer", subfolder="transformer"
+        )
 
     @abc.abstractmethod
-    def denoise(self, model_dir: str, transformer: torch.nn.Module, embeds: dict[str, torch.Tensor],
-                sampling: Sampling, on_step: OnStep | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        model_dir: str,
+        transformer: torch.nn.Module,
+        embeds: dict[str, torch.Tensor],
+        sampling: Sampling,
+        on_step: OnStep | None = None,
+    ) -> torch.Tensor:
         """The denoising loop: LATENT samples in ComfyUI's convention (float32, CPU) for ``sampling.batch_size``
         images, image i from a generator seeded ``sampling.seed + i``."""
 
@@ -189,5 +197,6 @@ def check_size(family: FamilyAdapter, sampling: Sampling) -> None:
     latent of the wrong shape: refuse sizes that are not whole tokens."""
     step = family.pixels_per_token
     if sampling.height % step or sampling.width % step:
-        raise ValueError(f"{family.name} needs width and height divisible by {step}, got "
-                         f"{sampling.width}x{sampling.height}.")
+        raise ValueError(
+            f"{family.name} needs width and height divisible by {step}, got {sampling.width}x{sampling.height}."
+        )

@@ -7,6 +7,7 @@ Between the stages travel ComfyUI's types:
   ComfyUI's KSampler produces for Flux and what its VAEDecode consumes;
 - IMAGE: [B, H, W, 3] float32 in 0..1, on the CPU.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,15 +41,18 @@ class Flux1(FamilyAdapter):
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
         from diffusers import FluxPipeline
 
-        return load_placed(FluxPipeline, model_dir, dtype, placement, "FLUX.1 text encoders", transformer=None,
-                           vae=None)
+        return load_placed(
+            FluxPipeline, model_dir, dtype, placement, "FLUX.1 text encoders", transformer=None, vae=None
+        )
 
     @torch.no_grad()
     def encode(self, pipe: Any, prompts: Prompts) -> dict[str, torch.Tensor]:
         """CLIP (pooled) and T5 (``prompts_2``, defaulting to the prompts)."""
         prompt_embeds, pooled_prompt_embeds, _text_ids = pipe.encode_prompt(
-            prompt=list(prompts.prompts), prompt_2=list(prompts.prompts_2) if prompts.prompts_2 else None,
-            max_sequence_length=prompts.max_sequence_length)
+            prompt=list(prompts.prompts),
+            prompt_2=list(prompts.prompts_2) if prompts.prompts_2 else None,
+            max_sequence_length=prompts.max_sequence_length,
+        )
         # `_text_ids` is all zeros of the sequence length; the denoise stage rebuilds it.
         return {"prompt_embeds": prompt_embeds.cpu(), "pooled_prompt_embeds": pooled_prompt_embeds.cpu()}
 
@@ -58,17 +62,29 @@ class Flux1(FamilyAdapter):
         return FluxTransformer2DModel
 
     @torch.no_grad()
-    def denoise(self, model_dir: str, transformer: torch.nn.Module, embeds: dict[str, torch.Tensor],
-                sampling: Sampling, on_step: OnStep | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        model_dir: str,
+        transformer: torch.nn.Module,
+        embeds: dict[str, torch.Tensor],
+        sampling: Sampling,
+        on_step: OnStep | None = None,
+    ) -> torch.Tensor:
         """LATENT samples [batch_size, 16, height/8, width/8]. With fewer prompts than images each prompt is repeated,
         as the pipeline's ``num_images_per_prompt`` does; the result equals the one-shot pipeline called with the list
         of generators seeded seed + i."""
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
 
         check_size(self, sampling)
-        pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
-                            vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-                            transformer=transformer)
+        pipe = FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
+            vae=None,
+            text_encoder=None,
+            tokenizer=None,
+            text_encoder_2=None,
+            tokenizer_2=None,
+            transformer=transformer,
+        )
         pipe.set_progress_bar_config(disable=True)
         device = pipe._execution_device
         # Passed-in embeddings are used as given (the pipeline repeats only the ones it encodes itself), and their
@@ -77,9 +93,13 @@ class Flux1(FamilyAdapter):
         packed = pipe(
             prompt_embeds=batch["prompt_embeds"].to(device=device, dtype=transformer.dtype),
             pooled_prompt_embeds=batch["pooled_prompt_embeds"].to(device=device, dtype=transformer.dtype),
-            num_inference_steps=sampling.steps, guidance_scale=sampling.guidance_scale,
-            height=sampling.height, width=sampling.width, generator=generators(sampling.seed, sampling.batch_size),
-            output_type="latent", callback_on_step_end=step_callback(on_step),
+            num_inference_steps=sampling.steps,
+            guidance_scale=sampling.guidance_scale,
+            height=sampling.height,
+            width=sampling.width,
+            generator=generators(sampling.seed, sampling.batch_size),
+            output_type="latent",
+            callback_on_step_end=step_callback(on_step),
         ).images
         # What FluxPipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's weights.
         # In float32 (ComfyUI's LATENT dtype) even for a bf16 transformer, so the scale and shift add no rounding.

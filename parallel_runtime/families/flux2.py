@@ -10,6 +10,7 @@ Between the stages travel ComfyUI's types:
   itself), and it is also the pipeline's own latent space, so nothing is converted on the way out of the denoiser;
 - IMAGE: [B, H, W, 3] float32 in 0..1, on the CPU.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,8 +44,9 @@ class Flux2(FamilyAdapter):
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
         from diffusers import Flux2Pipeline
 
-        return load_placed(Flux2Pipeline, model_dir, dtype, placement, "FLUX.2 text encoder", transformer=None,
-                           vae=None)
+        return load_placed(
+            Flux2Pipeline, model_dir, dtype, placement, "FLUX.2 text encoder", transformer=None, vae=None
+        )
 
     @torch.no_grad()
     def encode(self, pipe: Any, prompts: Prompts) -> dict[str, torch.Tensor]:
@@ -52,8 +54,9 @@ class Flux2(FamilyAdapter):
         pipeline pads / cuts the whole conversation to it."""
         if prompts.prompts_2 is not None:
             raise ValueError("FLUX.2 has one text encoder; prompt_2 has nothing to feed.")
-        prompt_embeds, _text_ids = pipe.encode_prompt(prompt=list(prompts.prompts),
-                                                      max_sequence_length=prompts.max_sequence_length)
+        prompt_embeds, _text_ids = pipe.encode_prompt(
+            prompt=list(prompts.prompts), max_sequence_length=prompts.max_sequence_length
+        )
         # `_text_ids` are position ids derived from the sequence length; the denoise stage rebuilds them.
         return {"prompt_embeds": prompt_embeds.cpu()}
 
@@ -63,8 +66,14 @@ class Flux2(FamilyAdapter):
         return Flux2Transformer2DModel
 
     @torch.no_grad()
-    def denoise(self, model_dir: str, transformer: torch.nn.Module, embeds: dict[str, torch.Tensor],
-                sampling: Sampling, on_step: OnStep | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        model_dir: str,
+        transformer: torch.nn.Module,
+        embeds: dict[str, torch.Tensor],
+        sampling: Sampling,
+        on_step: OnStep | None = None,
+    ) -> torch.Tensor:
         """LATENT samples [batch_size, 4 x VAE channels, height/16, width/16]. ``guidance_scale`` is FLUX.2-dev's
         distilled guidance (an embedding, not CFG)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
@@ -79,9 +88,13 @@ class Flux2(FamilyAdapter):
         prompt_embeds = expand_batch(embeds, sampling.batch_size)["prompt_embeds"]
         packed = pipe(
             prompt_embeds=prompt_embeds.to(device=device, dtype=transformer.dtype),
-            num_inference_steps=sampling.steps, guidance_scale=sampling.guidance_scale,
-            height=sampling.height, width=sampling.width, generator=generators(sampling.seed, sampling.batch_size),
-            output_type="latent", callback_on_step_end=step_callback(on_step),
+            num_inference_steps=sampling.steps,
+            guidance_scale=sampling.guidance_scale,
+            height=sampling.height,
+            width=sampling.width,
+            generator=generators(sampling.seed, sampling.batch_size),
+            output_type="latent",
+            callback_on_step_end=step_callback(on_step),
         ).images
         # Undo `Flux2Pipeline._pack_latents` ([B, C, h, w] -> [B, h*w, C], tokens in raster order; the pipeline's
         # `_unpack_latents_with_ids` scatters by position ids to the same place). No batch-norm de-normalisation:

@@ -12,6 +12,7 @@ Between the stages travel ComfyUI's types:
   normalisation lives in the model, not in the LATENT;
 - IMAGE: [B, H, W, 3] float32 in 0..1, on the CPU.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -51,16 +52,19 @@ class QwenImage(FamilyAdapter):
     true_cfg = True
     # The scheduler's `shift_terminal` stretch divides by (1 - last sigma), which is 0 on a one-step schedule.
     min_steps = 2
-    min_steps_reason = ("are too few for Qwen-Image: its scheduler's shift_terminal divides by zero on a one-step "
-                        "schedule and the image comes out NaN")
+    min_steps_reason = (
+        "are too few for Qwen-Image: its scheduler's shift_terminal divides by zero on a one-step "
+        "schedule and the image comes out NaN"
+    )
     # A one-frame video latent [B, C, 1, h, w] (ComfyUI's Wan 2.1 format); a 4-D one is taken as that frame.
     latent = LatentLayout(ndims=(5, 4), vae_channels_key="z_dim")
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
         from diffusers import QwenImagePipeline
 
-        return load_placed(QwenImagePipeline, model_dir, dtype, placement, "Qwen-Image text encoder",
-                           transformer=None, vae=None)
+        return load_placed(
+            QwenImagePipeline, model_dir, dtype, placement, "Qwen-Image text encoder", transformer=None, vae=None
+        )
 
     @torch.no_grad()
     def encode(self, pipe: Any, prompts: Prompts) -> dict[str, torch.Tensor]:
@@ -73,10 +77,12 @@ class QwenImage(FamilyAdapter):
         negative = prompts.negative_prompts
         if negative is not None:
             if len(negative) != len(prompts.prompts):
-                raise ValueError(f"{len(negative)} negative prompts for {len(prompts.prompts)} prompts; give one per "
-                                 "prompt.")
+                raise ValueError(
+                    f"{len(negative)} negative prompts for {len(prompts.prompts)} prompts; give one per prompt."
+                )
             out["negative_prompt_embeds"], out["negative_prompt_embeds_mask"] = _encode(
-                pipe, negative, prompts.max_sequence_length)
+                pipe, negative, prompts.max_sequence_length
+            )
         return out
 
     def transformer_class(self) -> type:
@@ -85,8 +91,14 @@ class QwenImage(FamilyAdapter):
         return QwenImageTransformer2DModel
 
     @torch.no_grad()
-    def denoise(self, model_dir: str, transformer: torch.nn.Module, embeds: dict[str, torch.Tensor],
-                sampling: Sampling, on_step: OnStep | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        model_dir: str,
+        transformer: torch.nn.Module,
+        embeds: dict[str, torch.Tensor],
+        sampling: Sampling,
+        on_step: OnStep | None = None,
+    ) -> torch.Tensor:
         """LATENT samples [batch_size, 16, 1, height/8, width/8]. True CFG runs when ``true_cfg_scale`` > 1 and the
         embeddings hold negative ones (the pipeline's rule): two transformer passes per step. ``guidance_scale`` only
         reaches guidance-distilled checkpoints (``guidance_embeds``); Qwen-Image itself has none."""
@@ -99,7 +111,11 @@ class QwenImage(FamilyAdapter):
         do_true_cfg = true_cfg_scale > 1 and "negative_prompt_embeds" in embeds
         pipe = QwenImagePipeline(
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
-            vae=None, text_encoder=None, tokenizer=None, transformer=transformer)
+            vae=None,
+            text_encoder=None,
+            tokenizer=None,
+            transformer=transformer,
+        )
         pipe.set_progress_bar_config(disable=True)
         device = pipe._execution_device
         # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself), and their dtype
@@ -109,36 +125,44 @@ class QwenImage(FamilyAdapter):
         # Negative embeddings only with true CFG on: the pipeline would warn about an unused negative prompt otherwise.
         if do_true_cfg:
             names += ["negative_prompt_embeds", "negative_prompt_embeds_mask"]
-        conditioning = {name: batch[name].to(device=device, dtype=torch.long if name.endswith("_mask")
-                                             else transformer.dtype) for name in names}
+        conditioning = {
+            name: batch[name].to(device=device, dtype=torch.long if name.endswith("_mask") else transformer.dtype)
+            for name in names
+        }
         packed = pipe(
             **conditioning,
             true_cfg_scale=true_cfg_scale,
             # Passing a scale to a model without guidance embedding only earns a warning; None is the pipeline's unset.
             guidance_scale=sampling.guidance_scale if transformer.config.guidance_embeds else None,
-            num_inference_steps=sampling.steps, height=sampling.height, width=sampling.width,
+            num_inference_steps=sampling.steps,
+            height=sampling.height,
+            width=sampling.width,
             # The embeddings were already cut at encode time; the pipeline cuts again at its default (512) otherwise.
             max_sequence_length=pipe.tokenizer_max_length,
             generator=generators(sampling.seed, sampling.batch_size),
-            output_type="latent", callback_on_step_end=step_callback(on_step),
+            output_type="latent",
+            callback_on_step_end=step_callback(on_step),
         ).images
         # What QwenImagePipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's
         # weights: unpack to [B, C, 1, h, w] and undo the per-channel normalisation, in the pipeline's own arithmetic.
         # In float32 (ComfyUI's LATENT dtype) even for a bf16 transformer, so the statistics add no rounding.
         vae_config = AutoencoderKLQwenImage.load_config(model_dir, subfolder="vae")
-        latents = QwenImagePipeline._unpack_latents(packed.float(), sampling.height, sampling.width,
-                                                    pipe.vae_scale_factor)
+        latents = QwenImagePipeline._unpack_latents(
+            packed.float(), sampling.height, sampling.width, pipe.vae_scale_factor
+        )
         channels = vae_config["z_dim"]
         mean = torch.tensor(vae_config["latents_mean"]).view(1, channels, 1, 1, 1).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, channels, 1, 1, 1).to(latents.device,
-                                                                                                  latents.dtype)
+        inverse_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, channels, 1, 1, 1).to(
+            latents.device, latents.dtype
+        )
         return (latents / inverse_std + mean).cpu()
 
     def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         from diffusers import AutoencoderKLQwenImage
 
-        return load_placed(AutoencoderKLQwenImage, model_dir, dtype, Placement(device), "Qwen-Image VAE",
-                           subfolder="vae")
+        return load_placed(
+            AutoencoderKLQwenImage, model_dir, dtype, Placement(device), "Qwen-Image VAE", subfolder="vae"
+        )
 
     @torch.no_grad()
     def decode(self, vae: torch.nn.Module, samples: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ then runs one op. What travels between steps are plain values: the ``Conditionin
 ``TransformerHandle`` (a validated choice; nothing loaded yet), LATENT samples and IMAGE tensors in ComfyUI's
 conventions. The nodes (``parallel_nodes``) are thin wrappers over these functions; the demo calls them directly.
 """
+
 from .decode import decode, decode_device_choices, validate_decode
 from .encode import MAX_SEQUENCE_LENGTH, Conditioning, count_prompts, encode_prompt, validate_encode
 from .sample import sample, validate_sample
@@ -13,7 +14,19 @@ from .transformer import TransformerHandle, plan_transformer
 from .widgets import DTYPES, MAX_PROMPT_BYTES, MAX_PROMPTS
 
 __all__ = [
-    "DTYPES", "MAX_PROMPTS", "MAX_PROMPT_BYTES", "MAX_SEQUENCE_LENGTH", "Conditioning", "TransformerHandle",
-    "count_prompts", "decode", "decode_device_choices", "encode_prompt", "plan_transformer", "sample",
-    "validate_decode", "validate_encode", "validate_sample",
+    "DTYPES",
+    "MAX_PROMPTS",
+    "MAX_PROMPT_BYTES",
+    "MAX_SEQUENCE_LENGTH",
+    "Conditioning",
+    "TransformerHandle",
+    "count_prompts",
+    "decode",
+    "decode_device_choices",
+    "encode_prompt",
+    "plan_transformer",
+    "sample",
+    "validate_decode",
+    "validate_encode",
+    "validate_sample",
 ]

@@ -1,4 +1,5 @@
 """VAEDecodeSingleGPU's step: check the LATENT against the model's VAE, then decode on one device of the backend."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,13 +22,22 @@ def validate_decode(*, model: str, device: str = "auto") -> ModelRef:
     """The checks VAEDecodeSingleGPU can make before it runs (also its validate_inputs)."""
     ref = model_folders.resolve(model)
     if device not in decode_device_choices():
-        raise InvalidInput("device", f"{device!r} is not available here; choose one of "
-                                     f"{', '.join(decode_device_choices())}")
+        raise InvalidInput(
+            "device", f"{device!r} is not available here; choose one of {', '.join(decode_device_choices())}"
+        )
     return ref
 
 
-def decode(spec: BackendSpec, *, model: str, samples: torch.Tensor, device: str = "auto", dtype: str = "auto",
-           on_progress: ProgressFn | None = None, should_cancel: Callable[[], bool] | None = None) -> torch.Tensor:
+def decode(
+    spec: BackendSpec,
+    *,
+    model: str,
+    samples: torch.Tensor,
+    device: str = "auto",
+    dtype: str = "auto",
+    on_progress: ProgressFn | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> torch.Tensor:
     """Decode LATENT samples with the model's VAE on one device; IMAGE ``[B, H, W, 3]`` float32 in 0..1."""
     ref = validate_decode(model=model, device=device)
     if device == "auto":
@@ -37,10 +47,14 @@ def decode(spec: BackendSpec, *, model: str, samples: torch.Tensor, device: str 
     frames = samples.shape[2] if samples.ndim == 5 else 1  # video-VAE latents: [B, C, T, h, w]
     if samples.ndim not in family.latent.ndims or (channels and samples.shape[1] != channels) or frames != 1:
         expected = " or ".join(f"{n}-D" for n in family.latent.ndims)
-        raise InvalidInput("samples", f"LATENT of shape {list(samples.shape)} does not fit {model}'s VAE "
-                                      f"({family.name}: {expected}, {channels} channels, one frame); decode it with "
-                                      "the VAE of the model that made it")
+        raise InvalidInput(
+            "samples",
+            f"LATENT of shape {list(samples.shape)} does not fit {model}'s VAE "
+            f"({family.name}: {expected}, {channels} channels, one frame); decode it with "
+            "the VAE of the model that made it",
+        )
     args = DecodeArgs(model=ref, device=device, dtype=resolve_dtype(dtype, spec))
-    result = get_backend(spec).call(args, {"samples": samples.float()}, on_progress=on_progress,
-                                    should_cancel=should_cancel)
+    result = get_backend(spec).call(
+        args, {"samples": samples.float()}, on_progress=on_progress, should_cancel=should_cancel
+    )
     return result.tensors["images"]

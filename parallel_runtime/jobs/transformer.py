@@ -1,5 +1,6 @@
 """LoadShardedTransformer's step: choose how the transformer is split, checked against the model and the backend.
 Nothing loads here: the backend loads the transformer when the sampler first needs it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,16 +31,36 @@ class TransformerHandle:
         return self.spec.plan
 
 
-def plan_transformer(spec: BackendSpec, *, model: str, strategy: str = "device_map", max_memory: str = "",
-                     dtype: str = "auto", ring_degree: int = 1, ulysses_degree: int = 0, anything: bool = False,
-                     attention_backend: str = "auto", tp_degree: int = 0) -> TransformerHandle:
+def plan_transformer(
+    spec: BackendSpec,
+    *,
+    model: str,
+    strategy: str = "device_map",
+    max_memory: str = "",
+    dtype: str = "auto",
+    ring_degree: int = 1,
+    ulysses_degree: int = 0,
+    anything: bool = False,
+    attention_backend: str = "auto",
+    tp_degree: int = 0,
+) -> TransformerHandle:
     """The transformer handle LoadShardedTransformer's widgets describe, checked against the model's config and the
     backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree). Loads nothing."""
     ref = model_folders.resolve(model)
     budget = parse_max_memory(max_memory)
     config = model_folders.read_config(ref, "transformer")
-    plan = StrategyPlan.from_widgets(TransformerFacts.from_config(config), spec.world_size, strategy=strategy,
-                                     ring_degree=ring_degree, ulysses_degree=ulysses_degree, anything=anything,
-                                     attention_backend=attention_backend, tp_degree=tp_degree)
-    return TransformerHandle(backend=spec, spec=TransformerSpec(model=ref, dtype=resolve_dtype(dtype, spec), plan=plan,
-                                                                max_memory=budget), config=config)
+    plan = StrategyPlan.from_widgets(
+        TransformerFacts.from_config(config),
+        spec.world_size,
+        strategy=strategy,
+        ring_degree=ring_degree,
+        ulysses_degree=ulysses_degree,
+        anything=anything,
+        attention_backend=attention_backend,
+        tp_degree=tp_degree,
+    )
+    return TransformerHandle(
+        backend=spec,
+        spec=TransformerSpec(model=ref, dtype=resolve_dtype(dtype, spec), plan=plan, max_memory=budget),
+        config=config,
+    )

@@ -1,4 +1,5 @@
 """Widget values every step reads the same way: dtypes, device budgets, prompt text, finite numbers."""
+
 from __future__ import annotations
 
 import math
@@ -34,15 +35,21 @@ def parse_max_memory(text: str, widget: str = "max_memory") -> dict[str, str] | 
         device, sep, size = part.partition(":")
         device = device.strip().lower()
         if not sep or not (device.isdigit() or device == "cpu") or not _SIZE.match(size):
-            raise InvalidInput(widget, f"could not read {part.strip()!r}; write device:size pairs such as "
-                                       "0:16GB,1:16GB (GPU index or cpu, size in MB/GB/GiB), or leave it empty")
+            raise InvalidInput(
+                widget,
+                f"could not read {part.strip()!r}; write device:size pairs such as "
+                "0:16GB,1:16GB (GPU index or cpu, size in MB/GB/GiB), or leave it empty",
+            )
         if device in budget:
             raise InvalidInput(widget, f"device {device} is listed twice; give each device one size")
         budget[device] = size.strip().upper().replace("IB", "iB")
     gpus = [int(d) for d in budget if d.isdigit()]
     if gpus and max(gpus) >= max(cuda_device_count(), 1) and cuda_device_count() > 0:
-        raise InvalidInput(widget, f"GPU {max(gpus)} does not exist; this machine has {cuda_device_count()} GPUs "
-                                   f"(0..{cuda_device_count() - 1})")
+        raise InvalidInput(
+            widget,
+            f"GPU {max(gpus)} does not exist; this machine has {cuda_device_count()} GPUs "
+            f"(0..{cuda_device_count() - 1})",
+        )
     return budget
 
 
@@ -52,12 +59,18 @@ def check_text(widget: str, text: str) -> None:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError as e:
         code = f"U+{ord(text[e.start]):04X}"
-        raise InvalidInput(widget, f"holds a character that is not valid Unicode (a lone surrogate, {code}, at "
-                                   f"position {e.start}); delete it or paste the text again") from None
+        raise InvalidInput(
+            widget,
+            f"holds a character that is not valid Unicode (a lone surrogate, {code}, at "
+            f"position {e.start}); delete it or paste the text again",
+        ) from None
     if size > MAX_PROMPT_BYTES:
-        raise InvalidInput(widget, f"is {size / 1024:.0f} KiB of text; a prompt widget takes at most "
-                                   f"{MAX_PROMPT_BYTES >> 10} KiB (a text encoder reads only its first 512-1024 "
-                                   "tokens anyway)")
+        raise InvalidInput(
+            widget,
+            f"is {size / 1024:.0f} KiB of text; a prompt widget takes at most "
+            f"{MAX_PROMPT_BYTES >> 10} KiB (a text encoder reads only its first 512-1024 "
+            "tokens anyway)",
+        )
 
 
 def prompt_list(widget: str, text: str, one_per_line: bool) -> list[str]:
@@ -67,8 +80,11 @@ def prompt_list(widget: str, text: str, one_per_line: bool) -> list[str]:
         return [text]
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if len(prompts) > MAX_PROMPTS:
-        raise InvalidInput(widget, f"has {len(prompts)} prompts (one per line); one_prompt_per_line takes at most "
-                                   f"{MAX_PROMPTS}: split them over several runs")
+        raise InvalidInput(
+            widget,
+            f"has {len(prompts)} prompts (one per line); one_prompt_per_line takes at most "
+            f"{MAX_PROMPTS}: split them over several runs",
+        )
     return prompts
 
 

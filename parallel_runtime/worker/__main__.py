@@ -1,5 +1,6 @@
 """torchrun's entry point of a backend rank (``python -m parallel_runtime.worker``): rank 0 serves the client, the
 other ranks follow it."""
+
 from __future__ import annotations
 
 import logging

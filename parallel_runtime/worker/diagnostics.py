@@ -1,4 +1,5 @@
 """Built-in diagnostic ops: what ``comfy-parallel doctor``, the status panel and the runtime's own tests exercise."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,9 @@ from .ops import OpContext, OpResult, op
 def _memory(device: torch.device) -> Memory:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return Memory(kind="cuda", total_bytes=total, free_bytes=free,
-                      allocated_bytes=torch.cuda.memory_allocated(device))
+        return Memory(
+            kind="cuda", total_bytes=total, free_bytes=free, allocated_bytes=torch.cuda.memory_allocated(device)
+        )
     meminfo = {}
     with open("/proc/meminfo") as f:
         for line in f:
@@ -37,19 +39,27 @@ def _memory(device: torch.device) -> Memory:
             meminfo[key] = int(value.split()[0]) * 1024
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return Memory(kind="cpu", total_bytes=meminfo["MemTotal"], free_bytes=meminfo["MemAvailable"],
-                  process_rss_bytes=rss)
+    return Memory(
+        kind="cpu", total_bytes=meminfo["MemTotal"], free_bytes=meminfo["MemAvailable"], process_rss_bytes=rss
+    )
 
 
 @op(StatusArgs, spmd=True)
 def status(ctx: OpContext, args: StatusArgs, tensors: dict) -> OpResult:
     models = ctx.state["models"]
     return RankStatus(
-        rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, hostname=socket.gethostname(),
-        pid=os.getpid(), device=str(ctx.device),
+        rank=ctx.rank,
+        local_rank=ctx.local_rank,
+        world_size=ctx.world_size,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        device=str(ctx.device),
         device_name=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-        memory=_memory(ctx.device), resident=models.describe(), load_counts=models.load_counts(),
-        torch=torch.__version__), {}
+        memory=_memory(ctx.device),
+        resident=models.describe(),
+        load_counts=models.load_counts(),
+        torch=torch.__version__,
+    ), {}
 
 
 @op(AllreduceArgs, spmd=True)

@@ -10,6 +10,7 @@ input-tensor broadcast) uses collectives.
     done/<seq>/<r>    Outcome         rank r's outcome of it
     ack/<seq>         "acked" | "gave-up:<r>"   one compare-and-set settles whether the group goes on
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -200,8 +201,9 @@ class Group:
             return False
 
 
-def broadcast_tensors(tensors: dict[str, torch.Tensor] | None,
-                      layout: dict[str, TensorLayout]) -> dict[str, torch.Tensor]:
+def broadcast_tensors(
+    tensors: dict[str, torch.Tensor] | None, layout: dict[str, TensorLayout]
+) -> dict[str, torch.Tensor]:
     """Rank 0's input tensors to every rank (as bytes, so bool and bfloat16 pass through gloo unchanged)."""
     out = {}
     for key in sorted(layout):

@@ -6,6 +6,7 @@ text encoders and the transformer never share the devices: loading one frees the
 recipe of diffusers' guide: encode, flush, load transformer, denoise, flush, decode). The VAE is small and
 stays. ``load_counts`` is what tests and the status panel use to see that a warm run loads nothing.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,9 +42,15 @@ class ModelKey:
 
 def _parameter_bytes(obj: Any) -> int:
     """Bytes of parameters this rank holds (a tensor-parallel DTensor counts only its local shard)."""
-    modules = [obj] if isinstance(obj, torch.nn.Module) else [
-        getattr(obj, name) for name in getattr(obj, "components", {})
-        if isinstance(getattr(obj, name, None), torch.nn.Module)]
+    modules = (
+        [obj]
+        if isinstance(obj, torch.nn.Module)
+        else [
+            getattr(obj, name)
+            for name in getattr(obj, "components", {})
+            if isinstance(getattr(obj, name, None), torch.nn.Module)
+        ]
+    )
     params = (p.to_local() if isinstance(p, DTensor) else p for m in modules for p in m.parameters())
     return sum(p.numel() * p.element_size() for p in params)
 
@@ -108,10 +115,18 @@ class ResidentModels:
         return self.free(*tuple(self._slots))
 
     def describe(self) -> tuple[ResidentModel, ...]:
-        return tuple(ResidentModel(model=key.model, component=key.component, placement=key.placement, dtype=key.dtype,
-                                   parameter_bytes=_parameter_bytes(obj), parallelism=_parallelism(obj),
-                                   load_seconds=round(seconds, 3))
-                     for key, obj, seconds in self._slots.values())
+        return tuple(
+            ResidentModel(
+                model=key.model,
+                component=key.component,
+                placement=key.placement,
+                dtype=key.dtype,
+                parameter_bytes=_parameter_bytes(obj),
+                parallelism=_parallelism(obj),
+                load_seconds=round(seconds, 3),
+            )
+            for key, obj, seconds in self._slots.values()
+        )
 
     def load_counts(self) -> dict[str, int]:
         return dict(self._loads)

@@ -12,6 +12,7 @@ returns, so an op that keeps one longer (in ``ctx.state``) must clone it.
 Ops registered with ``testing=True`` (fault injection) are served only by a backend started with
 ``COMFY_PARALLEL_TEST_OPS=1``; a production backend answers them as unknown.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,9 +80,18 @@ def get_op(name: str) -> Op:
 class OpContext:
     """What an op may use: where it runs, progress reporting and the agreed cancel check."""
 
-    def __init__(self, *, rank: int, world_size: int, local_rank: int, device: torch.device, spmd: bool,
-                 cancel_event: threading.Event, send_progress: Callable[[int, int, str | None], None] | None,
-                 state: dict):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        spmd: bool,
+        cancel_event: threading.Event,
+        send_progress: Callable[[int, int, str | None], None] | None,
+        state: dict,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank

@@ -4,6 +4,7 @@ Environment (set by the launcher): COMFY_PARALLEL_RUN_DIR (private 0700 director
 per-rank logs), COMFY_PARALLEL_CLIENT_PID (the workers exit when it dies), COMFY_PARALLEL_DEVICE (cpu|cuda),
 COMFY_PARALLEL_MEMORY_POLICY (staged|resident), COMFY_PARALLEL_SHM_PREFIX (names of this backend's arena segments).
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,17 +72,25 @@ class Rank:
                 tensors = broadcast_tensors(tensors if self.rank == 0 else None, header.tensors)
             if not op.spmd and self.rank != 0:
                 return Outcome(OutcomeStatus.OK), {}
-            ctx = OpContext(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
-                            device=self.device, spmd=op.spmd, cancel_event=self.cancel_event,
-                            send_progress=self.send_progress if self.rank == 0 else None, state=self.state)
+            ctx = OpContext(
+                rank=self.rank,
+                world_size=self.world_size,
+                local_rank=self.local_rank,
+                device=self.device,
+                spmd=op.spmd,
+                cancel_event=self.cancel_event,
+                send_progress=self.send_progress if self.rank == 0 else None,
+                state=self.state,
+            )
             result, out = op.fn(ctx, args, tensors)
             return Outcome(OutcomeStatus.OK, result=None if result is None else to_json(result)), out
         except OpCancelled as e:
             return Outcome(OutcomeStatus.CANCELLED, step=e.step), {}
         except Exception as e:  # reported to the client; the group protocol decides whether it can go on
             log.exception("op %s failed", header.op)
-            return Outcome(OutcomeStatus.ERROR, error_type=type(e).__name__, message=str(e),
-                           traceback=traceback.format_exc()), {}
+            return Outcome(
+                OutcomeStatus.ERROR, error_type=type(e).__name__, message=str(e), traceback=traceback.format_exc()
+            ), {}
 
     def die(self, outcome: Outcome) -> None:
         """Leave the group for good: record why, and exit so that torchrun tears the rest down."""

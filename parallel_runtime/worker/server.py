@@ -6,6 +6,7 @@ peer that connects and sends nothing delays nobody. A reader thread handles the 
 arrives while an op runs); the main thread runs calls in order, so everything the ranks do stays in one sequence.
 A frame that does not check gets an error reply and the connection goes on.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -91,8 +92,11 @@ class Server:
             with self._channel_lock:
                 if self.channel is not None:
                     log.warning("refused a second client while one is connected")
-                    channel.send(Refused("another client is connected to this backend; it serves one client (one "
-                                         "ComfyUI) at a time"))
+                    channel.send(
+                        Refused(
+                            "another client is connected to this backend; it serves one client (one ComfyUI) at a time"
+                        )
+                    )
                     channel.close()
                     return
                 self.channel = channel
@@ -180,11 +184,21 @@ class Server:
             # ``outcomes`` is the rank that gave up on the group, or None: rank 0 failed and the others are
             # stuck in a collective. The client reads that rank's traceback from the run directory.
             gave_up = outcomes
-            failed = own if not own.ok else Outcome(OutcomeStatus.ERROR,
-                                                    message="another rank failed and the rest are stuck")
-            self._send(channel, Fatal(id=call.id, rank=0 if gave_up is None else gave_up,
-                                      message=failed.message if gave_up is None else
-                                      f"rank {gave_up} failed while the others were in a collective"))
+            failed = (
+                own
+                if not own.ok
+                else Outcome(OutcomeStatus.ERROR, message="another rank failed and the rest are stuck")
+            )
+            self._send(
+                channel,
+                Fatal(
+                    id=call.id,
+                    rank=0 if gave_up is None else gave_up,
+                    message=failed.message
+                    if gave_up is None
+                    else f"rank {gave_up} failed while the others were in a collective",
+                ),
+            )
             self.rank.die(failed)
         self._send(channel, self._reply(call.id, outcomes, out_tensors))
         self.rank.group.finish(seq)
@@ -199,7 +213,7 @@ class Server:
         try:
             descs = self.arena.write(out_tensors)
         except (OSError, TypeError) as e:
-            return Error(id=call_id, rank=0, error_type=type(e).__name__,
-                         message=f"could not return the output tensors: {e}")
-        return Result(id=call_id, result=outcomes[0].result, per_rank=tuple(o.result for o in outcomes),
-                      tensors=descs)
+            return Error(
+                id=call_id, rank=0, error_type=type(e).__name__, message=f"could not return the output tensors: {e}"
+            )
+        return Result(id=call_id, result=outcomes[0].result, per_rank=tuple(o.result for o in outcomes), tensors=descs)

@@ -6,6 +6,7 @@ transformer are rank-0 stages: one process places a component across several GPU
 transformer, single-device VAE) while the other ranks only free what the stage replaces. Context, tensor and data
 parallel denoising run on every rank (see strategies.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,9 @@ def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
     ctx.alone()
     adapter = family(args.model.family)
     ctx.progress(0, 2, "loading text encoders")
-    pipe = _models(ctx).get(key, lambda: adapter.load_text_encoders(args.model.path, DTYPES[args.dtype.value],
-                                                                    placement))
+    pipe = _models(ctx).get(
+        key, lambda: adapter.load_text_encoders(args.model.path, DTYPES[args.dtype.value], placement)
+    )
     ctx.progress(1, 2, "encoding")
     embeds = adapter.encode(pipe, args.prompts)
     ctx.progress(2, 2, "encoded")
@@ -79,8 +81,9 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         load = functools.partial(adapter.load_transformer, spec.model.path, dtype, placement)
     else:  # context / tensor / data parallel: every rank loads its part together
         key = ModelKey(spec.model.name, "transformer", plan.describe(), spec.dtype.value)
-        load = functools.partial(strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype,
-                                 ctx.device, plan)
+        load = functools.partial(
+            strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
+        )
     ctx.progress(0, sampling.steps, "loading transformer")
     transformer = models.get(key, load)
 
@@ -89,8 +92,13 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     batch_size = sampling.batch_size
     start, count = strategies.share(batch_size, ctx.rank, ctx.world_size) if plan.splits_batch else (0, batch_size)
     mine = dataclasses.replace(sampling, seed=(sampling.seed + start) % 2**64, batch_size=count)
-    samples = adapter.denoise(spec.model.path, transformer, strategies.slice_batch(tensors, batch_size, start, count),
-                              mine, on_step=_on_step(ctx))
+    samples = adapter.denoise(
+        spec.model.path,
+        transformer,
+        strategies.slice_batch(tensors, batch_size, start, count),
+        mine,
+        on_step=_on_step(ctx),
+    )
     if plan.splits_batch:
         samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:

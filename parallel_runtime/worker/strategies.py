@@ -1,6 +1,7 @@
 """How an SPMD transformer is built from its ``StrategyPlan`` and how a batch is shared: context, tensor and data
 parallelism. Family-agnostic: the family names its transformer class.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -34,9 +35,13 @@ def _context_parallel_config(plan: StrategyPlan, mesh: DeviceMesh | None = None)
     from diffusers import ContextParallelConfig
 
     ring, ulysses = plan.ring_degree, plan.ulysses_degree
-    return ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=mesh,
-                                 ulysses_anything=plan.anything and ulysses > 1,
-                                 ring_anything=plan.anything and ring > 1)
+    return ContextParallelConfig(
+        ring_degree=ring,
+        ulysses_degree=ulysses,
+        mesh=mesh,
+        ulysses_anything=plan.anything and ulysses > 1,
+        ring_anything=plan.anything and ring > 1,
+    )
 
 
 def _set_attention_backend(transformer: torch.nn.Module, backend: str) -> None:
@@ -50,16 +55,18 @@ def _set_attention_backend(transformer: torch.nn.Module, backend: str) -> None:
     _AttentionBackendRegistry.set_active_backend(default)
 
 
-def _enable_context_parallel(transformer: torch.nn.Module, plan: StrategyPlan, device: torch.device,
-                             mesh: DeviceMesh | None = None) -> None:
+def _enable_context_parallel(
+    transformer: torch.nn.Module, plan: StrategyPlan, device: torch.device, mesh: DeviceMesh | None = None
+) -> None:
     backend = _attention_backend(plan, device)
     if backend is not None:
         _set_attention_backend(transformer, backend)
     transformer.enable_parallelism(config=_context_parallel_config(plan, mesh))
 
 
-def _tp_cp_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: torch.device,
-                       plan: StrategyPlan) -> torch.nn.Module:
+def _tp_cp_transformer(
+    cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, plan: StrategyPlan
+) -> torch.nn.Module:
     """Tensor parallelism inside groups of ``tp_degree`` neighbouring ranks, context parallelism across the groups,
     on one (ring, ulysses, tp) mesh. TP is the innermost axis: it all-reduces in every block, so its ranks should
     share the fastest links (one node, NVLink).
@@ -74,10 +81,16 @@ def _tp_cp_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: to
     from diffusers import TensorParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (plan.ring_degree, plan.ulysses_degree, plan.tp_degree),
-                            mesh_dim_names=("ring", "ulysses", "tp"))
-    transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True,
-                                      parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
+    mesh = init_device_mesh(
+        device.type, (plan.ring_degree, plan.ulysses_degree, plan.tp_degree), mesh_dim_names=("ring", "ulysses", "tp")
+    )
+    transformer = cls.from_pretrained(
+        model_dir,
+        subfolder="transformer",
+        dtype=dtype,
+        use_safetensors=True,
+        parallel_config=TensorParallelConfig(mesh=mesh["tp"]),
+    )
     tensor_parallel = transformer._parallel_config.tensor_parallel_config
     transformer._parallel_config = None
     _enable_context_parallel(transformer, plan, device, mesh)
@@ -85,16 +98,22 @@ def _tp_cp_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: to
     return transformer
 
 
-def load_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: torch.device,
-                     plan: StrategyPlan) -> torch.nn.Module:
+def load_transformer(
+    cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, plan: StrategyPlan
+) -> torch.nn.Module:
     """This rank's ``cls`` transformer for ``plan`` (collective: every rank calls it together)."""
     from diffusers import TensorParallelConfig
 
     if plan.kind is Strategy.TENSOR_PARALLEL:
         # Each rank reads only its slice of every planned weight while loading; the full checkpoint is never
         # materialised per rank.
-        return cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True,
-                                   parallel_config=TensorParallelConfig(tp_degree=plan.tp_degree))
+        return cls.from_pretrained(
+            model_dir,
+            subfolder="transformer",
+            dtype=dtype,
+            use_safetensors=True,
+            parallel_config=TensorParallelConfig(tp_degree=plan.tp_degree),
+        )
     if plan.kind is Strategy.TP_CP:
         return _tp_cp_transformer(cls, model_dir, dtype, device, plan)
     transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True).to(device)
@@ -115,7 +134,7 @@ def share(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
 def slice_batch(tensors: dict[str, torch.Tensor], batch_size: int, start: int, count: int) -> dict[str, torch.Tensor]:
     """Images ``start .. start + count`` of a batch's conditioning (laid out as ``expand_batch`` does: prompt by
     prompt), so a rank's slice may span prompts."""
-    return {name: rows[start:start + count] for name, rows in expand_batch(tensors, batch_size).items()}
+    return {name: rows[start : start + count] for name, rows in expand_batch(tensors, batch_size).items()}
 
 
 def gather_batch(local: torch.Tensor, batch_size: int, world_size: int) -> torch.Tensor | None:
