@@ -1,9 +1,10 @@
 """The client side, living in the ComfyUI process: start the backend lazily, call ops, watch its health.
 
-``Backend.call`` sends one op and waits for its result with a deadline, feeding progress to a callback and
-turning a cancel request into the protocol's ``cancel``. While it waits it watches every rank's process:
-a dead rank becomes ``BackendDied`` naming that rank, the group is torn down, and the next call starts a
-fresh one. Calls from several threads are serialised, never interleaved.
+``Backend.call`` sends one op and waits for its result, feeding progress to a callback and turning a cancel request
+into the protocol's ``Cancel``. While it waits it watches every process of the group (``watchdog``): a dead, stopped
+or silent rank, the torchrun agent's death, or an op that stops making progress becomes ``BackendDied`` naming what
+stopped responding, within a deadline; the group is torn down and the next call starts a fresh one. Calls from
+several threads are serialised, never interleaved; ``shutdown`` never waits for a running call.
 """
 
 from __future__ import annotations
@@ -23,8 +24,17 @@ import torch
 
 from . import launcher
 from .arena import Arena, ArenaReader
-from .errors import BackendDied, BackendStartError, Cancelled, DeadlineExceeded, OpFailed, ParallelRuntimeError, Refused
-from .processes import process_alive
+from .errors import (
+    BackendDied,
+    BackendStartError,
+    Cancelled,
+    DeadlineExceeded,
+    InvalidInput,
+    OpFailed,
+    ParallelRuntimeError,
+    Refused,
+)
+from .processes import memory_cgroup, oom_kills, process_alive
 from .protocol import (
     BadFrame,
     Bye,
@@ -44,12 +54,12 @@ from .protocol import (
 from .protocol import Refused as RefusedFrame
 from .serial import from_json, to_json
 from .spec import BackendSpec
+from .watchdog import Deadlines, Watchdog
 from .wire import FreeArgs, OpArgs, RankStatus, StatusArgs
 
 log = logging.getLogger("parallel_runtime.client")
 
 STARTUP_TIMEOUT_S = 180.0
-CALL_TIMEOUT_S = 6 * 3600.0
 POLL_S = 0.05  # how quickly a cancel or a progress event is noticed
 HEALTH_S = 0.5  # how often the ranks' processes are looked at while waiting
 # How long a dying group may take to finish dying before we stop waiting for its own account of it.
@@ -79,11 +89,17 @@ class BackendStatus:
 
 
 class Backend:
-    """A persistent multi-rank backend described by ``spec``. Starts on first use."""
+    """A persistent multi-rank backend described by ``spec``. Starts on first use.
 
-    def __init__(self, spec: BackendSpec, *, startup_timeout: float = STARTUP_TIMEOUT_S):
+    ``deadlines`` bound every wait of a call (``watchdog``); by default they are read from the environment.
+    """
+
+    def __init__(
+        self, spec: BackendSpec, *, startup_timeout: float = STARTUP_TIMEOUT_S, deadlines: Deadlines | None = None
+    ):
         self.spec = spec
         self.startup_timeout = startup_timeout
+        self.deadlines = deadlines or Deadlines.from_env()
         self._lock = threading.RLock()
         self._group: launcher.LaunchedGroup | None = None
         self._channel: Channel | None = None
@@ -91,9 +107,12 @@ class Backend:
         self._outputs = ArenaReader()
         self._ids = itertools.count(1)
         self._current_call: str | None = None
+        self._watchdog: Watchdog | None = None
         self._pids: dict[int, int] = {}
+        self._memory: dict[int, dict[str, int | None]] = {}  # rank -> {memory cgroup: its OOM kills when first seen}
+        self._aborted: str | None = None  # why another thread ended the group under a running call
         self.startup_s: float | None = None
-        self._last_status: dict | None = None
+        self._last_status: BackendStatus | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
     @property
@@ -106,8 +125,12 @@ class Backend:
         return dict(self._pids)
 
     @property
+    def agent_pid(self) -> int | None:
+        return self._group.proc.pid if self._group else None
+
+    @property
     def run_dir(self) -> str | None:
-        return self._group.run_dir if self._group else None
+        return self._group.run_dir.path if self._group else None
 
     @property
     def shm_prefix(self) -> str | None:
@@ -121,17 +144,17 @@ class Backend:
     def _start(self) -> None:
         t0 = time.monotonic()
         group = launcher.launch(self.spec)
-        self._group = group
+        self._group, self._aborted = group, None
         deadline = t0 + self.startup_timeout
         try:
-            while not os.path.exists(group.socket_path):
+            while not os.path.exists(group.run_dir.socket):
                 if group.proc.poll() is not None:
                     raise BackendStartError(self._start_failure("exited during start-up"))
                 if time.monotonic() > deadline:
                     raise BackendStartError(self._start_failure(f"did not come up within {self.startup_timeout:.0f} s"))
                 time.sleep(POLL_S)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(group.socket_path)
+            sock.connect(group.run_dir.socket)
             channel = Channel(sock)
             channel.send(Hello(token=group.token))
             reply = channel.recv(max(1.0, deadline - time.monotonic()))
@@ -145,26 +168,40 @@ class Backend:
         self._channel = channel
         self._arena = Arena(f"{group.shm_prefix}-in")
         self._pids = group.worker_pids()
+        self._memory = {}
+        self._follow_memory_cgroups()
         self.startup_s = time.monotonic() - t0
         log.info(
             "parallel backend up: %d ranks on %s in %.1f s (%s)",
             self.spec.world_size,
             self.spec.device,
             self.startup_s,
-            group.run_dir,
+            group.run_dir.path,
         )
 
     def _start_failure(self, what: str) -> str:
         g = self._group
-        tails = "\n".join(f"--- rank {r} ---\n{g.log_tail(f'rank{r}.log')}" for r in sorted(g.worker_pids()))
+        tails = "\n".join(f"--- rank {r} ---\n{g.log_tail(r)}" for r in sorted(g.worker_pids()))
         return (
             f"the parallel backend ({self.spec.ranks} {self.spec.device} ranks) {what}.\n"
-            f"--- torchrun ---\n{g.log_tail('launcher.log')}\n{tails}"
+            f"--- torchrun ---\n{g.log_tail()}\n{tails}"
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every rank and free everything: no process and no shared-memory segment is left."""
-        with self._lock:
+        """Stop every rank and free everything: no process and no shared-memory segment is left.
+
+        Never waits for a running op: while one runs (maybe stuck in a collective), the group is killed from here
+        and the op's caller gets ``BackendDied`` saying the backend was shut down.
+        """
+        if not self._lock.acquire(timeout=1.0):
+            group = self._group
+            if group is not None:
+                self._aborted = "was shut down while the op ran"
+                launcher.kill(group)
+            if not self._lock.acquire(timeout=timeout + DEATH_REPORT_S + 10.0):
+                log.error("the call running on the backend did not end after its group was killed")
+                return
+        try:
             if self._group is None:
                 return
             if self._channel is not None and self._group.proc.poll() is None:
@@ -178,8 +215,10 @@ class Backend:
                 except (OSError, ChannelClosed, ValueError):
                     pass
             self._teardown()
+        finally:
+            self._lock.release()
 
-    def _teardown(self) -> None:
+    def _teardown(self, grace: float = 5.0) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -188,35 +227,80 @@ class Backend:
             self._arena = None
         self._outputs.close()
         if self._group is not None:
-            launcher.terminate(self._group)
+            launcher.terminate(self._group, grace=grace)
             self._group = None
-        self._pids = {}
+        self._pids, self._memory = {}, {}
 
     # -- health ---------------------------------------------------------------------------------------
-    def _dead_ranks(self) -> list[int]:
-        if self._group.proc.poll() is not None:
-            return sorted(self._pids) or [0]
-        return [r for r, pid in sorted(self._pids.items()) if not process_alive(pid)]
+    def _follow_memory_cgroups(self) -> None:
+        """Note every memory cgroup each rank is seen in, with its OOM-kill count then, so that a rank's death can be
+        told from the kernel's out-of-memory kill (a dying task may already show another cgroup: none is forgotten)."""
+        for rank, pid in self._pids.items():
+            cgroup = memory_cgroup(pid) if process_alive(pid) else None
+            seen = self._memory.setdefault(rank, {})
+            if cgroup is not None and cgroup not in seen:
+                seen[cgroup] = oom_kills(cgroup)
 
-    def _die(self, reason: str, rank: int | None = None, tb: str = "") -> BackendDied:
-        """Tear the group down and build the error that says which rank failed and why."""
+    def _look(self) -> str | None:
+        """None while every process of the group runs; otherwise what ended."""
+        self._follow_memory_cgroups()
+        if self._group.proc.poll() is not None or any(not process_alive(pid) for pid in self._pids.values()):
+            return "exited"
+        return None
+
+    def _died(self) -> tuple[int | None, str, str | None]:
+        """Which process of a group that is ending went first, in words, and what killed it when that is known."""
         group = self._group
-        first_dead = self._dead_ranks()
-        launcher.wait_exit(group, DEATH_REPORT_S)  # let torchrun write its account of the failure
+        agent = group.proc.returncode
+        if agent is not None and agent < 0:  # the agent itself was killed by a signal, not by a rank's failure
+            return None, f"the torchrun agent (pid {group.proc.pid})", f"was killed by signal {-agent}"
+        rank = group.failed_rank()
+        dead = [r for r, pid in sorted(self._pids.items()) if not process_alive(pid)]
+        if rank is None and dead:
+            rank = dead[0]
         if rank is None:
-            rank = group.failed_rank()
-        if rank is None and first_dead:
-            rank = first_dead[0]
+            return None, "a rank", None
+        who = f"rank {rank} (pid {self._pids.get(rank)})"
+        if any(
+            (oom_kills(cgroup) or 0) > before
+            for cgroup, before in self._memory.get(rank, {}).items()
+            if before is not None
+        ):
+            return (
+                rank,
+                who,
+                (
+                    f"ran out of memory: the kernel's out-of-memory killer ended it (out of memory on rank "
+                    f"{rank}); use a strategy that splits the work, a smaller size or batch, or free memory "
+                    "on this machine"
+                ),
+            )
+        return rank, who, None
+
+    def _die(
+        self, reason: str, rank: int | None = None, tb: str = "", who: str | None = None, now: bool = False
+    ) -> BackendDied:
+        """Tear the group down and build the error that says which process failed and why. ``now``: the group is
+        stuck (kill it at once rather than wait for its own account)."""
+        group = self._group
+        if self._aborted:
+            reason, who, rank = self._aborted, "the backend", None
+        if now:
+            launcher.kill(group)
+        launcher.wait_exit(group, 0.0 if now else DEATH_REPORT_S)  # let torchrun write its account of the failure
+        if who is None:
+            found, who, cause = self._died()
+            reason = cause or reason
+            rank = found if rank is None else rank
+            if rank is not None and found != rank:
+                who = f"rank {rank} (pid {self._pids.get(rank)})"
         tb = tb or (group.traceback_of(rank) if rank is not None else "")
-        tail = group.log_tail(f"rank{rank}.log") if rank is not None else group.log_tail("launcher.log")
-        # The pid of the rank named, which torchrun's account may pick over the first one seen dead.
-        pid = self._pids.get(rank) if rank is not None else None
-        self._teardown()
-        who = (f"rank {rank}" + (f" (pid {pid})" if pid else "")) if rank is not None else "a rank"
+        tail = group.log_tail(rank)
+        self._teardown(grace=0.0 if now else 5.0)
         detail = f"\n{tb.strip().splitlines()[-1]}" if tb.strip() else ""
         return BackendDied(
-            f"the parallel backend failed: {who} {reason}; it was shut down and the next run "
-            f"starts a fresh one.{detail}",
+            f"the parallel backend failed: {who} {reason}; it was shut down and the next run starts a "
+            f"fresh one.{detail}",
             rank=rank,
             log_tail=tail,
             traceback=tb,
@@ -230,13 +314,14 @@ class Backend:
         *,
         on_progress: ProgressFn | None = None,
         should_cancel: Callable[[], bool] | None = None,
-        timeout: float = CALL_TIMEOUT_S,
+        timeout: float | None = None,
     ) -> CallResult:
         """Run the op ``args`` names on the backend (starting it if needed) and return its result.
 
-        ``on_progress(step, total, text)`` is called for each progress event; if it raises, the op is
-        cancelled on every rank and the exception re-raised once the ranks have stopped. ``should_cancel``
-        is polled while waiting. Raises OpFailed, Cancelled, BackendDied or DeadlineExceeded.
+        ``on_progress(step, total, text)`` is called for each progress event; if it raises, the op is cancelled on
+        every rank and the exception re-raised once the ranks have stopped. ``should_cancel`` is polled while
+        waiting. The watchdog's deadlines bound every wait; ``timeout`` bounds the whole call too. Raises OpFailed,
+        Cancelled, BackendDied or DeadlineExceeded.
         """
         global _last_error
         with self._lock:
@@ -258,29 +343,50 @@ class Backend:
         tensors: dict[str, torch.Tensor] | None,
         on_progress: ProgressFn | None,
         should_cancel: Callable[[], bool] | None,
-        timeout: float,
+        timeout: float | None,
     ) -> CallResult:
         if self._group is None:
             self._start()
         call_id = f"c{next(self._ids)}"
+        self._follow_memory_cgroups()
         descs = self._arena.write(tensors or {})
+        self._watchdog = Watchdog(self._group, self.deadlines)
         self._current_call = call_id
         try:
             self._channel.send(Call(id=call_id, op=args.op, args=to_json(args), tensors=descs))
-            return self._wait(args, call_id, on_progress, should_cancel, time.monotonic() + timeout)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return self._wait(args, call_id, on_progress, should_cancel, deadline)
         except (OSError, ChannelClosed) as e:
             raise self._die(f"closed the control connection ({e})") from None
         finally:
-            self._current_call = None
+            self._current_call, self._watchdog = None, None
 
     def cancel(self) -> None:
         """Ask every rank to stop the running call at its next step boundary (any thread may call this)."""
-        call_id, channel = self._current_call, self._channel
+        call_id, channel, watchdog = self._current_call, self._channel, self._watchdog
         if call_id is not None and channel is not None:
+            if watchdog is not None:
+                watchdog.cancelled()
             try:
                 channel.send(Cancel(id=call_id))
             except OSError:
                 pass
+
+    def _check_health(self, call_id: str, pending: BaseException | None, deadline: float | None) -> None:
+        """Raise when the group ended, hangs, or the call ran past its own deadline."""
+        if self._look() is not None:
+            raise self._die("exited")
+        hang = self._watchdog.check()
+        if hang is not None:
+            error = self._die(hang.reason, rank=hang.rank, who=hang.who, now=True)
+            if hang.cancelled or isinstance(pending, Cancelled):
+                raise Cancelled(f"cancelled, but {error}", steps_by_rank=[]) from None
+            raise error
+        if deadline is not None and time.monotonic() > deadline:
+            raise DeadlineExceeded(
+                f"op {call_id} ran past its deadline; the backend was shut down. "
+                f"{self._die('was still running at the deadline', now=True)}"
+            )
 
     def _wait(
         self,
@@ -288,7 +394,7 @@ class Backend:
         call_id: str,
         on_progress: ProgressFn | None,
         should_cancel: Callable[[], bool] | None,
-        deadline: float,
+        deadline: float | None,
     ) -> CallResult:
         pending_exc: BaseException | None = None
         next_health_check = 0.0
@@ -298,23 +404,19 @@ class Backend:
             except BadFrame as e:
                 log.warning("ignored a control frame from rank 0: %s", e)
                 continue
+            if pending_exc is None and should_cancel is not None and should_cancel():
+                pending_exc = Cancelled("cancelled by the user", steps_by_rank=[])
+                self.cancel()
+            # On schedule whatever the traffic: a stopped agent does not stop the ranks' progress events.
+            if time.monotonic() >= next_health_check:
+                next_health_check = time.monotonic() + HEALTH_S
+                self._check_health(call_id, pending_exc, deadline)
             if msg is None:
-                if pending_exc is None and should_cancel is not None and should_cancel():
-                    pending_exc = Cancelled("cancelled by the user", steps_by_rank=[])
-                    self.cancel()
-                if time.monotonic() >= next_health_check:
-                    next_health_check = time.monotonic() + HEALTH_S
-                    if self._dead_ranks():
-                        raise self._die("exited")
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(
-                        f"op {call_id} ran past its deadline; the backend was shut down. "
-                        f"{self._die('was still running at the deadline')}"
-                    )
                 continue
             if getattr(msg, "id", None) not in (call_id, None):
                 continue  # a late event of an earlier, abandoned call
             if isinstance(msg, Progress):
+                self._watchdog.progress(msg.step, msg.text)
                 if on_progress is not None and pending_exc is None:
                     try:
                         on_progress(msg.step, msg.total, msg.text)
@@ -338,6 +440,8 @@ class Backend:
             elif isinstance(msg, Error):
                 if pending_exc is not None:
                     raise pending_exc
+                if msg.widget is not None:  # a request the ranks found cannot work, before loading anything
+                    raise InvalidInput(msg.widget, f"{msg.message} (rank {msg.rank})")
                 who = f"rank {msg.rank}" if msg.rank is not None else "the backend"
                 raise OpFailed(
                     f"{who}: {msg.error_type}: {msg.message}",

@@ -1,8 +1,12 @@
 """Process lifecycle: start the torchrun group, find its ranks, read their logs, tear it all down.
 
-The group lives in a private run directory (0700): the control socket, the token, one log per rank and
-one pid file per rank. torchrun starts each rank in a session of its own, so teardown signals the
-agent's process group and every rank's pid; nothing it started is left running.
+The group lives in a private run directory (0700, ``rundir``): the control socket, the token, one log, pid and
+heartbeat file per rank. torchrun starts each rank in a session of its own, so teardown signals the agent's process
+group and every rank's pid; nothing it started is left running, and the run directory (torchrun's own logs
+included) is removed.
+
+torchrun runs as ``python -m parallel_runtime.worker.agent``: the same agent, with its TCP stores bound to one address
+(loopback on one machine) instead of every interface, and the collectives' sockets on that interface too.
 """
 
 from __future__ import annotations
@@ -21,64 +25,47 @@ import time
 
 from .arena import SHM_DIR, remove_segments
 from .processes import process_alive
+from .rundir import RunDir
 from .spec import BackendSpec
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHM_PREFIX = "pd"
+RUN_DIR_PREFIX = "comfy-parallel-"
+LOOPBACK = "127.0.0.1"
 
 
 @dataclasses.dataclass
 class LaunchedGroup:
     spec: BackendSpec
-    proc: subprocess.Popen
-    run_dir: str
+    proc: subprocess.Popen  # torchrun's agent
+    run_dir: RunDir
     token: str
     shm_prefix: str
-
-    @property
-    def socket_path(self) -> str:
-        return os.path.join(self.run_dir, "control.sock")
+    # Every rank pid seen so far: teardown must reach them even once their pid files are gone.
+    known_pids: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def worker_pids(self) -> dict[int, int]:
         """Rank → pid for the ranks of this machine that have started."""
-        return _worker_pids(self.run_dir)
+        self.known_pids.update(self.run_dir.rank_pids())
+        return dict(self.known_pids)
 
-    def log_tail(self, name: str, lines: int = 30) -> str:
-        try:
-            with open(os.path.join(self.run_dir, name), errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+    def log_tail(self, rank: int | None = None, lines: int = 30) -> str:
+        """The end of a rank's log (None: torchrun's)."""
+        return self.run_dir.tail(self.run_dir.launcher_log if rank is None else self.run_dir.rank_log(rank), lines)
 
     def traceback_of(self, rank: int) -> str:
-        return self.log_tail(f"rank{rank}.traceback", lines=200)
+        return self.run_dir.tail(self.run_dir.rank_traceback(rank), lines=200)
 
     def failed_rank(self) -> int | None:
         """The rank that failed first: the earliest to leave a traceback, else torchrun's "Root Cause"."""
-        tracebacks = glob.glob(os.path.join(self.run_dir, "rank*.traceback"))
-        if tracebacks:
-            first = min(tracebacks, key=os.path.getmtime)
-            return int(re.search(r"rank(\d+)\.traceback$", first).group(1))
-        launcher_log = self.log_tail("launcher.log", lines=400)
+        first = self.run_dir.first_traceback()
+        if first is not None:
+            return first
+        launcher_log = self.log_tail(lines=400)
         root = launcher_log.rfind("Root Cause")
         if root >= 0 and (m := re.search(r"rank\s*:\s*(\d+)", launcher_log[root:])):
             return int(m.group(1))
         return None
-
-
-def _worker_pids(run_dir: str) -> dict[int, int]:
-    pids = {}
-    for path in glob.glob(os.path.join(run_dir, "rank*.pid")):
-        rank = int(re.search(r"rank(\d+)\.pid$", path).group(1))
-        try:
-            with open(path) as f:
-                pids[rank] = int(f.read().strip())
-        except (OSError, ValueError):
-            pass
-    return pids
-
-
-RUN_DIR_PREFIX = "comfy-parallel-"
 
 
 def sweep_stale() -> list[str]:
@@ -90,26 +77,27 @@ def sweep_stale() -> list[str]:
         m = re.match(rf"{SHM_PREFIX}-(\d+)-", os.path.basename(path))
         if m and not process_alive(int(m.group(1))):
             removed += remove_segments(os.path.basename(path))
-    for run_dir in glob.glob(os.path.join(tempfile.gettempdir(), RUN_DIR_PREFIX + "*")):
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), RUN_DIR_PREFIX + "*")):
+        run_dir = RunDir(path)
         try:
-            with open(os.path.join(run_dir, "client.pid")) as f:
+            with open(run_dir.client_pid) as f:
                 pids = [int(f.read())]
         except (OSError, ValueError):
             continue  # not ours, or still being created
-        pids += _worker_pids(run_dir).values()
+        pids += run_dir.rank_pids().values()
         if not any(process_alive(p) for p in pids):
-            shutil.rmtree(run_dir, ignore_errors=True)
-            removed.append(run_dir)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     return removed
 
 
-def torchrun_command(spec: BackendSpec, run_dir: str) -> list[str]:
+def torchrun_command(spec: BackendSpec, run_dir: RunDir) -> list[str]:
     # torchrun's own logs go into the run directory, which teardown removes: by default it leaves a torchelastic_*
     # directory in /tmp behind for every launch.
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "parallel_runtime.worker.agent",
         "--nproc-per-node",
         str(spec.ranks),
         "--max-restarts",
@@ -117,10 +105,11 @@ def torchrun_command(spec: BackendSpec, run_dir: str) -> list[str]:
         "--monitor-interval",
         "0.2",
         "--log-dir",
-        os.path.join(run_dir, "torchelastic"),
+        run_dir.torchelastic,
     ]
     if spec.nnodes == 1:
-        cmd += ["--standalone"]
+        # The address the ranks are told to reach the agent's store at (MASTER_ADDR): the one it listens on.
+        cmd += ["--standalone", "--local-addr", LOOPBACK]
     else:
         cmd += [
             "--nnodes",
@@ -132,32 +121,30 @@ def torchrun_command(spec: BackendSpec, run_dir: str) -> list[str]:
             "--rdzv-endpoint",
             spec.rdzv_endpoint,
         ]
-    return cmd + ["-m", "parallel_runtime.worker"]
+    return [*cmd, "-m", "parallel_runtime.worker"]
 
 
-def launch(spec: BackendSpec) -> LaunchedGroup:
-    """Start the group in a fresh private run directory. Returns at once; the ranks come up on their own."""
-    sweep_stale()
-    run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)  # mode 0700
-    with open(os.path.join(run_dir, "client.pid"), "w") as f:
-        f.write(str(os.getpid()))
-    token = secrets.token_hex(32)
-    fd = os.open(os.path.join(run_dir, "token"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+def _environment(spec: BackendSpec, run_dir: RunDir, shm_prefix: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(
         {
-            "COMFY_PARALLEL_RUN_DIR": run_dir,
+            "COMFY_PARALLEL_RUN_DIR": run_dir.path,
             "COMFY_PARALLEL_CLIENT_PID": str(os.getpid()),
             "COMFY_PARALLEL_DEVICE": spec.device,
             "COMFY_PARALLEL_MEMORY_POLICY": spec.memory_policy,
             "COMFY_PARALLEL_SHM_PREFIX": shm_prefix,
+            "COMFY_PARALLEL_BIND": LOOPBACK,
             "PYTHONUNBUFFERED": "1",
+            # Anything torchrun or a rank writes to a temporary file lands in the run directory, which teardown removes.
+            "TMPDIR": run_dir.path,
         }
     )
+    if spec.nnodes == 1:
+        # The collectives' sockets (gloo pairs, NCCL's bootstrap) listen on loopback too: nothing of the backend is
+        # reachable from another machine.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     # The ranks wait on torchrun's store with short timeouts by design; c10d would log a warning for each.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if spec.device == "cpu":
@@ -170,16 +157,30 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
         # runs the same shapes again and again, so it keeps them.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(16 << 30))
-    log = open(os.path.join(run_dir, "launcher.log"), "ab")
+    return env
+
+
+def launch(spec: BackendSpec) -> LaunchedGroup:
+    """Start the group in a fresh private run directory. Returns at once; the ranks come up on their own."""
+    sweep_stale()
+    run_dir = RunDir(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))  # mode 0700
+    with open(run_dir.client_pid, "w") as f:
+        f.write(str(os.getpid()))
+    token = secrets.token_hex(32)
+    fd = os.open(run_dir.token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+    log = open(run_dir.launcher_log, "ab")
     try:
         proc = subprocess.Popen(
             torchrun_command(spec, run_dir),
-            env=env,
+            env=_environment(spec, run_dir, shm_prefix),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            cwd=run_dir,
+            cwd=run_dir.path,
         )
     finally:
         log.close()
@@ -201,25 +202,31 @@ def _signal_all(group: LaunchedGroup, sig: int) -> None:
 def wait_exit(group: LaunchedGroup, timeout: float) -> bool:
     """Wait until the agent and every rank have exited; False if some are still running at the deadline."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         agent_done = group.proc.poll() is not None
         if agent_done and not any(process_alive(p) for p in group.worker_pids().values()):
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
 
 
-def terminate(group: LaunchedGroup, grace: float = 5.0, keep_run_dir: bool = False) -> None:
-    """Stop every process of the group (SIGTERM, then SIGKILL after ``grace``) and remove its segments."""
+def kill(group: LaunchedGroup) -> None:
+    """SIGKILL every process of the group at once: for a group that is stuck (a stopped process ignores SIGTERM)."""
+    _signal_all(group, signal.SIGKILL)
+
+
+def terminate(group: LaunchedGroup, grace: float = 5.0) -> None:
+    """Stop every process of the group (SIGTERM, then SIGKILL after ``grace``), remove its shared-memory segments
+    and its run directory."""
     if not wait_exit(group, 0):
         _signal_all(group, signal.SIGTERM)
         if not wait_exit(group, grace):
-            _signal_all(group, signal.SIGKILL)
+            kill(group)
             wait_exit(group, 5.0)
     try:
         group.proc.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         pass
     remove_segments(group.shm_prefix)
-    if not keep_run_dir:
-        shutil.rmtree(group.run_dir, ignore_errors=True)
+    shutil.rmtree(group.run_dir.path, ignore_errors=True)

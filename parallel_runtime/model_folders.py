@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 from . import families
 from .errors import InvalidInput
@@ -62,20 +63,23 @@ def pipeline_class(model_dir: str) -> str | None:
     return name
 
 
-def _pipeline_folders(root: str):
-    """Folders below ``root`` that hold a model_index.json, as (name, path); symbolic links followed, loops not."""
-    seen: set[str] = set()
+def _pipeline_folders(root: str) -> Iterator[tuple[str, str]]:
+    """Folders below ``root`` that hold a model_index.json, as (name, path). Symbolic links are followed, except one
+    that leads back to a folder it sits in (a loop); the depth limit bounds the rest."""
     for here, dirs, files in os.walk(root, followlinks=True):
-        real = os.path.realpath(here)
         depth = 0 if here == root else os.path.relpath(here, root).count(os.sep) + 1
-        if real in seen or depth > MAX_DEPTH:
-            dirs[:] = []
-            continue
-        seen.add(real)
         if "model_index.json" in files:
             dirs[:] = []  # a pipeline's components are not pipelines of their own
             yield os.path.relpath(here, root).replace(os.sep, "/"), here
-        dirs.sort()
+            continue
+        real = os.path.realpath(here)
+        dirs[:] = (
+            []
+            if depth >= MAX_DEPTH
+            else sorted(
+                d for d in dirs if not (real + os.sep).startswith(os.path.realpath(os.path.join(here, d)) + os.sep)
+            )
+        )
 
 
 def list_models() -> list[str]:

@@ -125,7 +125,8 @@ class Result(Frame):
 
 @dataclasses.dataclass(frozen=True)
 class Error(Frame):
-    """The call failed on ``rank`` (None: before any rank ran it) and every rank got back in step."""
+    """The call failed on ``rank`` (None: before any rank ran it) and every rank got back in step. ``widget`` names the
+    input a request that cannot work should change (the client raises it as InvalidInput)."""
 
     kind: ClassVar[str] = "error"
     id: str | None
@@ -133,6 +134,7 @@ class Error(Frame):
     error_type: str
     message: str
     traceback: str = ""
+    widget: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,6 +64,14 @@ def default_spec(device: str = "auto", ranks: int = 0, memory_policy: str = "sta
         ranks = int(os.environ.get("COMFY_PARALLEL_RANKS", "0") or 0)
     if device == "auto":
         device = "cuda" if cuda_device_count() > 0 else "cpu"
+    if device not in DEVICES:
+        raise InvalidInput("device", f"unknown device {device!r}; choose auto, cuda or cpu")
+    if memory_policy not in MEMORY_POLICIES:
+        raise InvalidInput(
+            "memory_policy",
+            f"unknown memory policy {memory_policy!r}; choose staged (free the text "
+            "encoders before the transformer loads) or resident (keep everything)",
+        )
     gpus = cuda_device_count() if device == "cuda" else 0
     if device == "cuda" and not gpus:
         raise InvalidInput(

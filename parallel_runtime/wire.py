@@ -246,6 +246,9 @@ class FailMode(str, enum.Enum):
     RAISE = "raise"  # every other rank finishes the op: the group stays usable
     RAISE_BEFORE_COLLECTIVE = "raise_before_collective"  # the others wait in a collective: the group is torn down
     EXIT = "exit"  # the process dies
+    HANG = "hang"  # the rank sleeps for ever, still beating; the others wait for it in a collective
+    HANG_SILENT = "hang_silent"  # the rank stops its heartbeat and sleeps for ever
+    EXHAUST_MEMORY = "exhaust_memory"  # the rank allocates (and touches) memory until something stops it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,9 +266,35 @@ class FailArgs(OpArgs):
     how: FailMode = FailMode.RAISE
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputResult:
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputArgs(OpArgs):
+    """Rank 0 returns ``nbytes`` of zeros: the output side of the shared memory, for tests. Served only by a backend
+    started for tests."""
+
+    op: ClassVar[str] = "output"
+    result: ClassVar[type] = OutputResult
+    nbytes: int = 0
+
+
 OPS: dict[str, type[OpArgs]] = {
     cls.op: cls
-    for cls in (EncodeArgs, DenoiseArgs, DecodeArgs, FreeArgs, StatusArgs, AllreduceArgs, EchoArgs, StepsArgs, FailArgs)
+    for cls in (
+        EncodeArgs,
+        DenoiseArgs,
+        DecodeArgs,
+        FreeArgs,
+        StatusArgs,
+        AllreduceArgs,
+        EchoArgs,
+        StepsArgs,
+        FailArgs,
+        OutputArgs,
+    )
 }
 
 

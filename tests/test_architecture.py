@@ -23,6 +23,7 @@ SHARED = {
     "parallel_runtime.processes",
     "parallel_runtime.spec",
     "parallel_runtime.families",
+    "parallel_runtime.rundir",
 }
 CLIENT = {
     "parallel_runtime",
@@ -31,6 +32,7 @@ CLIENT = {
     "parallel_runtime.jobs",
     "parallel_runtime.model_folders",
     "parallel_runtime.cli",
+    "parallel_runtime.watchdog",
 }
 LAYERS = {
     "shared": SHARED,

@@ -39,7 +39,9 @@ def run_check(model_dir: str, results_dir: Path, nproc: int, cases: list[str]) -
         # A CPU-only view even on a GPU machine: the shims are for exactly that situation.
         "CUDA_VISIBLE_DEVICES": "",
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    # torchrun's logs in the test's own folder: by default it leaves a torchelastic_* directory in /tmp per launch.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--log-dir", str(results_dir / "torchelastic")]  # fmt: skip
     command += [str(CHECK_SCRIPT), model_dir, str(results), *cases]
     process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-4000:]

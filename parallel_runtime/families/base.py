@@ -140,6 +140,10 @@ class FamilyAdapter(abc.ABC):
     def decode(self, vae: torch.nn.Module, samples: torch.Tensor) -> torch.Tensor:
         """LATENT samples to an IMAGE [B, H, W, 3] float32 in 0..1 on the CPU."""
 
+    def decoder_channels(self, vae_config: dict) -> int:
+        """Channels of the VAE decoder's first-level (full-resolution) feature maps, for the memory estimate."""
+        return vae_config["block_out_channels"][0]
+
     # -- tests and the demo -----------------------------------------------------------------------------------
     @abc.abstractmethod
     def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:

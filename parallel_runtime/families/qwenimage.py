@@ -173,6 +173,9 @@ class QwenImage(FamilyAdapter):
             raise ValueError(f"Qwen-Image LATENTs hold one frame; got {samples.shape[2]} in {list(samples.shape)}.")
         return comfy_image(vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0][:, :, 0])
 
+    def decoder_channels(self, vae_config: dict) -> int:
+        return vae_config["base_dim"]  # Wan 2.1's VAE: base_dim × dim_mult per level, the first level at × 1
+
     def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
         from ..testing.tiny_models import make_tiny_qwenimage
 

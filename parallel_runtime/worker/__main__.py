@@ -15,15 +15,17 @@ import torch.distributed as dist
 
 from ..arena import remove_segments
 from ..processes import process_alive
+from ..rundir import RunDir
+from .heartbeat import Heartbeat
 from .rank import Rank
 from .server import Server
 
 log = logging.getLogger("parallel_runtime.worker")
 
 
-def _redirect_output(run_dir: str, rank: int) -> None:
+def _redirect_output(run_dir: RunDir, rank: int) -> None:
     """Send this rank's stdout/stderr (Python and C++ alike) to ``rank<N>.log`` in the run directory."""
-    fd = os.open(os.path.join(run_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(run_dir.rank_log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -31,15 +33,18 @@ def _redirect_output(run_dir: str, rank: int) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1)
 
 
-def _watch_for_orphaning(client_pid: int, on_exit: Callable[[], None]) -> None:
-    """Exit when the client process dies or torchrun's agent (our parent) does: nobody is left to talk to."""
+def _watch_for_orphaning(client_pid: int, clean_up: Callable[[], None]) -> None:
+    """Exit when the client process dies or torchrun's agent (our parent) does: nobody is left to talk to. Only a
+    dead client leaves the clean-up to the ranks: a living one owns the run directory and tears the group down."""
     parent = os.getppid()
 
     def watch() -> None:
         while True:
-            if not process_alive(client_pid) or os.getppid() != parent:
-                log.warning("client or launcher died; exiting")
-                on_exit()
+            client_gone = not process_alive(client_pid)
+            if client_gone or os.getppid() != parent:
+                log.warning("%s died; exiting", "the client" if client_gone else "torchrun's agent")
+                if client_gone:
+                    clean_up()
                 os._exit(1)
             time.sleep(0.5)
 
@@ -47,13 +52,14 @@ def _watch_for_orphaning(client_pid: int, on_exit: Callable[[], None]) -> None:
 
 
 def main() -> None:
-    run_dir = os.environ["COMFY_PARALLEL_RUN_DIR"]
+    run_dir = RunDir(os.environ["COMFY_PARALLEL_RUN_DIR"])
     rank_id = int(os.environ["RANK"])
     if os.environ.get("COMFY_PARALLEL_LOG_TO_FILES", "1") == "1":
         _redirect_output(run_dir, rank_id)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank_id} %(name)s %(levelname)s: %(message)s")
-    with open(os.path.join(run_dir, f"rank{rank_id}.pid"), "w") as f:
+    with open(run_dir.rank_pid(rank_id), "w") as f:
         f.write(str(os.getpid()))
+    heartbeat = Heartbeat(run_dir.rank_heartbeat(rank_id))
     shm_prefix = os.environ["COMFY_PARALLEL_SHM_PREFIX"]
 
     def clean_up_for_the_dead_client() -> None:
@@ -61,14 +67,15 @@ def main() -> None:
         # soon as one exits, possibly before they get to it. Both steps are safe to repeat.
         if os.environ.get("GROUP_RANK", "0") == "0":
             remove_segments(shm_prefix)
-            shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.rmtree(run_dir.path, ignore_errors=True)
 
-    _watch_for_orphaning(int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), on_exit=clean_up_for_the_dead_client)
+    _watch_for_orphaning(int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), clean_up=clean_up_for_the_dead_client)
     me = Rank()
+    me.state["heartbeat"] = heartbeat
     me.init()
     try:
         if me.rank == 0:
-            Server(me, socket_path=os.path.join(run_dir, "control.sock"), shm_prefix=shm_prefix).serve()
+            Server(me, run_dir, shm_prefix=shm_prefix).serve()
         else:
             me.follow()
     finally:

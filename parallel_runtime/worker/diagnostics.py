@@ -18,6 +18,8 @@ from ..wire import (
     FailMode,
     FailResult,
     Memory,
+    OutputArgs,
+    OutputResult,
     RankStatus,
     StatusArgs,
     StepsArgs,
@@ -26,7 +28,8 @@ from ..wire import (
 from .ops import OpContext, OpResult, op
 
 
-def _memory(device: torch.device) -> Memory:
+def memory_of(device: torch.device) -> Memory:
+    """A device's memory: the GPU's, or on CPU the machine's and this rank's own RSS."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return Memory(
@@ -55,7 +58,7 @@ def status(ctx: OpContext, args: StatusArgs, tensors: dict) -> OpResult:
         pid=os.getpid(),
         device=str(ctx.device),
         device_name=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-        memory=_memory(ctx.device),
+        memory=memory_of(ctx.device),
         resident=models.describe(),
         load_counts=models.load_counts(),
         torch=torch.__version__,
@@ -87,11 +90,25 @@ def steps(ctx: OpContext, args: StepsArgs, tensors: dict) -> OpResult:
 
 @op(FailArgs, spmd=True, testing=True)
 def fail(ctx: OpContext, args: FailArgs, tensors: dict) -> OpResult:
-    """Fails on purpose on one rank (``FailMode`` says how), to drill error reporting."""
+    """Fails on purpose on one rank (``FailMode`` says how), to drill error reporting and the watchdog."""
     if ctx.rank == args.rank:
         if args.how is FailMode.EXIT:
             os._exit(3)
+        if args.how in (FailMode.HANG, FailMode.HANG_SILENT):
+            if args.how is FailMode.HANG_SILENT:
+                ctx.state["heartbeat"].stop()
+            while True:
+                time.sleep(3600)
+        if args.how is FailMode.EXHAUST_MEMORY:
+            hoard = []
+            while True:  # 64 MiB at a time, every page touched, until the kernel (or a cgroup limit) says no
+                hoard.append(torch.ones(16 << 20, dtype=torch.float32))
         raise RuntimeError(f"deliberate failure on rank {args.rank}")
-    if args.how is FailMode.RAISE_BEFORE_COLLECTIVE and ctx.world_size > 1:
+    if args.how in (FailMode.RAISE_BEFORE_COLLECTIVE, FailMode.HANG, FailMode.HANG_SILENT) and ctx.world_size > 1:
         dist.barrier()
     return FailResult(), {}
+
+
+@op(OutputArgs, spmd=False, testing=True)
+def output(ctx: OpContext, args: OutputArgs, tensors: dict) -> OpResult:
+    return OutputResult(args.nbytes), {"zeros": torch.zeros(args.nbytes, dtype=torch.uint8)}

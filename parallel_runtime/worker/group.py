@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 ERROR_GRACE_S = 5.0
 SHUTDOWN_OP = "__shutdown__"
 _ACKED = "acked"
+_TAMPERED_BACKOFF_S = 0.2  # a forged record is not re-read in a busy loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Outcome:
         result: the op's result (its ``wire`` dataclass as JSON), when ok; None on ranks that return nothing.
         error_type, message, traceback: the exception, when it failed.
         step: the step it stopped at, when cancelled.
+        widget: the widget a request that cannot work names (its message says the fix).
     """
 
     status: OutcomeStatus
@@ -81,6 +83,7 @@ class Outcome:
     message: str = ""
     traceback: str = ""
     step: int | None = None
+    widget: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -122,12 +125,15 @@ class Group:
     def post(self, seq: int, header: OpHeader) -> None:
         self._put(f"op/{seq}", header)
 
-    def _outcome(self, seq: int, rank: int) -> Outcome:
+    def _outcome(self, seq: int, rank: int) -> Outcome | None:
+        """Rank ``rank``'s outcome of op ``seq``; None for a forged record (ignored: the rank's own may still come,
+        and if it never does the client's watchdog ends the wait)."""
         try:
             return self._get(f"done/{seq}/{rank}", Outcome)
         except Tampered as e:
-            log.error("refused rank %d's outcome of op %d: %s", rank, seq, e)
-            return Outcome(OutcomeStatus.ERROR, error_type="Tampered", message=str(e))
+            log.error("ignored a forged outcome of op %d for rank %d: %s", seq, rank, e)
+            time.sleep(_TAMPERED_BACKOFF_S)
+            return None
 
     def collect(self, seq: int, own: Outcome) -> list[Outcome] | int | None:
         """Every rank's outcome of op ``seq`` (rank 0's is ``own``); or, when the group cannot go on, the rank
@@ -139,7 +145,7 @@ class Group:
         def take(r: int) -> None:
             nonlocal failed_since
             outcomes[r] = self._outcome(seq, r)
-            if not outcomes[r].ok and failed_since is None:
+            if outcomes[r] is not None and not outcomes[r].ok and failed_since is None:
                 failed_since = time.monotonic()
 
         while (pending := next((r for r, o in enumerate(outcomes) if o is None), None)) is not None:
@@ -159,16 +165,20 @@ class Group:
         acked = self._seal(key, _ACKED)
         settled = self.store.compare_set(key, "", acked)
         if settled != acked:
-            return self._gave_up(key, settled)
+            gave_up = self._gave_up(key, settled)
+            # A forged acknowledgement matters only to a rank that failed and waits for the real one.
+            if gave_up is None and all(o.ok for o in outcomes):
+                return outcomes  # type: ignore[return-value]
+            return 0 if gave_up is None else gave_up
         return outcomes  # type: ignore[return-value]
 
-    def _gave_up(self, key: str, record: bytes) -> int:
-        """The rank that settled ``key`` as gone (a tampered record counts as rank 0's own failure to go on)."""
+    def _gave_up(self, key: str, record: bytes) -> int | None:
+        """The rank that settled ``key`` as gone; None when a forged record settled it."""
         try:
             return int(json.loads(self._sealer.open(key, record)).rsplit(":", 1)[1])
         except (Tampered, ValueError, IndexError, AttributeError):
-            log.error("%s was settled by a record that does not authenticate; ending the group", key)
-            return 0
+            log.error("%s was settled by a record that does not authenticate", key)
+            return None
 
     def finish(self, seq: int) -> None:
         """Drop op ``seq``'s keys: after the reply, off the client's critical path."""
@@ -177,11 +187,17 @@ class Group:
 
     # -- ranks 1..N-1 ---------------------------------------------------------------------------------
     def next_header(self, seq: int, poll_s: float = 1.0) -> OpHeader | None:
-        """Op ``seq``'s header, or None if it has not been posted within ``poll_s``; Tampered for a forged one."""
+        """Op ``seq``'s header, or None if it has not been posted within ``poll_s``. A forged header is ignored: rank
+        0's own overwrites it when rank 0 posts the op."""
         key = f"op/{seq}"
         if not _wait(self.store, key, poll_s):
             return None
-        return self._get(key, OpHeader)
+        try:
+            return self._get(key, OpHeader)
+        except Tampered as e:
+            log.error("ignored a forged header for op %d: %s", seq, e)
+            time.sleep(_TAMPERED_BACKOFF_S)
+            return None
 
     def report(self, seq: int, outcome: Outcome) -> bool:
         """Send this rank's outcome. After a failure, wait for rank 0's acknowledgement: False means rank 0

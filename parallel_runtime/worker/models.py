@@ -86,6 +86,18 @@ class ResidentModels:
             log.info("loaded %s (%s, %s) in %.2f s", key, key.placement, key.dtype, time.monotonic() - t0)
         return self._slots[key.component][1]
 
+    def resident(self, key: ModelKey) -> bool:
+        slot = self._slots.get(key.component)
+        return slot is not None and slot[0] == key
+
+    def freed_by_loading(self, key: ModelKey) -> int:
+        """Bytes of parameters that loading ``key`` frees first (what it replaces, and under staged what must not
+        share the devices with it): memory the load may count on."""
+        if self.resident(key):
+            return 0
+        components = (key.component, *STAGED_EVICTS[key.component]) if self.policy == "staged" else (key.component,)
+        return sum(_parameter_bytes(self._slots[c][1]) for c in components if c in self._slots)
+
     def make_room(self, key: ModelKey) -> bool:
         """Free what loading ``key`` replaces or (under ``staged``) must not share the devices with; False when
         ``key`` is already resident. Ranks that take no part in a rank-0 stage call this alone, so every rank's

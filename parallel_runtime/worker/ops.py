@@ -34,6 +34,15 @@ class OpError(Exception):
     """A failure an op reports on purpose (bad arguments, missing file); the backend stays usable."""
 
 
+class WidgetError(OpError):
+    """A request that cannot work, found on the ranks before any weights load (it would not fit the memory): the
+    client raises it as ``InvalidInput`` naming the widget."""
+
+    def __init__(self, widget: str, message: str):
+        super().__init__(message)
+        self.widget = widget
+
+
 class OpCancelled(Exception):
     """Raised on every rank at the same step boundary once the client asked to cancel."""
 
@@ -86,6 +95,7 @@ class OpContext:
         rank: int,
         world_size: int,
         local_rank: int,
+        local_world_size: int,
         device: torch.device,
         spmd: bool,
         cancel_event: threading.Event,
@@ -95,6 +105,7 @@ class OpContext:
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
+        self.local_world_size = local_world_size  # ranks on this machine (they share its memory on CPU)
         self.device = device
         self.spmd = spmd
         self.state = state  # per-rank state that outlives one op (resident models, ...)

@@ -17,18 +17,24 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..sealed import Tampered
+from ..rundir import RunDir
 from ..serial import from_json, to_json
-from . import diagnostics, stages  # noqa: F401  (register their ops)
+from . import stages  # noqa: F401  (registers its ops)
+from .diagnostics import memory_of  # and registers its ops
 from .group import SHUTDOWN_OP, Group, OpHeader, Outcome, OutcomeStatus, broadcast_tensors
 from .models import ResidentModels
-from .ops import OpCancelled, OpContext, get_op
+from .ops import OpCancelled, OpContext, WidgetError, get_op
 
 log = logging.getLogger("parallel_runtime.worker")
 
 # Ranks can sit idle between queue runs for hours; idle waits poll the store, so the work group's
 # collectives only need to cover the longest single op.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+
+def _out_of_memory(e: Exception) -> bool:
+    """A failed allocation: CUDA's OutOfMemoryError, or the CPU allocator's (a RuntimeError, or Python's)."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
 
 
 class Rank:
@@ -38,7 +44,8 @@ class Rank:
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ["LOCAL_RANK"])
-        self.run_dir = os.environ["COMFY_PARALLEL_RUN_DIR"]
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.run_dir = RunDir(os.environ["COMFY_PARALLEL_RUN_DIR"])
         self.device_kind = os.environ.get("COMFY_PARALLEL_DEVICE", "cpu")
         self.memory_policy = os.environ.get("COMFY_PARALLEL_MEMORY_POLICY", "staged")
         self.cancel_event = threading.Event()
@@ -58,7 +65,7 @@ class Rank:
             backend = "gloo"
         self.state["models"] = ResidentModels(self.device, self.memory_policy)
         dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
-        with open(os.path.join(self.run_dir, "token")) as f:
+        with open(self.run_dir.token) as f:
             secret = f.read().strip()
         self.group = Group(dist.distributed_c10d._get_default_store(), self.rank, self.world_size, secret)
         log.info("rank %d/%d up on %s (pid %d)", self.rank, self.world_size, self.device, os.getpid())
@@ -76,6 +83,7 @@ class Rank:
                 rank=self.rank,
                 world_size=self.world_size,
                 local_rank=self.local_rank,
+                local_world_size=self.local_world_size,
                 device=self.device,
                 spmd=op.spmd,
                 cancel_event=self.cancel_event,
@@ -86,15 +94,32 @@ class Rank:
             return Outcome(OutcomeStatus.OK, result=None if result is None else to_json(result)), out
         except OpCancelled as e:
             return Outcome(OutcomeStatus.CANCELLED, step=e.step), {}
+        except WidgetError as e:  # a request that cannot work, refused before it loads anything
+            return Outcome(OutcomeStatus.ERROR, error_type="InvalidInput", message=str(e), widget=e.widget), {}
         except Exception as e:  # reported to the client; the group protocol decides whether it can go on
             log.exception("op %s failed", header.op)
+            if _out_of_memory(e):
+                return Outcome(
+                    OutcomeStatus.ERROR,
+                    error_type="OutOfMemory",
+                    message=self._out_of_memory(e),
+                    traceback=traceback.format_exc(),
+                ), {}
             return Outcome(
                 OutcomeStatus.ERROR, error_type=type(e).__name__, message=str(e), traceback=traceback.format_exc()
             ), {}
 
+    def _out_of_memory(self, e: Exception) -> str:
+        memory = memory_of(self.device)
+        return (
+            f"out of memory on rank {self.rank} ({self.device}): {e} ({memory.free_bytes / 2**30:.1f} GiB of "
+            f"{memory.total_bytes / 2**30:.1f} GiB free there now). Use a strategy that splits the work "
+            "(context_parallel or tensor_parallel), a smaller size or batch, or free the device"
+        )
+
     def die(self, outcome: Outcome) -> None:
         """Leave the group for good: record why, and exit so that torchrun tears the rest down."""
-        with open(os.path.join(self.run_dir, f"rank{self.rank}.traceback"), "w") as f:
+        with open(self.run_dir.rank_traceback(self.rank), "w") as f:
             f.write(outcome.traceback or outcome.message or "rank left the group")
         log.error("rank %d leaves the group: the others are stuck in a collective it left", self.rank)
         sys.stdout.flush()
@@ -105,18 +130,12 @@ class Rank:
         """Ranks 1..N-1: run every op rank 0 posts, in order, until shutdown."""
         seq = 0
         while True:
-            try:
-                header = self.group.next_header(seq + 1)
-            except Tampered as e:  # a forged header: refuse it, in step with rank 0
-                seq += 1
-                log.error("refused op %d: %s", seq, e)
-                outcome = Outcome(OutcomeStatus.ERROR, error_type="Tampered", message=str(e))
-            else:
-                if header is None:
-                    continue
-                seq += 1
-                if header.op == SHUTDOWN_OP:
-                    return
-                outcome, _ = self.execute(header, {})
+            header = self.group.next_header(seq + 1)
+            if header is None:
+                continue
+            seq += 1
+            if header.op == SHUTDOWN_OP:
+                return
+            outcome, _ = self.execute(header, {})
             if not self.group.report(seq, outcome):
                 self.die(outcome)

@@ -35,6 +35,7 @@ from ..protocol import (
     Shutdown,
     Welcome,
 )
+from ..rundir import RunDir
 from ..serial import WireError, from_json
 from .group import SHUTDOWN_OP, OpHeader, Outcome, OutcomeStatus, TensorLayout
 from .ops import OpError, get_op
@@ -43,14 +44,14 @@ from .rank import Rank
 log = logging.getLogger("parallel_runtime.worker.server")
 
 HELLO_TIMEOUT_S = 5.0
-MAX_PENDING_HELLOS = 16  # connections still saying hello; more are closed at once
+MAX_PENDING_HELLOS = 128  # connections still saying hello (each for at most HELLO_TIMEOUT_S); more are closed
 
 
 class Server:
-    def __init__(self, rank: Rank, *, socket_path: str, shm_prefix: str):
+    def __init__(self, rank: Rank, run_dir: RunDir, *, shm_prefix: str):
         self.rank = rank
-        self.socket_path = socket_path
-        with open(os.path.join(os.path.dirname(socket_path), "token")) as f:
+        self.socket_path = run_dir.socket
+        with open(run_dir.token) as f:
             self.token = f.read().strip()
         self.arena = Arena(f"{shm_prefix}-out")
         self.inputs = ArenaReader()
@@ -204,10 +205,16 @@ class Server:
         self.rank.group.finish(seq)
 
     def _reply(self, call_id: str, outcomes: list[Outcome], out_tensors: dict) -> Frame:
-        errors = [(r, o) for r, o in enumerate(outcomes) if o.status is OutcomeStatus.ERROR]
+        # The rank that says what to change goes first (the others only report that it refused).
+        errors = sorted(
+            ((r, o) for r, o in enumerate(outcomes) if o.status is OutcomeStatus.ERROR),
+            key=lambda ro: ro[1].widget is None,
+        )
         if errors:
             r, o = errors[0]
-            return Error(id=call_id, rank=r, error_type=o.error_type, message=o.message, traceback=o.traceback)
+            return Error(
+                id=call_id, rank=r, error_type=o.error_type, message=o.message, traceback=o.traceback, widget=o.widget
+            )
         if any(o.status is OutcomeStatus.CANCELLED for o in outcomes):
             return CancelledReply(id=call_id, steps_by_rank=tuple(o.step for o in outcomes))
         try:

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..arena import DTYPES
 from ..families import Placement, family
 from ..wire import DecodeArgs, DecodeResult, DenoiseArgs, DenoiseResult, EncodeArgs, EncodeResult, FreeArgs, FreeResult
-from . import strategies
+from . import memory, strategies
 from .models import ModelKey, ResidentModels
-from .ops import OpContext, OpError, OpResult, op
+from .ops import OpContext, OpError, OpResult, WidgetError, op
 
 
 def _models(ctx: OpContext) -> ResidentModels:
@@ -35,6 +38,23 @@ def _placement(ctx: OpContext, device_map: str, max_memory: dict[str, str] | Non
         return placement, str(ctx.device)
     shown = ",".join(f"{k}:{v}" for k, v in (max_memory or {}).items())
     return placement, f"device_map={device_map}" + (f"[{shown}]" if shown else "")
+
+
+def _agree(ctx: OpContext, check: Callable[[], None]) -> None:
+    """Run ``check`` (it raises WidgetError for a request that cannot work) on every rank of an SPMD op and agree
+    before anyone loads: if one rank refuses, all do, so none is left alone in the load's collectives."""
+    refused: WidgetError | None = None
+    try:
+        check()
+    except WidgetError as e:
+        refused = e
+    if ctx.spmd and ctx.world_size > 1:
+        first = torch.tensor([ctx.rank if refused else ctx.world_size], dtype=torch.int64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        if refused is None and first.item() < ctx.world_size:
+            raise OpError(f"rank {first.item()} refused this request before loading anything (its message says why)")
+    if refused is not None:
+        raise refused
 
 
 def _on_step(ctx: OpContext) -> Callable[[int, int], None]:
@@ -84,6 +104,22 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         load = functools.partial(
             strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
         )
+    text_tokens = max(tensors[name].shape[1] for name in ("prompt_embeds", "negative_prompt_embeds") if name in tensors)
+    _agree(
+        ctx,
+        lambda: memory.check_denoise(
+            adapter,
+            spec.model.path,
+            plan,
+            sampling,
+            text_tokens,
+            dtype,
+            ctx.device,
+            local_ranks=ctx.local_world_size,
+            loads_weights=not models.resident(key),
+            freed_by_load=models.freed_by_loading(key),
+        ),
+    )
     ctx.progress(0, sampling.steps, "loading transformer")
     transformer = models.get(key, load)
 
@@ -117,6 +153,10 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise OpError(f"device: {args.device} was asked for, but the backend has no GPU; use cpu or auto")
     adapter = family(args.model.family)
+    with open(os.path.join(args.model.path, "vae", "config.json")) as f:
+        memory.check_decode(
+            adapter, json.load(f), tensors["samples"], DTYPES[args.dtype.value], torch.device(args.device)
+        )
     ctx.progress(0, 1, "loading VAE")
     vae = _models(ctx).get(key, lambda: adapter.load_vae(args.model.path, DTYPES[args.dtype.value], args.device))
     ctx.progress(0, 1, "decoding")

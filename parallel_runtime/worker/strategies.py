@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..families.base import expand_batch
 from ..strategy import Strategy, StrategyPlan
+from .meshes import device_mesh
 
 if TYPE_CHECKING:
     from diffusers import ContextParallelConfig
@@ -61,6 +62,7 @@ def _enable_context_parallel(
     backend = _attention_backend(plan, device)
     if backend is not None:
         _set_attention_backend(transformer, backend)
+    mesh = mesh or device_mesh(device.type, (plan.ring_degree, plan.ulysses_degree), ("ring", "ulysses"))
     transformer.enable_parallelism(config=_context_parallel_config(plan, mesh))
 
 
@@ -79,11 +81,8 @@ def _tp_cp_transformer(
     layer. Experimental, as the tooltip says.
     """
     from diffusers import TensorParallelConfig
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(
-        device.type, (plan.ring_degree, plan.ulysses_degree, plan.tp_degree), mesh_dim_names=("ring", "ulysses", "tp")
-    )
+    mesh = device_mesh(device.type, (plan.ring_degree, plan.ulysses_degree, plan.tp_degree), ("ring", "ulysses", "tp"))
     transformer = cls.from_pretrained(
         model_dir,
         subfolder="transformer",
@@ -112,7 +111,7 @@ def load_transformer(
             subfolder="transformer",
             dtype=dtype,
             use_safetensors=True,
-            parallel_config=TensorParallelConfig(tp_degree=plan.tp_degree),
+            parallel_config=TensorParallelConfig(mesh=device_mesh(device.type, (plan.tp_degree,), ("tp",))),
         )
     if plan.kind is Strategy.TP_CP:
         return _tp_cp_transformer(cls, model_dir, dtype, device, plan)

@@ -1,0 +1,121 @@
+"""Will it fit? What a denoise or a decode needs on this rank, estimated from the model's config, the size and the
+strategy before any weights load, against what the rank's device has free.
+
+The estimates are coarse on purpose: they exist to refuse what cannot work (a 16384² image, a decode of a huge latent)
+with an error naming the widget and the fix, instead of a rank killed for memory half-way through. They were measured
+on the tiny models in fp32 on CPU (peak RSS growth over the loaded model, 1024² to 2048²):
+
+- a transformer step holds about ``ACTIVATION_COPIES`` copies of the hidden state per token at its peak (q, k, v, the
+  attention output, the MLP's 4× hidden layer, norms and modulation; measured 28 to 31). Context parallelism splits
+  the tokens over its degree; tensor parallelism splits everything but the residual stream
+  (``TP_REPLICATED_COPIES``); data parallelism gives each rank its share of the batch;
+- a VAE decode holds about ``VAE_COPIES`` copies of its first-level feature map per pixel (measured 5 to 7).
+
+Ranks of one machine on CPU share its memory, so there each rank counts what all of them need together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+import torch
+
+from ..families import FamilyAdapter
+from ..strategy import Strategy, StrategyPlan
+from ..wire import Sampling
+from .diagnostics import memory_of
+from .ops import WidgetError
+
+ACTIVATION_COPIES = 32
+TP_REPLICATED_COPIES = 8
+VAE_COPIES = 8
+TP_SHARDED_WEIGHTS = 0.7  # the share of a DiT's weights its _tp_plan splits (FLUX.1-dev: 14.2 of 22.2 GiB at tp 2)
+HEADROOM = 0.9  # of the free memory an estimate may use
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def parameters_in(folder: str) -> int:
+    """Parameters stored in a folder's safetensors files, read from their headers (nothing is loaded)."""
+    count = 0
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            count += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
+    return count
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _free(device: torch.device, local_ranks: int) -> tuple[int, int]:
+    """(bytes this rank may count on, how many ranks share them)."""
+    memory = memory_of(device)
+    return memory.free_bytes, local_ranks if device.type == "cpu" else 1
+
+
+def check_denoise(
+    family: FamilyAdapter,
+    model_dir: str,
+    plan: StrategyPlan,
+    sampling: Sampling,
+    text_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    local_ranks: int,
+    loads_weights: bool,
+    freed_by_load: int,
+) -> None:
+    """WidgetError (``width``) when the denoise cannot fit this rank's device."""
+    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
+        config = json.load(f)
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    tokens = (sampling.width // family.pixels_per_token) * (sampling.height // family.pixels_per_token) + text_tokens
+    images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
+    copies = ACTIVATION_COPIES
+    if plan.kind in (Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
+        copies = TP_REPLICATED_COPIES + (ACTIVATION_COPIES - TP_REPLICATED_COPIES) / plan.tp_degree
+    activations = images * math.ceil(tokens / plan.cp_degree) * hidden * dtype.itemsize * copies
+    weights = 0
+    if loads_weights:
+        weights = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize
+        if plan.kind in (Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
+            weights *= 1 - TP_SHARDED_WEIGHTS + TP_SHARDED_WEIGHTS / plan.tp_degree
+    free, sharing = _free(device, local_ranks if plan.spmd else 1)
+    need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
+    if need > have:
+        split = f" (its tokens split over {plan.cp_degree} ranks)" if plan.splits_tokens else ""
+        plus = f", plus {_gib(weights)} of weights" if weights else ""
+        where = f"the {sharing} ranks on this machine's memory have" if sharing > 1 else f"{device} has"
+        size = f"{sampling.width}×{sampling.height} × {images} image(s)"
+        raise WidgetError(
+            "width",
+            f"{size} needs about {_gib(activations)} of activations per rank for {family.name} "
+            f"under {plan.kind.value}{split}{plus}; {where} {_gib(free)} free. Use a smaller "
+            "width and height or batch_size, context_parallel over more ranks (it splits the "
+            "activations), or free memory",
+        )
+
+
+def check_decode(
+    family: FamilyAdapter, vae_config: dict, samples: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> None:
+    """WidgetError (``samples``) when decoding these latents cannot fit the device."""
+    height, width = samples.shape[-2] * family.latent.downscale, samples.shape[-1] * family.latent.downscale
+    need = samples.shape[0] * height * width * family.decoder_channels(vae_config) * dtype.itemsize * VAE_COPIES
+    free, _ = _free(device, 1)
+    if need > free * HEADROOM:
+        images = f"{samples.shape[0]} image(s) of {width}×{height}"
+        raise WidgetError(
+            "samples",
+            f"decoding {images} needs about {_gib(need)} on {device}, which has {_gib(free)} "
+            "free; decode a smaller latent (or fewer images at once), or use ComfyUI's "
+            "VAEDecodeTiled",
+        )
