@@ -171,7 +171,7 @@ def test_backend_ranks_exit_when_comfyui_dies(comfyui_dir, comfyui_models_dir, t
         comfy_pid = server.proc.pid
         (run_dir,) = backend_run_dirs(server)
         backend = backend_processes(comfy_pid)
-        ranks = [p for p in backend if "torch.distributed.run" not in " ".join(p.cmdline())]
+        ranks = [p for p in backend if "parallel_runtime.worker.agent" not in p.cmdline()]
         assert len(backend) == 3 and len(ranks) == 2, [p.cmdline() for p in backend]  # torchrun's agent + 2 ranks
         assert glob.glob(f"/dev/shm/pd-{comfy_pid}-*"), "no arena segments while the backend runs"
 
