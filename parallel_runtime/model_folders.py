@@ -5,6 +5,11 @@ directories in ``COMFY_PARALLEL_MODELS`` (os.pathsep-separated). A model is name
 (``FLUX.1-dev``, ``black-forest-labs/FLUX.1-dev``). What is confined is the widget's string: only a listed name
 resolves (no ``..``, no absolute path); a model folder that is a symbolic link the user put into a root (models kept
 on another disk) is the user's choice and loads.
+
+LoRAs are files under ComfyUI's ``loras`` folders (``folder_paths``, once ComfyUI has loaded it) followed by the
+directories in ``COMFY_PARALLEL_LORAS``, named by their path below the root (``style.safetensors``,
+``flux/style.safetensors``) and confined the same way. Pickle-format files are listed too, so that picking one says
+why it is refused rather than that it does not exist.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Iterator
 from . import families
 from .errors import InvalidInput
 from .families import FamilyAdapter
+from .families.lora import SAFETENSORS_SUFFIXES
 from .wire import ModelRef
 
 log = logging.getLogger(__name__)
@@ -96,10 +102,10 @@ def list_models() -> list[str]:
     return sorted(names)
 
 
-def _confined(name: str, widget: str) -> str:
+def _confined(name: str, widget: str, what: str = "a model name; pick a folder name from the list") -> str:
     parts = name.replace("\\", "/").split("/")
     if os.path.isabs(name) or ".." in parts or "" in parts:
-        raise InvalidInput(widget, f"{name!r} is not a model name; pick a folder name from the list")
+        raise InvalidInput(widget, f"{name!r} is not {what}")
     return os.path.join(*parts)
 
 
@@ -150,3 +156,59 @@ def family_of(model: ModelRef) -> FamilyAdapter:
 def read_config(model: ModelRef, component: str) -> dict:
     with open(os.path.join(model.path, component, "config.json")) as f:
         return json.load(f)
+
+
+# -- LoRA files --------------------------------------------------------------------------------------------------
+# What ComfyUI lists in its loras folder besides safetensors: listed here too, and refused with the reason.
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pt2", ".bin", ".pth", ".pkl")
+
+
+def lora_roots() -> list[str]:
+    found = []
+    folder_paths = sys.modules.get("folder_paths")  # ComfyUI's, once ComfyUI has loaded it
+    if folder_paths is not None:
+        try:
+            found += folder_paths.get_folder_paths("loras")
+        except KeyError:
+            pass
+    found += [p for p in os.environ.get("COMFY_PARALLEL_LORAS", "").split(os.pathsep) if p]
+    return [os.path.abspath(p) for p in dict.fromkeys(found)]
+
+
+def _lora_files(root: str):
+    """Files below ``root`` with a LoRA's (or a pickle's) suffix, as names relative to it; symbolic links followed,
+    loops not."""
+    seen: set[str] = set()
+    for here, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        for file in sorted(files):
+            if file.lower().endswith(SAFETENSORS_SUFFIXES + PICKLE_SUFFIXES):
+                yield os.path.relpath(os.path.join(here, file), root).replace(os.sep, "/")
+
+
+def list_loras() -> list[str]:
+    """Names of the LoRA files under the LoRA roots, sorted."""
+    return sorted({name for root in lora_roots() for name in _lora_files(root)})
+
+
+def resolve_lora(name: str, widget: str = "lora_name") -> str:
+    """LoRA ``name`` checked: a listed file below a LoRA root. Its path; the suffix is the caller's to check."""
+    if not name:
+        raise InvalidInput(
+            widget, "no LoRA selected; put a .safetensors LoRA in models/loras or COMFY_PARALLEL_LORAS and pick it here"
+        )
+    relative = _confined(name, widget, "a LoRA name; pick a file from the list")
+    if not name.lower().endswith(SAFETENSORS_SUFFIXES + PICKLE_SUFFIXES):
+        raise InvalidInput(widget, f"{name!r} is not a LoRA file name; pick a file from the list")
+    path = next(
+        (os.path.join(root, relative) for root in lora_roots() if os.path.isfile(os.path.join(root, relative))), None
+    )
+    if path is None:
+        where = ", ".join(lora_roots()) or "no LoRA folder is configured (set COMFY_PARALLEL_LORAS)"
+        raise InvalidInput(widget, f"unknown LoRA {name!r}; LoRAs are .safetensors files in: {where}")
+    return path

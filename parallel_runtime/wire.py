@@ -84,13 +84,55 @@ class EncodeArgs(OpArgs):
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraRef:
+    """A LoRA the transformer carries (ParallelLoraLoader), checked on the client.
+
+    Args:
+        name: what the user picked (the ``lora_name`` widget): errors and the node's text name it.
+        path: the resolved ``.safetensors`` file.
+        strength: its multiplier; 0 leaves the transformer as it is, a negative one pushes the other way.
+        size: the file's size in bytes when it was checked.
+        mtime_ns: the file's modification time when it was checked. With ``path`` and ``size`` it says which content
+            the ranks hold, so a file replaced on disk is read again while an unchanged one is never read twice.
+    """
+
+    name: str
+    path: str
+    strength: float
+    size: int
+    mtime_ns: int
+
+    @property
+    def file(self) -> tuple[str, int, int]:
+        """What identifies the file's content: the ranks keep one reading per file, whatever its strength."""
+        return (self.path, self.size, self.mtime_ns)
+
+
+class LoraMode(str, enum.Enum):
+    """How the ranks apply a transformer's LoRAs (see ``worker/lora.py``).
+
+    FUSED merges each LoRA's delta into the weights (into each rank's own slice under tensor parallelism), recomputed
+    from a copy of the original weights, so any change of the LoRAs or strengths gives bit-identical weights back.
+    PEFT loads them as diffusers' PEFT adapters, unfused. AUTO is the pack's choice, FUSED on every strategy (the
+    measurements behind it are in bench/lora.py and the README); PEFT is there for the benchmark and for comparison.
+    """
+
+    AUTO = "auto"
+    FUSED = "fused"
+    PEFT = "peft"
+
+
+@dataclasses.dataclass(frozen=True)
 class TransformerSpec:
-    """What LoadShardedTransformer chose: the model, how it is split, its dtype and its ``device_map`` budget."""
+    """What LoadShardedTransformer chose: the model, how it is split, its dtype and its ``device_map`` budget; and
+    the LoRAs ParallelLoraLoader nodes added, in the order they were chained, with how they are applied."""
 
     model: ModelRef
     dtype: Dtype
     plan: StrategyPlan
     max_memory: dict[str, str] | None = None
+    loras: tuple[LoraRef, ...] = ()
+    lora_mode: LoraMode = LoraMode.AUTO
 
 
 @dataclasses.dataclass(frozen=True)

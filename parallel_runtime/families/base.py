@@ -132,6 +132,16 @@ class FamilyAdapter(abc.ABC):
         """The denoising loop: LATENT samples in ComfyUI's convention (float32, CPU) for ``sampling.batch_size``
         images, image i from a generator seeded ``sampling.seed + i``."""
 
+    def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
+        """diffusers' reading of a LoRA file (safetensors only) for this family: its pipeline's ``lora_state_dict``,
+        which converts the layouts LoRAs are published in to diffusers' keys. ``(state dict, network alphas, adapter
+        metadata)``; families whose pipeline bakes the alphas into the weights give None for them."""
+        import diffusers
+
+        pipeline = getattr(diffusers, self.pipeline)
+        state_dict, metadata = pipeline.lora_state_dict(path, use_safetensors=True, return_lora_metadata=True)
+        return state_dict, None, metadata
+
     @abc.abstractmethod
     def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         """The VAE on one device (it is small; the guide never splits it)."""

@@ -108,6 +108,30 @@ class Flux1(FamilyAdapter):
         latents = latents / vae_config["scaling_factor"] + vae_config["shift_factor"]
         return latents.cpu()
 
+    def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
+        """FluxPipeline also returns the alphas of diffusers-layout files that carry them (``<module>.alpha``).
+
+        diffusers 0.42.1 converts a kohya / ComfyUI file's ``final_layer`` (``proj_out``, ``norm_out.linear``)
+        without its alpha (and without the ``transformer.`` prefix, which is how its ``load_lora_weights`` comes to
+        drop it, see ``families/lora.py``): the alpha / rank scale is applied here, to lora_A as its converter does
+        for every other layer."""
+        from diffusers import FluxPipeline
+        from safetensors import safe_open
+
+        state_dict, alphas, metadata = FluxPipeline.lora_state_dict(
+            path, use_safetensors=True, return_alphas=True, return_lora_metadata=True
+        )
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            final_layer = (("final_layer.linear", "proj_out"), ("final_layer.adaLN_modulation.1", "norm_out.linear"))
+            for bfl, module in final_layer:
+                for name in (f"lora_unet_{bfl.replace('.', '_')}", f"diffusion_model.{bfl}"):
+                    converted = f"{module}.lora_A.weight"
+                    if f"{name}.alpha" in keys and f"{name}.lora_down.weight" in keys and converted in state_dict:
+                        rank = f.get_slice(f"{name}.lora_down.weight").get_shape()[0]
+                        state_dict[converted] = state_dict[converted] * (f.get_tensor(f"{name}.alpha").item() / rank)
+        return state_dict, alphas, metadata
+
     def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         from diffusers import AutoencoderKL
 

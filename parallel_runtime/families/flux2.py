@@ -104,6 +104,20 @@ class Flux2(FamilyAdapter):
         latent_height, latent_width = sampling.height // 16, sampling.width // 16
         return packed.permute(0, 2, 1).reshape(packed.shape[0], packed.shape[2], latent_height, latent_width).cpu()
 
+    def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
+        """Flux2Pipeline's reading, with one correction: diffusers 0.42.1 maps a BFL-layout (``diffusion_model.``)
+        ``final_layer.adaLN_modulation.1`` to ``norm_out.linear`` without swapping its halves, although BFL's final
+        layer puts shift before scale and diffusers' after (its converter of the base checkpoint swaps them)."""
+        from safetensors import safe_open
+
+        state_dict, alphas, metadata = super().lora_state_dict(path)
+        converted = "transformer.norm_out.linear.lora_B.weight"
+        with safe_open(path, framework="pt") as f:
+            if converted in state_dict and "diffusion_model.final_layer.adaLN_modulation.1.lora_B.weight" in f.keys():
+                shift, scale = state_dict[converted].chunk(2, dim=0)
+                state_dict[converted] = torch.cat([scale, shift])
+        return state_dict, alphas, metadata
+
     def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         from diffusers import AutoencoderKLFlux2
 

@@ -1,14 +1,15 @@
 """The generation steps as the nodes ask for them: check the widgets, then call the backend.
 
-One module per node's step (encode, transformer, sample, decode) and the widget readers they share. Each step checks
-everything that can be checked without weights first (raising ``InvalidInput`` that names the widget and the fix),
-then runs one op. What travels between steps are plain values: the ``Conditioning`` (embeddings, on the CPU), a
+One module per node's step (encode, transformer, lora, sample, decode) and the widget readers they share. Each step
+checks everything that can be checked without weights first (raising ``InvalidInput`` that names the widget and the
+fix), then runs one op. What travels between steps are plain values: the ``Conditioning`` (embeddings, on the CPU), a
 ``TransformerHandle`` (a validated choice; nothing loaded yet), LATENT samples and IMAGE tensors in ComfyUI's
 conventions. The nodes (``parallel_nodes``) are thin wrappers over these functions; the demo calls them directly.
 """
 
 from .decode import decode, decode_device_choices, validate_decode
 from .encode import MAX_SEQUENCE_LENGTH, Conditioning, count_prompts, encode_prompt, validate_encode
+from .lora import MAX_STRENGTH, LoraCheck, add_lora, validate_lora
 from .sample import sample, validate_sample
 from .transformer import TransformerHandle, plan_transformer
 from .widgets import DTYPES, MAX_PROMPT_BYTES, MAX_PROMPTS
@@ -18,8 +19,11 @@ __all__ = [
     "MAX_PROMPTS",
     "MAX_PROMPT_BYTES",
     "MAX_SEQUENCE_LENGTH",
+    "MAX_STRENGTH",
     "Conditioning",
+    "LoraCheck",
     "TransformerHandle",
+    "add_lora",
     "count_prompts",
     "decode",
     "decode_device_choices",
@@ -28,5 +32,6 @@ __all__ = [
     "sample",
     "validate_decode",
     "validate_encode",
+    "validate_lora",
     "validate_sample",
 ]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..arena import DTYPES
 from ..families import Placement, family
 from ..wire import DecodeArgs, DecodeResult, DenoiseArgs, DenoiseResult, EncodeArgs, EncodeResult, FreeArgs, FreeResult
-from . import memory, strategies
+from . import lora, memory, strategies
 from .models import ModelKey, ResidentModels
 from .ops import OpContext, OpError, OpResult, WidgetError, op
 
@@ -122,6 +122,8 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     )
     ctx.progress(0, sampling.steps, "loading transformer")
     transformer = models.get(key, load)
+    # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
+    lora.apply_loras(ctx, transformer, spec, adapter)
 
     # Data parallelism gives each rank a consecutive slice of the images; otherwise every rank (CP / TP) or rank 0
     # alone (device_map) runs the whole batch on identical inputs.

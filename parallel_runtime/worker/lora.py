@@ -1,0 +1,323 @@
+"""LoRAs on the transformer a rank holds, applied before each denoising loop without reloading its weights.
+
+The transformer handle carries its LoRAs (``TransformerSpec.loras``, in the order the loaders were chained).
+``apply_loras`` brings the resident transformer to exactly that list: it reads each file once (a new strength reads
+nothing), and changes only what the list changed. A LoRA chained twice counts once, at the sum of its strengths; a
+strength of 0 is no LoRA. How (``LoraMode``):
+
+- **fused**, the pack's choice on every strategy. A changed layer's weight becomes its original plus
+  Σ strength × scale × B @ A over the LoRAs that change it, computed in float32 from a copy of the original that the
+  rank keeps on the CPU, and cast to the weight's dtype. It is recomputed from that copy every time, never added
+  onto the previous result, so the same list always gives bit-identical weights (strength 1.0 → 0.5 → 1.0 gives the
+  first image back exactly, in bf16 too), and a layer no LoRA changes any more gets its original back, bit for bit,
+  and its copy dropped. The copy costs host memory: the bytes of every weight a LoRA changes (this rank's slice of
+  it under tensor parallelism). Under tensor parallelism (diffusers refuses adapters on a sharded model, and
+  sharding a model that has them) each rank computes only its own slice of the delta: for a layer sharded by rows
+  (colwise) its rows of B times A, for one sharded by columns (rowwise) B times its columns of A, in the blocks the
+  model's ``_tp_plan`` shards packed layers by (diffusers' ``resolve_tp_shard_specs`` and ``_local_shard``, the
+  arithmetic that sliced the weights when they were loaded, checked against each weight's DTensor placement), so no
+  rank ever holds a layer's full weight or delta.
+- **peft**: diffusers' PEFT adapters (``load_lora_adapter``, ``set_adapters``), unfused; the weights are never
+  touched. Refused under tensor parallelism (diffusers), and under context parallelism for a LoRA that changes a
+  layer the model's ``_cp_plan`` hooks (``proj_out`` gathers the sequence there; an adapter around it adds a
+  rank's slice to the gathered whole).
+
+Every rank reads the files and agrees on the outcome before anything changes, so a bad file is an error on every
+rank at once (the backend stays up, the transformer as it was) rather than one rank missing from a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..families import FamilyAdapter
+from ..families.lora import LoraError, LoraWeights, read_lora
+from ..strategy import Strategy, StrategyPlan
+from ..wire import LoraMode, LoraRef, TransformerSpec
+from .ops import OpContext, OpError
+
+log = logging.getLogger(__name__)
+
+_STATE = "_parallel_diffusers_loras"  # the state's attribute on the transformer: it lives and dies with the model
+File = tuple[str, int, int]  # LoraRef.file: what identifies a file's content
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+    """One file of the list, at the sum of its strengths."""
+
+    file: File
+    ref: LoraRef
+    strength: float
+
+
+def _wanted(loras: tuple[LoraRef, ...]) -> list[_Wanted]:
+    strengths: dict[File, float] = {}
+    first: dict[File, LoraRef] = {}
+    for ref in loras:
+        strengths[ref.file] = strengths.get(ref.file, 0.0) + ref.strength
+        first.setdefault(ref.file, ref)
+    return [_Wanted(file, first[file], strength) for file, strength in strengths.items() if strength != 0.0]
+
+
+def resolved_mode(spec: TransformerSpec) -> LoraMode:
+    return LoraMode.FUSED if spec.lora_mode is LoraMode.AUTO else spec.lora_mode
+
+
+class _State:
+    """What a rank has done to its transformer: the mode, the files read (fused keeps their factors), the list
+    applied, and the mode's own record."""
+
+    def __init__(self, mode: LoraMode):
+        self.mode = mode
+        self.files: dict[File, LoraWeights] = {}
+        self.applied: tuple[tuple[File, float], ...] = ()
+        self.fused = _Fused()
+        self.adapters: dict[File, str] = {}
+        self._names = 0
+
+    def adapter_name(self) -> str:
+        self._names += 1
+        return f"lora_{self._names}"
+
+
+def apply_loras(ctx: OpContext, transformer: torch.nn.Module, spec: TransformerSpec, adapter: FamilyAdapter) -> None:
+    """Bring ``transformer`` to ``spec.loras`` (see the module docstring). Collective under SPMD strategies: every
+    rank calls it with the same spec; a rank-0 stage (device_map) calls it alone."""
+    wanted, mode = _wanted(spec.loras), resolved_mode(spec)
+    state: _State | None = getattr(transformer, _STATE, None)
+    target = tuple((w.file, w.strength) for w in wanted)
+    if state is not None and state.mode is mode and state.applied == target:
+        return
+    if not wanted and state is None:
+        return
+    ctx.progress(0, 1, "applying LoRAs")
+    if state is not None and state.mode is not mode:
+        _clear(transformer, state)
+        state = None
+    if state is None:
+        state = _State(mode)
+        setattr(transformer, _STATE, state)
+    known = state.files if mode is LoraMode.FUSED else state.adapters
+    error, read = None, {}
+    try:
+        read = {w.file: _read(w.ref, adapter, transformer) for w in wanted if w.file not in known}
+        if mode is LoraMode.PEFT:
+            _check_adapters_allowed(transformer, spec.plan, wanted, read)
+    except OpError as e:
+        error = str(e)
+    _agree(ctx, error)
+    with torch.no_grad():
+        try:
+            if mode is LoraMode.FUSED:
+                state.files = {w.file: state.files[w.file] if w.file in state.files else read[w.file] for w in wanted}
+                state.fused.apply(transformer, [(w, state.files[w.file]) for w in wanted])
+            else:
+                _apply_adapters(transformer, state, wanted, read)
+        except BaseException:
+            # Half-applied is worse than none: give the transformer its original weights back, then report.
+            _clear(transformer, state)
+            delattr(transformer, _STATE)
+            raise
+    state.applied = target
+    log.info("LoRAs (%s): %s", mode.value, ", ".join(f"{w.ref.name}@{w.strength:g}" for w in wanted) or "none")
+
+
+def _read(ref: LoraRef, adapter: FamilyAdapter, transformer: torch.nn.Module) -> LoraWeights:
+    try:
+        size = os.stat(ref.path).st_size
+    except OSError as e:
+        raise OpError(f"lora_name: {ref.name} cannot be read on {socket.gethostname()} ({e.strerror})") from None
+    if size != ref.size:
+        raise OpError(
+            f"lora_name: {ref.name} is {size} bytes on {socket.gethostname()}, not the {ref.size} that were checked: "
+            "the file changed (or differs between machines); queue the prompt again"
+        )
+    try:
+        return read_lora(adapter, ref.path, dict(transformer.config))
+    except LoraError as e:
+        raise OpError(f"lora_name: {ref.name} {e}") from None
+
+
+def _agree(ctx: OpContext, error: str | None) -> None:
+    """Every rank raises if any rank failed, so none is left alone in the next collective."""
+    failed = error is not None
+    if ctx.spmd and ctx.world_size > 1:
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if failed:
+        raise OpError(error or "lora_name: another rank could not read a LoRA (see its error)")
+
+
+def _clear(transformer: torch.nn.Module, state: _State) -> None:
+    """The transformer as it was loaded: original weights back, adapters removed."""
+    with torch.no_grad():
+        state.fused.restore(transformer)
+    if state.adapters:
+        transformer.unload_lora()
+        state.adapters.clear()
+    state.files.clear()
+    state.applied = ()
+
+
+# -- fused ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Fused:
+    """Fused deltas: ``pristine`` holds the original (local slice of the) weight of every tensor a LoRA changes, on
+    the CPU; ``applied`` the contributions each such tensor has now."""
+
+    pristine: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    applied: dict[str, tuple[tuple[File, float], ...]] = dataclasses.field(default_factory=dict)
+
+    def apply(self, transformer: torch.nn.Module, wanted: list[tuple[_Wanted, LoraWeights]]) -> None:
+        slices = _Slices(transformer)
+        contributions: dict[str, list[tuple[tuple[File, float], float, str, LoraWeights]]] = {}
+        for w, weights in wanted:
+            for module in weights.modules:
+                factor = w.strength * weights.scales[module]
+                contributions.setdefault(f"{module}.weight", []).append(((w.file, w.strength), factor, module, weights))
+                if weights.factors(module)[2] is not None:
+                    contributions.setdefault(f"{module}.bias", []).append(
+                        ((w.file, w.strength), factor, module, weights)
+                    )
+        for name in sorted(set(contributions) | set(self.applied)):
+            parts = contributions.get(name, [])
+            signature = tuple(part[0] for part in parts)
+            if self.applied.get(name, ()) == signature:
+                continue
+            local = slices.local(name)
+            if not parts:  # no LoRA changes it any more: the original, exactly
+                local.copy_(self.pristine.pop(name))
+                del self.applied[name]
+                continue
+            if name not in self.pristine:
+                self.pristine[name] = local.detach().to("cpu", copy=True)
+            # A fresh float32 copy (``copy=True``: for a float32 CPU weight ``to`` would return the kept original).
+            total = self.pristine[name].to(device=local.device, dtype=torch.float32, copy=True)
+            for _, factor, module, weights in parts:
+                total += factor * slices.delta(name, *weights.factors(module), device=local.device)
+            local.copy_(total.to(local.dtype))
+            self.applied[name] = signature
+        kept = sum(t.numel() * t.element_size() for t in self.pristine.values())
+        log.info("fused LoRAs change %d tensors; %.1f MiB of their originals kept", len(self.applied), kept / 2**20)
+
+    def restore(self, transformer: torch.nn.Module) -> None:
+        slices = _Slices(transformer)
+        for name, original in self.pristine.items():
+            slices.local(name).copy_(original)
+        self.pristine.clear()
+        self.applied.clear()
+
+
+class _Slices:
+    """This rank's part of a transformer's tensors: the whole tensor, or under tensor parallelism the slice the
+    model's ``_tp_plan`` gave the rank."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer = transformer
+        config = getattr(transformer, "_parallel_config", None)
+        tp = getattr(config, "tensor_parallel_config", None) if config is not None else None
+        self.mesh = getattr(tp, "_mesh", None) if tp is not None else None
+        self.specs = {}
+        if self.mesh is not None:
+            from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+            self.specs = resolve_tp_shard_specs(transformer, type(transformer)._tp_plan, self.mesh.size())
+
+    def local(self, name: str) -> torch.Tensor:
+        """The rank's own tensor for ``module.weight`` / ``module.bias`` (a view: writing it changes the model)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        module, _, attr = name.rpartition(".")
+        tensor = getattr(self.transformer.get_submodule(module), attr)
+        spec = self.specs.get(name)
+        sharded = spec is not None and spec.dim is not None
+        if sharded and not isinstance(tensor, DTensor):
+            raise OpError(f"{name} should be sharded by the model's _tp_plan but is whole on this rank")
+        if isinstance(tensor, DTensor):
+            expected = Replicate() if spec is None or spec.dim is None else Shard(spec.dim)
+            if tuple(tensor.placements) != (expected,):
+                raise OpError(
+                    f"{name} is placed {tensor.placements} on this rank, not as the model's _tp_plan says "
+                    f"({expected}); the pack cannot merge a LoRA into it"
+                )
+            tensor = tensor.to_local()
+        if tensor.device.type == "meta":
+            raise OpError(
+                f"{module} is offloaded (device_map put its weights on the CPU or disk), so a LoRA cannot be merged "
+                "into it; raise max_memory so the transformer fits the GPUs, or use tensor_parallel"
+            )
+        return tensor
+
+    def delta(
+        self, name: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        """This rank's part of B @ A (``module.weight``) or of lora_B's bias (``module.bias``), in float32."""
+        from diffusers.hooks.tensor_parallel import _local_shard
+
+        spec = self.specs.get(name)
+        a, b = a.to(device=device, dtype=torch.float32), b.to(device=device, dtype=torch.float32)
+        if name.endswith(".bias"):
+            bias = bias.to(device=device, dtype=torch.float32)
+            return bias if spec is None or spec.dim is None else _local_shard(bias, 0, spec.block_sizes, self.mesh)
+        if spec is None or spec.dim is None:
+            return b @ a
+        if spec.dim == 0:  # colwise: this rank's output rows
+            return _local_shard(b, 0, spec.block_sizes, self.mesh) @ a
+        return b @ _local_shard(a, 1, spec.block_sizes, self.mesh)  # rowwise: this rank's input columns
+
+
+# -- PEFT adapters -------------------------------------------------------------------------------------------------
+def _check_adapters_allowed(
+    transformer: torch.nn.Module, plan: StrategyPlan, wanted: list[_Wanted], read: dict[File, LoraWeights]
+) -> None:
+    if plan.kind in (Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
+        raise OpError(
+            "lora_mode: diffusers refuses PEFT adapters on a tensor-parallel transformer; use the fused mode (auto)"
+        )
+    if not plan.splits_tokens:
+        return
+    hooked = [re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$") for key in type(transformer)._cp_plan]
+    for w in wanted:
+        if w.file not in read:
+            continue  # loaded as an adapter before: checked then
+        clash = next((m for m in read[w.file].modules if any(p.match(m) for p in hooked)), None)
+        if clash is not None:
+            raise OpError(
+                f"lora_name: {w.ref.name} changes {clash}, which context parallelism hooks (its _cp_plan); a PEFT "
+                "adapter around it breaks the sequence split: use the fused mode (auto)"
+            )
+
+
+def _apply_adapters(
+    transformer: torch.nn.Module, state: _State, wanted: list[_Wanted], read: dict[File, LoraWeights]
+) -> None:
+    keep = {w.file for w in wanted}
+    gone = [name for file, name in state.adapters.items() if file not in keep]
+    if gone:
+        transformer.delete_adapters(gone)
+    state.adapters = {file: name for file, name in state.adapters.items() if file in keep}
+    for w in wanted:
+        if w.file not in state.adapters:
+            weights, name = read[w.file], state.adapter_name()
+            transformer.load_lora_adapter(
+                dict(weights.state_dict),
+                network_alphas=dict(weights.network_alphas) if weights.network_alphas else None,
+                metadata=weights.metadata,
+                prefix="transformer",
+                adapter_name=name,
+            )
+            state.adapters[w.file] = name
+    if wanted:
+        transformer.set_adapters([state.adapters[w.file] for w in wanted], [w.strength for w in wanted])
+    elif state.adapters or getattr(transformer, "_hf_peft_config_loaded", False):
+        transformer.unload_lora()  # no wrappers left: the forward is the original one again
+        state.adapters.clear()
