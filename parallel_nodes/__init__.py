@@ -12,6 +12,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from .backend import ParallelBackend
 from .encode import EncodeOnBalancedGPUs
+from .lora import ParallelLoraLoader
 from .sampler import ParallelSampler
 from .transformer import LoadShardedTransformer
 from .vae import VAEDecodeSingleGPU
@@ -22,6 +23,7 @@ NODES: list[type[io.ComfyNode]] = [
     LoadShardedTransformer,
     ParallelSampler,
     VAEDecodeSingleGPU,
+    ParallelLoraLoader,
 ]
 NODES_BY_ID: dict[str, type[io.ComfyNode]] = {node.define_schema().node_id: node for node in NODES}
 
@@ -45,6 +47,7 @@ __all__ = [
     "EncodeOnBalancedGPUs",
     "LoadShardedTransformer",
     "ParallelBackend",
+    "ParallelLoraLoader",
     "ParallelSampler",
     "VAEDecodeSingleGPU",
     "comfy_entrypoint",

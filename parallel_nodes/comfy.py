@@ -85,6 +85,15 @@ class _Progress:
             server.send_progress_text(text, self.node_id, server.client_id)
 
 
+def show_text(node: type[io.ComfyNode], text: str) -> None:
+    """``text`` on the node in the browser (ComfyUI's progress text), and in the log; nothing more outside a server's
+    execution (validation runs nodes that load nothing, without an id)."""
+    log.info("parallel_diffusers: %s", text)
+    server, node_id = _server(), unique_id(node)
+    if server is not None and node_id is not None and hasattr(server, "send_progress_text"):  # ComfyUI 0.3.75 on
+        server.send_progress_text(text, node_id, server.client_id)
+
+
 def run(node: type[io.ComfyNode], call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``call(*args, **kwargs, on_progress=..., should_cancel=...)`` for ``node``: progress on its bar and text, a
     cancel becomes ComfyUI's interrupt, a rank's failure an error that carries that rank's traceback.

@@ -19,7 +19,8 @@ What it does, and why:
   is SIGKILLed.
 - The pack is linked in, not copied: a fresh work directory holds ``custom_nodes/<pack_name>`` as a symlink
   to this repository's root, and an ``extra_model_paths.yaml`` whose ``custom_nodes:`` entry is that
-  directory and whose ``diffusers:`` entry is the models directory the test chose.
+  directory, whose ``diffusers:`` entry is the models directory the test chose and whose ``loras:`` entry is its
+  LoRA directory.
   ``--disable-all-custom-nodes --whitelist-custom-nodes <pack_name>`` (both exist in 0.3.75 and 0.26.0)
   makes ours the only custom node pack that loads: whatever sits in the ComfyUI tree's own custom_nodes/
   stays out.
@@ -145,6 +146,7 @@ class ComfyUIServer:
         comfyui_dir: str | os.PathLike,
         *,
         diffusers_dir: str | os.PathLike | None = None,
+        loras_dir: str | os.PathLike | None = None,
         extra_model_paths: dict[str, str | os.PathLike | Iterable[str | os.PathLike]] | None = None,
         pack_dir: str | os.PathLike = REPO_ROOT,
         pack_name: str = PACK_NAME,
@@ -174,6 +176,7 @@ class ComfyUIServer:
         self.user_dir = self.workdir / "user"
         self.temp_root = self.workdir / "temp-root"  # ComfyUI appends "temp" to --temp-directory
         self.diffusers_dir = Path(diffusers_dir).resolve() if diffusers_dir else self.workdir / "models" / "diffusers"
+        self.loras_dir = Path(loras_dir).resolve() if loras_dir else self.workdir / "models" / "loras"
         self.extra_model_paths = dict(extra_model_paths or {})
         self.config_path = self.workdir / "extra_model_paths.yaml"
         self.log_path = self.workdir / "comfyui.log"
@@ -233,6 +236,7 @@ class ComfyUIServer:
             self.user_dir,
             self.temp_root,
             self.diffusers_dir,
+            self.loras_dir,
         ):
             d.mkdir(parents=True, exist_ok=True)
         link = self.custom_nodes_dir / self.pack_name
@@ -246,6 +250,7 @@ class ComfyUIServer:
         entries: dict[str, list[str]] = {
             "custom_nodes": [str(self.custom_nodes_dir)],
             "diffusers": [str(self.diffusers_dir)],
+            "loras": [str(self.loras_dir)],
         }
         for key, value in self.extra_model_paths.items():
             paths = [value] if isinstance(value, (str, os.PathLike)) else list(value)

@@ -46,9 +46,15 @@ def comfyui_models_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def comfyui_server(comfyui_dir, comfyui_models_dir):
+def comfyui_loras_dir(tmp_path_factory):
+    """The server's ``loras`` folder: save tiny LoRAs here (.safetensors files)."""
+    return tmp_path_factory.mktemp("comfyui-loras")
+
+
+@pytest.fixture(scope="session")
+def comfyui_server(comfyui_dir, comfyui_models_dir, comfyui_loras_dir):
     """One real ComfyUI server (CPU) with this pack linked in, shared by the session; stopped at the end."""
-    server = ComfyUIServer(comfyui_dir, diffusers_dir=comfyui_models_dir)
+    server = ComfyUIServer(comfyui_dir, diffusers_dir=comfyui_models_dir, loras_dir=comfyui_loras_dir)
     server.start()
     try:
         yield server

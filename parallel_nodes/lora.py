@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from parallel_runtime import jobs, model_folders
+
+from . import comfy
+from .types import CATEGORY, Transformer
+
+
+def _check(node: comfy.QueuedNode) -> None:
+    """The LoRA against the transformer it is chained to when validation can compute that one (a chain of
+    LoadShardedTransformer and loaders: they load nothing), else the file alone."""
+    try:
+        handle = node.input("transformer")
+    except comfy.Unknown:
+        handle = None
+    jobs.validate_lora(handle, **node.widgets("lora_name", "strength"))
+
+
+class ParallelLoraLoader(io.ComfyNode):
+    """Add a LoRA to the transformer: chained loaders stack, each with its own strength. Lazy, as the transformer."""
+
+    LOADS_NOTHING = True  # it only checks and adds to the handle: validate_inputs (its own, the sampler's) may run it
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ParallelLoraLoader",
+            display_name="LoRA Loader (parallel)",
+            category=CATEGORY,
+            description=(
+                "Adds a LoRA to the transformer on every strategy, tensor parallel included (merged into each "
+                "rank's own slice of the weights). The transformer stays loaded: adding, removing or re-weighting a "
+                "LoRA never reloads it, and a strength set back gives the same image back. Chain several loaders "
+                "to stack LoRAs. Changes the transformer only, like ComfyUI's LoraLoaderModelOnly: a LoRA's "
+                "text-encoder weights (kohya lora_te…) are not applied, and the node's text says so. Reads "
+                ".safetensors files in the diffusers / PEFT, kohya, ComfyUI (diffusion_model.) and xlabs layouts "
+                "diffusers reads for the model's family."
+            ),
+            inputs=[
+                Transformer.Input(
+                    "transformer",
+                    tooltip="From LoadShardedTransformer or another LoRA Loader (parallel); the LoRA is added to it.",
+                ),
+                io.Combo.Input(
+                    "lora_name",
+                    options=model_folders.list_loras(),
+                    tooltip=(
+                        "A LoRA for the transformer's model from models/loras (or COMFY_PARALLEL_LORAS); .safetensors "
+                        "only."
+                    ),
+                ),
+                io.Float.Input(
+                    "strength",
+                    default=1.0,
+                    min=-jobs.MAX_STRENGTH,
+                    max=jobs.MAX_STRENGTH,
+                    step=0.01,
+                    tooltip="How strongly the LoRA changes the transformer; 0: not at all, negative: the other way.",
+                ),
+            ],
+            outputs=[
+                Transformer.Output(
+                    display_name="transformer",
+                    tooltip=(
+                        "The transformer with this LoRA after those it already had (nothing loaded yet): feed "
+                        "ParallelSampler or another LoRA Loader (parallel)."
+                    ),
+                )
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, input_types: dict) -> bool | str:
+        """The file, and its content against the chained transformer, before anything runs."""
+        return comfy.validate(cls, input_types, _check)
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        w = comfy.with_defaults(cls, inputs)
+        handle, found = jobs.add_lora(w["transformer"], lora_name=w["lora_name"], strength=w["strength"])
+        comfy.show_text(cls, found.describe(w["lora_name"], w["strength"]))
+        return io.NodeOutput(handle)
