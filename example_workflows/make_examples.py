@@ -39,8 +39,11 @@ SAVE_IMAGE = {  # ComfyUI's core SaveImage, as /object_info describes it
 }
 CONTROL_AFTER_GENERATE = "randomize"
 # Node ids are the same in every example, so scripts can address them: backend, encoder, transformer, sampler,
-# decoder, saver.
+# decoder, saver; an example with LoRAs adds its loaders after them (7, 8, ...), the note comes last.
 BACKEND, ENCODER, TRANSFORMER, SAMPLER, DECODER, SAVER = 1, 2, 3, 4, 5, 6
+LORAS = 7
+# The LoRA file an example names (ComfyUI/models/loras); the user picks their own.
+LORA_PLACEHOLDERS = {"FLUX.1-dev": "FLUX.1-dev-lora.safetensors"}
 
 FOX = (
     "a red fox in a knitted scarf reading a newspaper at a small cafe table, morning light through the window, "
@@ -63,6 +66,7 @@ class Example:
     encode: dict = dataclasses.field(default_factory=dict)
     transformer: dict = dataclasses.field(default_factory=dict)
     sampler: dict = dataclasses.field(default_factory=dict)
+    loras: tuple[dict, ...] = ()  # each a ParallelLoraLoader's widgets, chained in this order
     tips: str = ""
 
 
@@ -88,6 +92,19 @@ EXAMPLES = [
         tips="`ulysses_degree` 0 uses every GPU (all-to-all; best over NVLink). `ring_degree` > 1 passes keys and "
         "values around a ring instead (slower links); both > 1 is Unified attention. Sizes whose token count "
         "does not divide by the degree (e.g. 1008×1008) need `anything`.",
+    ),
+    Example(
+        "flux1_lora_context_parallel",
+        "FLUX.1-dev",
+        "FLUX.1 with a LoRA, context parallel (Ulysses)",
+        "A LoRA on the transformer, every GPU taking a share of the image's tokens. The LoRA is merged into the "
+        "weights the GPUs already hold: changing it or its strength never reloads the transformer, and setting a "
+        "strength back gives the same image back.",
+        transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0},
+        loras=({"lora_name": LORA_PLACEHOLDERS["FLUX.1-dev"], "strength": 1.0},),
+        tips="Chain more **LoRA Loader (parallel)** nodes to stack LoRAs, each with its own strength. The same "
+        "loader works with every strategy (tensor parallel merges into each GPU's slice). Only the transformer "
+        "changes: a LoRA's text-encoder weights are not applied (the node says so).",
     ),
     Example(
         "flux2_tensor_parallel",
@@ -143,6 +160,18 @@ def node_specs(example: Example) -> list:
     """(id, class, position, size, widget values, sockets {input: (from node, output slot)}) per node."""
     model = example.model
     sampler = {**SAMPLER_DEFAULTS, **example.sampler}
+    loras = [
+        (
+            LORAS + i,
+            "ParallelLoraLoader",
+            [870, 560 + 150 * i],
+            [320, 110],
+            values,
+            {"transformer": (LORAS + i - 1 if i else TRANSFORMER, 0)},
+        )
+        for i, values in enumerate(example.loras)
+    ]
+    transformer = (loras[-1][0], 0) if loras else (TRANSFORMER, 0)
     return [
         (
             BACKEND,
@@ -174,7 +203,7 @@ def node_specs(example: Example) -> list:
             [870, 230],
             [320, 262],
             sampler,
-            {"transformer": (TRANSFORMER, 0), "positive": (ENCODER, 0)},
+            {"transformer": transformer, "positive": (ENCODER, 0)},
         ),
         (
             DECODER,
@@ -192,6 +221,7 @@ def node_specs(example: Example) -> list:
             {"filename_prefix": f"parallel_{example.name}"},
             {"images": (DECODER, 0)},
         ),
+        *loras,
     ]
 
 
@@ -201,7 +231,13 @@ def note(example: Example) -> str:
         "**Model**: a diffusers folder (`save_pretrained`, safetensors) in `ComfyUI/models/diffusers/`:\n\n"
         f"```\nComfyUI/models/diffusers/{example.model}/\n  model_index.json\n  {FOLDERS[example.model]}\n```\n\n"
         "Pick it in the three `model` widgets.\n\n"
-        "**Parallel Backend**: `ranks` 0 = one rank per visible GPU."
+        + (
+            "**LoRA**: a LoRA for this model (`.safetensors`: diffusers, kohya, ComfyUI or xlabs layout) in "
+            "`ComfyUI/models/loras/`; pick it in `lora_name`.\n\n"
+            if example.loras
+            else ""
+        )
+        + "**Parallel Backend**: `ranks` 0 = one rank per visible GPU."
         + (f"\n\n**Tips**: {example.tips}" if example.tips else "")
     )
 

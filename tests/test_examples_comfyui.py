@@ -2,9 +2,9 @@
 
 Each UI-format file must match the server's /object_info widget by widget and convert, the way the frontend
 converts it, to its API copy; the template browser must list exactly the UI files. Then each example runs headless
-through /prompt with its placeholder models swapped for tiny random ones of the same family, 2 CPU ranks (the TP×CP
-example keeps its 4, marked ``four_ranks``), 64×64 and 2 steps, and every saved PNG must equal diffusers'
-one-shot pipeline after 8-bit quantisation (±1 level).
+through /prompt with its placeholder models (and LoRAs) swapped for tiny random ones of the same family, 2 CPU ranks
+(the TP×CP example keeps its 4, marked ``four_ranks``), 64×64 and 2 steps, and every saved PNG must equal diffusers'
+one-shot pipeline (with the same LoRAs, ``load_lora_weights``) after 8-bit quantisation (±1 level).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.comfyui
 WORKFLOWS = REPO_ROOT / "example_workflows"
 EXAMPLES = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
 PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}
+LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "flux"}  # the LoRA an example names -> its family
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflows, never sent to /prompt
@@ -71,7 +72,9 @@ def ui_to_api(ui: dict, info: dict) -> dict:
                     kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
                     if isinstance(kind, list) or kind == "COMBO":  # a V1 list, or a V3 combo with its options
                         choices = kind if isinstance(kind, list) else options["options"]
-                        allowed = choices + (list(PLACEHOLDERS) if name == "model" else [])
+                        allowed = choices + {"model": list(PLACEHOLDERS), "lora_name": list(LORA_PLACEHOLDERS)}.get(
+                            name, []
+                        )
                         assert value in allowed, (node["type"], name, value, kind)
                     elif kind in ("INT", "FLOAT"):
                         assert isinstance(value, (int, float)) and not isinstance(value, bool), (name, value)
@@ -153,13 +156,29 @@ def tiny_models(comfyui_models_dir) -> dict[str, Path]:
     return made
 
 
-def small(name: str, tiny_models: dict[str, Path]) -> tuple[dict, str]:
-    """The API copy with tiny models, 2 CPU ranks (more if the example needs them), 64×64 and 2 steps."""
+@pytest.fixture(scope="module")
+def tiny_loras(tiny_models, comfyui_loras_dir) -> dict[str, Path]:
+    """A tiny random LoRA per family named by an example, in the server's loras folder under a name of its own."""
+    from parallel_runtime.testing.tiny_loras import make_tiny_lora, save_diffusers_lora
+
+    made = {}
+    for family in set(LORA_PLACEHOLDERS.values()):
+        path = Path(comfyui_loras_dir) / f"tiny-{family}-examples-lora.safetensors"
+        if not path.is_file():
+            save_diffusers_lora(make_tiny_lora(tiny_models[family], family, seed=11), path, family)
+        made[family] = path
+    return made
+
+
+def small(name: str, tiny_models: dict[str, Path], tiny_loras: dict[str, Path]) -> tuple[dict, str]:
+    """The API copy with tiny models and LoRAs, 2 CPU ranks (more if the example needs them), 64×64 and 2 steps."""
     workflow = load(name, api=True)
     family = PLACEHOLDERS[inputs_of(workflow, "EncodeOnBalancedGPUs")["model"]]
     for node in workflow.values():
         if "model" in node["inputs"]:
             node["inputs"]["model"] = tiny_models[family].name
+        if node["class_type"] == "ParallelLoraLoader":
+            node["inputs"]["lora_name"] = tiny_loras[LORA_PLACEHOLDERS[node["inputs"]["lora_name"]]].name
     backend = inputs_of(workflow, "ParallelBackend")
     backend.update(ranks=max(2, backend["ranks"]), device="cpu")
     inputs_of(workflow, "EncodeOnBalancedGPUs")["max_sequence_length"] = MAX_SEQUENCE_LENGTH[family]
@@ -168,8 +187,9 @@ def small(name: str, tiny_models: dict[str, Path]) -> tuple[dict, str]:
     return workflow, family
 
 
-def reference_images(family: str, model_dir: Path, workflow: dict) -> np.ndarray:
-    """diffusers' one-shot pipeline for the workflow's settings, quantised as ComfyUI's SaveImage does.
+def reference_images(family: str, model_dir: Path, workflow: dict, loras_dir: Path) -> np.ndarray:
+    """diffusers' one-shot pipeline for the workflow's settings (its LoRAs loaded with ``load_lora_weights`` and
+    weighted with ``set_adapters``), quantised as ComfyUI's SaveImage does.
 
     One call per prompt (image i of the whole batch from seed + i): diffusers 0.42.1's QwenImagePipeline tiles the
     attention mask where it interleaves the embeddings (`encode_prompt`, `prompt_embeds_mask.repeat(1, n, 1)`), so a
@@ -200,6 +220,11 @@ def reference_images(family: str, model_dir: Path, workflow: dict) -> np.ndarray
         kwargs["guidance_scale"] = sampler["guidance_scale"]
     pipe = pipeline.from_pretrained(model_dir)
     pipe.set_progress_bar_config(disable=True)
+    loras = [n["inputs"] for n in workflow.values() if n["class_type"] == "ParallelLoraLoader"]
+    for i, lora in enumerate(loras):
+        pipe.load_lora_weights(str(loras_dir / lora["lora_name"]), adapter_name=f"lora{i}")
+    if loras:
+        pipe.set_adapters([f"lora{i}" for i in range(len(loras))], [lora["strength"] for lora in loras])
     first = sampler["seed"]
     images = torch.cat(
         [
@@ -230,11 +255,13 @@ def saved_pngs(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
         if name not in RUN_ELSEWHERE
     ],
 )
-def test_example_runs_headless_and_equals_the_one_shot_pipeline(comfyui_server, tiny_models, name):
-    workflow, family = small(name, tiny_models)
+def test_example_runs_headless_and_equals_the_one_shot_pipeline(
+    comfyui_server, tiny_models, tiny_loras, comfyui_loras_dir, name
+):
+    workflow, family = small(name, tiny_models, tiny_loras)
     prompt_id, _ = comfyui_server.run(workflow, timeout=300)
     got = saved_pngs(comfyui_server, prompt_id)
-    expected = reference_images(family, tiny_models[family], workflow)
+    expected = reference_images(family, tiny_models[family], workflow, Path(comfyui_loras_dir))
     assert got.shape == expected.shape, (got.shape, expected.shape)
     diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
     assert diff.max() <= 1, f"{name}: max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"
