@@ -164,7 +164,7 @@ def node_specs(example: Example) -> list:
         (
             LORAS + i,
             "ParallelLoraLoader",
-            [870, 560 + 150 * i],
+            [870, 640 + 150 * i],
             [320, 110],
             values,
             {"transformer": (LORAS + i - 1 if i else TRANSFORMER, 0)},

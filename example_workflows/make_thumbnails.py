@@ -4,7 +4,8 @@
 
 Rerun it whenever a workflow is added or changed (no names: every example_workflows/*.json). One real ComfyUI
 (tests/comfyui_host.py) gets tiny random models under the workflows' placeholder names (FLUX.1-dev, FLUX.2-dev,
-Qwen-Image), so each workflow loads unchanged; headless Chromium (tests/browser/run_template.mjs) opens it from the
+Qwen-Image) and tiny random LoRAs under their LoRA placeholders' (FLUX.1-dev-lora.safetensors), so each workflow loads
+unchanged; headless Chromium (tests/browser/run_template.mjs) opens it from the
 template browser, makes it small in the page (CPU ranks: 2 where it asks for "one per GPU", its own number
 otherwise; 384x384; 3 steps), clicks Run and photographs the graph with its output image, which becomes a 1024x576
 JPEG. The models are random, so the image is noise: the thumbnail shows the graph that made it.
@@ -29,6 +30,7 @@ DRIVER = REPO_ROOT / "tests" / "browser" / "run_template.mjs"
 THUMBNAIL_SIZE = (1024, 576)
 # The placeholder model names the examples ship with, and the tiny model of that family.
 PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}  # model -> family
+LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "FLUX.1-dev"}  # LoRA -> the model it is for
 
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
@@ -36,12 +38,14 @@ from comfyui_host import ComfyUIServer  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from parallel_runtime.families import family  # noqa: E402
+from parallel_runtime.testing.tiny_loras import make_tiny_lora, save_diffusers_lora  # noqa: E402
 
 
 def placeholders(workflow: Path) -> set[str]:
-    """The model names a UI workflow's widgets ask for."""
+    """The model and LoRA names a UI workflow's widgets ask for."""
     nodes = json.loads(workflow.read_text())["nodes"]
-    return {v for n in nodes for v in n.get("widgets_values") or [] if isinstance(v, str) and v in PLACEHOLDERS}
+    known = {*PLACEHOLDERS, *LORA_PLACEHOLDERS}
+    return {v for n in nodes for v in n.get("widgets_values") or [] if isinstance(v, str) and v in known}
 
 
 def thumbnail(server: ComfyUIServer, name: str, work: Path, size: int, timeout: int) -> Path:
@@ -89,10 +93,17 @@ def main() -> int:
         parser.error(f"no example_workflows/<name>.json for {missing}")
 
     with tempfile.TemporaryDirectory(prefix="pd-thumbnails-") as tmp:
-        work, models = Path(tmp), Path(tmp) / "models"
-        for model in sorted(set().union(*(placeholders(WORKFLOWS / f"{n}.json") for n in names))):
+        work, models, loras = Path(tmp), Path(tmp) / "models", Path(tmp) / "loras"
+        wanted = set().union(*(placeholders(WORKFLOWS / f"{n}.json") for n in names))
+        wanted |= {LORA_PLACEHOLDERS[lora] for lora in wanted & set(LORA_PLACEHOLDERS)}
+        for model in sorted(wanted & set(PLACEHOLDERS)):
             family(PLACEHOLDERS[model]).make_tiny_model(str(models / model))
-        server = ComfyUIServer(args.comfyui, diffusers_dir=models).start()
+        loras.mkdir()
+        for lora in sorted(wanted & set(LORA_PLACEHOLDERS)):
+            model = LORA_PLACEHOLDERS[lora]
+            lora_weights = make_tiny_lora(models / model, PLACEHOLDERS[model])
+            save_diffusers_lora(lora_weights, loras / lora, PLACEHOLDERS[model])
+        server = ComfyUIServer(args.comfyui, diffusers_dir=models, loras_dir=loras).start()
         failed = []
         try:
             for name in names:
