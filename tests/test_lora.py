@@ -496,6 +496,18 @@ def test_bad_lora_input_is_refused_before_anything_runs(models_dir, bad_loras, k
     assert str(info.value).startswith(f"{widget}: ")
 
 
+def test_fusing_is_refused_when_the_kept_originals_would_not_fit_host_memory():
+    """The check the ranks make before copying originals: all ranks of a machine copy at once."""
+    from parallel_runtime.worker.lora import check_host_memory
+    from parallel_runtime.worker.ops import OpError
+
+    check_host_memory(4 << 30, 2, "style.safetensors", available=10 << 30, host="h")
+    check_host_memory(0, 8, "style.safetensors", available=0, host="h")  # nothing new to keep
+    hint = r"lora_name: merging style\.safetensors .* 6\.0 GiB more on each of the 2 ranks of h, but 10\.0 GiB are free"
+    with pytest.raises(OpError, match=hint):
+        check_host_memory(6 << 30, 2, "style.safetensors", available=10 << 30, host="h")
+
+
 def test_text_encoder_parts_are_named_as_not_applied(models_dir, bad_loras):
     transformer = jobs.plan_transformer(backend(), model="tiny-flux", strategy="data_parallel")
     made, check = jobs.add_lora(transformer, lora_name="with_text_encoder.safetensors", strength=1.0)

@@ -16,7 +16,8 @@ strength of 0 is no LoRA. How (``LoraMode``):
   (colwise) its rows of B times A, for one sharded by columns (rowwise) B times its columns of A, in the blocks the
   model's ``_tp_plan`` shards packed layers by (diffusers' ``resolve_tp_shard_specs`` and ``_local_shard``, the
   arithmetic that sliced the weights when they were loaded, checked against each weight's DTensor placement), so no
-  rank ever holds a layer's full weight or delta.
+  rank ever holds a layer's full weight or delta. Fusing is refused, with the numbers, when the copies would not fit
+  the machine's free memory.
 - **peft**: diffusers' PEFT adapters (``load_lora_adapter``, ``set_adapters``), unfused; the weights are never
   touched. Refused under tensor parallelism (diffusers), and under context parallelism for a LoRA that changes a
   layer the model's ``_cp_plan`` hooks (``proj_out`` gathers the sequence there; an adapter around it adds a
@@ -106,19 +107,25 @@ def apply_loras(ctx: OpContext, transformer: torch.nn.Module, spec: TransformerS
         state = _State(mode)
         setattr(transformer, _STATE, state)
     known = state.files if mode is LoraMode.FUSED else state.adapters
-    error, read = None, {}
+    error, read, files = None, {}, {}
     try:
         read = {w.file: _read(w.ref, adapter, transformer) for w in wanted if w.file not in known}
         if mode is LoraMode.PEFT:
             _check_adapters_allowed(transformer, spec.plan, wanted, read)
+        else:
+            files = {w.file: state.files[w.file] if w.file in state.files else read[w.file] for w in wanted}
+            # Ranks on one machine copy at once (context / data parallel: the same weights each).
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ctx.spmd else 1
+            needed = state.fused.new_copy_bytes(transformer, list(files.values()))
+            check_host_memory(needed, local_ranks, ", ".join(w.ref.name for w in wanted))
     except OpError as e:
         error = str(e)
     _agree(ctx, error)
     with torch.no_grad():
         try:
             if mode is LoraMode.FUSED:
-                state.files = {w.file: state.files[w.file] if w.file in state.files else read[w.file] for w in wanted}
-                state.fused.apply(transformer, [(w, state.files[w.file]) for w in wanted])
+                state.files = files
+                state.fused.apply(transformer, [(w, files[w.file]) for w in wanted])
             else:
                 _apply_adapters(transformer, state, wanted, read)
         except BaseException:
@@ -144,6 +151,27 @@ def _read(ref: LoraRef, adapter: FamilyAdapter, transformer: torch.nn.Module) ->
         return read_lora(adapter, ref.path, dict(transformer.config))
     except LoraError as e:
         raise OpError(f"lora_name: {ref.name} {e}") from None
+
+
+def check_host_memory(
+    needed: int, local_ranks: int, loras: str, available: int | None = None, host: str | None = None
+) -> None:
+    """Refuse to fuse ``loras`` (their names) when the copies of the originals, ``needed`` bytes on each of
+    ``local_ranks`` ranks, would not fit the machine's free memory (``MemAvailable``): the kernel would kill a rank,
+    and the backend with it, instead of anyone saying why."""
+    if needed == 0:
+        return
+    if available is None:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    if needed * local_ranks <= 0.9 * available:
+        return
+    raise OpError(
+        f"lora_name: merging {loras} keeps a copy of the original of every weight it changes in host memory, "
+        f"{needed / 2**30:.1f} GiB more on each of the {local_ranks} ranks of {host or socket.gethostname()}, but "
+        f"{available / 2**30:.1f} GiB are free there; free memory, stack fewer LoRAs, or use tensor_parallel (each "
+        "rank keeps only its slice of the originals)"
+    )
 
 
 def _agree(ctx: OpContext, error: str | None) -> None:
@@ -208,6 +236,17 @@ class _Fused:
             self.applied[name] = signature
         kept = sum(t.numel() * t.element_size() for t in self.pristine.values())
         log.info("fused LoRAs change %d tensors; %.1f MiB of their originals kept", len(self.applied), kept / 2**20)
+
+    def new_copy_bytes(self, transformer: torch.nn.Module, files: list[LoraWeights]) -> int:
+        """Bytes of originals that fusing these LoRAs would copy beyond those already kept."""
+        slices, names = _Slices(transformer), set()
+        for weights in files:
+            for module in weights.modules:
+                names.add(f"{module}.weight")
+                if weights.factors(module)[2] is not None:
+                    names.add(f"{module}.bias")
+        kept = (slices.local(name) for name in names - set(self.pristine))
+        return sum(t.numel() * t.element_size() for t in kept)
 
     def restore(self, transformer: torch.nn.Module) -> None:
         slices = _Slices(transformer)
