@@ -33,16 +33,21 @@ MAX_DEPTH = 3  # folder levels searched below a root: "name" and "org/name" are 
 _warned: set[str] = set()
 
 
-def roots() -> list[str]:
+def _roots(kind: str, variable: str) -> list[str]:
+    """ComfyUI's folders of ``kind`` (when ComfyUI has loaded ``folder_paths``), then those ``variable`` names."""
     found = []
     folder_paths = sys.modules.get("folder_paths")  # ComfyUI's, once ComfyUI has loaded it
     if folder_paths is not None:
         try:
-            found += folder_paths.get_folder_paths("diffusers")
+            found += folder_paths.get_folder_paths(kind)
         except KeyError:
             pass
-    found += [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p]
+    found += [p for p in os.environ.get(variable, "").split(os.pathsep) if p]
     return [os.path.abspath(p) for p in dict.fromkeys(found)]
+
+
+def roots() -> list[str]:
+    return _roots("diffusers", "COMFY_PARALLEL_MODELS")
 
 
 def _warn_once(path: str, why: str) -> None:
@@ -164,15 +169,7 @@ PICKLE_SUFFIXES = (".ckpt", ".pt", ".pt2", ".bin", ".pth", ".pkl")
 
 
 def lora_roots() -> list[str]:
-    found = []
-    folder_paths = sys.modules.get("folder_paths")  # ComfyUI's, once ComfyUI has loaded it
-    if folder_paths is not None:
-        try:
-            found += folder_paths.get_folder_paths("loras")
-        except KeyError:
-            pass
-    found += [p for p in os.environ.get("COMFY_PARALLEL_LORAS", "").split(os.pathsep) if p]
-    return [os.path.abspath(p) for p in dict.fromkeys(found)]
+    return _roots("loras", "COMFY_PARALLEL_LORAS")
 
 
 def _lora_files(root: str):
