@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import os
+
 from comfy_api.latest import io
 
-from parallel_runtime import jobs, model_folders
+from parallel_runtime import InvalidInput, jobs, model_folders
 
 from . import comfy
 from .types import CATEGORY, Transformer
@@ -76,6 +78,16 @@ class ParallelLoraLoader(io.ComfyNode):
     def validate_inputs(cls, input_types: dict) -> bool | str:
         """The file, and its content against the chained transformer, before anything runs."""
         return comfy.validate(cls, input_types, _check)
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs) -> object:
+        """The file's size and modification time: a LoRA replaced under the same name is a new input, so ComfyUI runs
+        the node (and the sampler after it) again instead of reusing the handle of the file that was."""
+        try:
+            stat = os.stat(model_folders.resolve_lora(inputs.get("lora_name") or ""))
+        except (InvalidInput, OSError):
+            return None
+        return (stat.st_size, stat.st_mtime_ns)
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:

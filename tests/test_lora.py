@@ -283,9 +283,8 @@ def test_each_layout_reads_as_its_diffusers_twin(models_dir, loras, loras_dir, n
     lora = loras[name]
     assert set(weights.modules) == set(lora.layers)
     for module in weights.modules:
-        a, b, bias = weights.factors(module)
+        a, b = weights.factors(module)
         delta = weights.scales[module] * (b.double() @ a.double())
-        assert bias is None
         assert (delta.float() - lora.delta(module)).abs().max() <= 1e-6, module
 
 
@@ -449,6 +448,14 @@ def bad_loras(models_dir, loras, loras_dir) -> None:
     )
     save_file(
         {
+            "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": a,
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": b,
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.bias": torch.zeros(b.shape[0]),
+        },
+        loras_dir / "with_bias.safetensors",
+    )
+    save_file(
+        {
             "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 128),
             "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(128, 4),
         },
@@ -481,6 +488,7 @@ def bad_loras(models_dir, loras, loras_dir) -> None:
         ("flux", "lora_name", "rank_mismatch.safetensors", "rank mismatch in transformer_blocks.0.attn.to_q"),
         ("flux", "lora_name", "wider_model.safetensors", r"is for another model: .* is 64×64 in this transformer"),
         ("flux", "lora_name", "text_encoder_only.safetensors", "only text-encoder weights"),
+        ("flux", "lora_name", "with_bias.safetensors", r"a bias on lora_B \(PEFT's lora_bias\)"),
         ("qwenimage", "lora_name", "flux_a.safetensors", r"another model.*\(checked against tiny-qwenimage"),
         ("flux2", "lora_name", "qwenimage_a.safetensors", "another model"),
         ("flux", "strength", math.nan, "not a number the sampler can use"),
@@ -506,6 +514,18 @@ def test_fusing_is_refused_when_the_kept_originals_would_not_fit_host_memory():
     hint = r"lora_name: merging style\.safetensors .* 6\.0 GiB more on each of the 2 ranks of h, but 10\.0 GiB are free"
     with pytest.raises(OpError, match=hint):
         check_host_memory(6 << 30, 2, "style.safetensors", available=10 << 30, host="h")
+
+
+def test_a_file_replaced_under_its_name_is_a_new_input_to_comfyui(nodes, models_dir, loras, loras_dir):
+    """The node's fingerprint (V3's IS_CHANGED) follows the file, so ComfyUI does not reuse the handle of the file
+    that was."""
+    loader = nodes["ParallelLoraLoader"]
+    target = loras_dir / "replaced.safetensors"
+    shutil.copy(loras_dir / "flux_a.safetensors", target)
+    before = loader.fingerprint_inputs(lora_name="replaced.safetensors", strength=1.0)
+    shutil.copy(loras_dir / "flux_b.safetensors", target)
+    assert loader.fingerprint_inputs(lora_name="replaced.safetensors", strength=1.0) != before
+    assert loader.fingerprint_inputs(lora_name="no-such.safetensors", strength=1.0) is None
 
 
 def test_text_encoder_parts_are_named_as_not_applied(models_dir, bad_loras):

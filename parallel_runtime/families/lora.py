@@ -26,9 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
-# A LoRA's tensors per layer, after ``<prefix>.<module>.``: the pair, and the optional bias of lora_B.
+# A LoRA's tensors per layer, after ``<prefix>.<module>.``.
 _PAIR = ("lora_A.weight", "lora_B.weight")
-_PARTS = (*_PAIR, "lora_B.bias")
 # Keys of a file that belong to a text encoder (kohya's lora_te / lora_te1 / lora_te2, ComfyUI's text_encoders.…, and
 # diffusers' own text_encoder / text_encoder_2 prefixes after conversion).
 _TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder")
@@ -64,14 +63,10 @@ class LoraWeights:
     def modules(self) -> tuple[str, ...]:
         return tuple(sorted(self.scales))
 
-    def factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(A, B, bias of B or None)`` of one layer, as stored in the file (its dtype, on the CPU)."""
+    def factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, B)`` of one layer, as stored in the file (its dtype, on the CPU)."""
         key = f"transformer.{module}."
-        return (
-            self.state_dict[key + "lora_A.weight"],
-            self.state_dict[key + "lora_B.weight"],
-            self.state_dict.get(key + "lora_B.bias"),
-        )
+        return self.state_dict[key + "lora_A.weight"], self.state_dict[key + "lora_B.weight"]
 
 
 def check_file(path: str) -> list[str]:
@@ -112,7 +107,7 @@ def read_lora(family: FamilyAdapter, path: str, config: dict) -> LoraWeights:
     """Read and check a LoRA file for the transformer whose config.json is ``config``; LoraError saying what is wrong.
 
     Checked: a safetensors file with a sound header; at least one key for the transformer; every such key a LoRA pair
-    (lora_A / lora_B, and lora_B's bias) for a linear layer the transformer has, of that layer's shape, with equal
+    (lora_A / lora_B) for a linear layer the transformer has, of that layer's shape, with equal
     ranks on both sides and finite values."""
     raw_keys = check_file(path)
     text_encoder_keys = sum(key.startswith(_TEXT_ENCODER_PREFIXES) for key in raw_keys)
@@ -172,11 +167,16 @@ def _check_pairs(family: FamilyAdapter, state_dict: dict[str, torch.Tensor], lay
     for key, value in state_dict.items():
         module, dot, part = key.removeprefix("transformer.").partition(".lora_")
         part = "lora_" + part
-        if not dot or part not in _PARTS:
-            what = "a DoRA magnitude" if "lora_magnitude_vector" in key else "not a LoRA pair (lora_A / lora_B)"
+        if not dot or part not in _PAIR:
+            if "lora_magnitude_vector" in key:
+                what = "a DoRA magnitude"
+            elif part == "lora_B.bias":
+                what = "a bias on lora_B (PEFT's lora_bias)"
+            else:
+                what = "not a LoRA pair (lora_A / lora_B)"
             raise LoraError(
-                f"holds {key}, which is {what}; only plain LoRA pairs are applied (a Control LoRA, a DoRA or a "
-                "fine-tuned layer is not a LoRA this loader can apply)"
+                f"holds {key}, which is {what}; only plain LoRA pairs are applied (a Control LoRA, a DoRA, a LoRA "
+                "with biases or a fine-tuned layer is not a LoRA this loader can apply)"
             )
         parts.setdefault(module, {})[part] = value
     for module, tensors in sorted(parts.items()):
@@ -204,9 +204,6 @@ def _check_pairs(family: FamilyAdapter, state_dict: dict[str, torch.Tensor], lay
                 f"is for another model: {module} is {layer.out_features}×{layer.in_features} in this transformer but "
                 f"{b.shape[0]}×{a.shape[1]} in the LoRA"
             )
-        bias = tensors.get("lora_B.bias")
-        if bias is not None and tuple(bias.shape) != (layer.out_features,):
-            raise LoraError(f"has a lora_B bias of shape {list(bias.shape)} for {module}, which has no such outputs")
         for part, tensor in tensors.items():
             if not torch.isfinite(tensor).all():
                 raise LoraError(f"holds NaN or infinite values in {module}.{part}; the file is damaged")

@@ -212,10 +212,6 @@ class _Fused:
             for module in weights.modules:
                 factor = w.strength * weights.scales[module]
                 contributions.setdefault(f"{module}.weight", []).append(((w.file, w.strength), factor, module, weights))
-                if weights.factors(module)[2] is not None:
-                    contributions.setdefault(f"{module}.bias", []).append(
-                        ((w.file, w.strength), factor, module, weights)
-                    )
         for name in sorted(set(contributions) | set(self.applied)):
             parts = contributions.get(name, [])
             signature = tuple(part[0] for part in parts)
@@ -239,12 +235,8 @@ class _Fused:
 
     def new_copy_bytes(self, transformer: torch.nn.Module, files: list[LoraWeights]) -> int:
         """Bytes of originals that fusing these LoRAs would copy beyond those already kept."""
-        slices, names = _Slices(transformer), set()
-        for weights in files:
-            for module in weights.modules:
-                names.add(f"{module}.weight")
-                if weights.factors(module)[2] is not None:
-                    names.add(f"{module}.bias")
+        slices = _Slices(transformer)
+        names = {f"{module}.weight" for weights in files for module in weights.modules}
         kept = (slices.local(name) for name in names - set(self.pristine))
         return sum(t.numel() * t.element_size() for t in kept)
 
@@ -272,7 +264,7 @@ class _Slices:
             self.specs = resolve_tp_shard_specs(transformer, type(transformer)._tp_plan, self.mesh.size())
 
     def local(self, name: str) -> torch.Tensor:
-        """The rank's own tensor for ``module.weight`` / ``module.bias`` (a view: writing it changes the model)."""
+        """The rank's own tensor for ``module.weight`` (a view: writing it changes the model)."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         module, _, attr = name.rpartition(".")
@@ -296,17 +288,12 @@ class _Slices:
             )
         return tensor
 
-    def delta(
-        self, name: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, device: torch.device
-    ) -> torch.Tensor:
-        """This rank's part of B @ A (``module.weight``) or of lora_B's bias (``module.bias``), in float32."""
+    def delta(self, name: str, a: torch.Tensor, b: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's part of B @ A for ``module.weight``, in float32."""
         from diffusers.hooks.tensor_parallel import _local_shard
 
         spec = self.specs.get(name)
         a, b = a.to(device=device, dtype=torch.float32), b.to(device=device, dtype=torch.float32)
-        if name.endswith(".bias"):
-            bias = bias.to(device=device, dtype=torch.float32)
-            return bias if spec is None or spec.dim is None else _local_shard(bias, 0, spec.block_sizes, self.mesh)
         if spec is None or spec.dim is None:
             return b @ a
         if spec.dim == 0:  # colwise: this rank's output rows
