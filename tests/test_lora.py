@@ -578,8 +578,9 @@ def test_tp_cp_and_unified_with_stacked_loras_on_four_ranks(models_dir, loras, c
 @pytest.mark.comfyui
 def test_a_bad_lora_is_a_400_that_names_lora_name(comfyui_server, comfyui_models_dir, comfyui_loras_dir):
     """POST /prompt of the LoRA example: a pickle is refused by the file check, a LoRA of another model by the check of
-    its content against the transformer the loader is chained to (validation computes it: both load nothing)."""
-    from comfyui_host import PromptRejected
+    its content against the transformer the loader is chained to (validation computes it: both load nothing), and the
+    sampler still checks its size against the strategy of the handle that comes through the loader."""
+    from comfyui_host import REPO_ROOT, PromptRejected
     from comfyui_workflows import tiny_flux
 
     model = tiny_flux(comfyui_models_dir)
@@ -589,27 +590,25 @@ def test_a_bad_lora_is_a_400_that_names_lora_name(comfyui_server, comfyui_models
         "transformer.transformer_blocks.0.img_mod.1.lora_B.weight": torch.zeros(384, 4),
     }
     save_file(qwen_like, comfyui_loras_dir / "other-model-e2e.safetensors")
-    workflow = json.loads(
-        (
-            pytest.importorskip("comfyui_host").REPO_ROOT / "example_workflows/api/flux1_lora_context_parallel_api.json"
-        ).read_text()
-    )
+    save_diffusers_lora(make_tiny_lora(model, "flux", seed=12), comfyui_loras_dir / "good-e2e.safetensors", "flux")
+    workflow = json.loads((REPO_ROOT / "example_workflows/api/flux1_lora_context_parallel_api.json").read_text())
     for node in workflow.values():
         if "model" in node["inputs"]:
             node["inputs"]["model"] = model.name
     workflow["1"]["inputs"].update(ranks=2, device="cpu")
-    workflow["4"]["inputs"].update(width=64, height=64, steps=2)
-    for lora, hint in (
-        ("pickled-e2e.pt", "lora_name: pickled-e2e.pt is a .pt file; only .safetensors LoRAs are loaded"),
-        (
-            "other-model-e2e.safetensors",
-            "lora_name: other-model-e2e.safetensors changes transformer_blocks.0.img_mod.1",
-        ),
-    ):
+    workflow["4"]["inputs"].update(steps=2)
+    cases = [
+        ("pickled-e2e.pt", 64, "7", "lora_name: pickled-e2e.pt is a .pt file; only .safetensors LoRAs are loaded"),
+        ("other-model-e2e.safetensors", 64, "7", "lora_name: other-model-e2e.safetensors changes transformer_blocks"),
+        # a good LoRA, and a size Ulysses cannot split: the sampler checks the handle computed through the loader
+        ("good-e2e.safetensors", 48, "4", "width: 48×48 makes 9 image tokens, which do not split over 2 ranks"),
+    ]
+    for lora, size, node, hint in cases:
         workflow["7"]["inputs"]["lora_name"] = lora
+        workflow["4"]["inputs"].update(width=size, height=size)
         with pytest.raises(PromptRejected) as rejected:
             comfyui_server.post_prompt(workflow)
         assert rejected.value.status == 400
-        assert list(rejected.value.node_errors) == ["7"], rejected.value.node_errors
-        (error,) = rejected.value.node_errors["7"]["errors"]
+        assert list(rejected.value.node_errors) == [node], rejected.value.node_errors
+        (error,) = rejected.value.node_errors[node]["errors"]
         assert error["type"] == "custom_validation_failed" and hint in error["details"], error

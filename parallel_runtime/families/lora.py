@@ -218,7 +218,12 @@ def _scales(
 ) -> dict[str, float]:
     """Each layer's scale, from the adapter PEFT builds for this state dict (diffusers' ``load_lora_adapter``, the
     very call the pipelines make) on a meta skeleton: the ranks' fused deltas use the scale PEFT would."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # a ComfyUI whose Python got the pack without its dependencies
+        raise LoraError(
+            "cannot be read without the peft package, through which diffusers reads LoRAs: pip install 'peft>=0.17'"
+        ) from None
 
     skeleton = meta_transformer(family, config)
     name = "scales"
