@@ -507,13 +507,14 @@ def test_bad_lora_input_is_refused_before_anything_runs(models_dir, bad_loras, k
 def test_fusing_is_refused_when_the_kept_originals_would_not_fit_host_memory():
     """The check the ranks make before copying originals: all ranks of a machine copy at once."""
     from parallel_runtime.worker.lora import check_host_memory
-    from parallel_runtime.worker.ops import OpError
+    from parallel_runtime.worker.ops import WidgetError
 
     check_host_memory(4 << 30, 2, "style.safetensors", available=10 << 30, host="h")
     check_host_memory(0, 8, "style.safetensors", available=0, host="h")  # nothing new to keep
-    hint = r"lora_name: merging style\.safetensors .* 6\.0 GiB more on each of the 2 ranks of h, but 10\.0 GiB are free"
-    with pytest.raises(OpError, match=hint):
+    hint = r"merging style\.safetensors .* 6\.0 GiB more on each of the 2 ranks of h, but 10\.0 GiB are free"
+    with pytest.raises(WidgetError, match=hint) as info:
         check_host_memory(6 << 30, 2, "style.safetensors", available=10 << 30, host="h")
+    assert info.value.widget == "lora_name"
 
 
 def test_a_file_replaced_under_its_name_is_a_new_input_to_comfyui(nodes, models_dir, loras, loras_dir):
@@ -550,7 +551,7 @@ def test_a_lora_that_fails_on_the_ranks_leaves_the_backend_and_its_transformer_u
     shutil.copy(loras_dir / "flux_a.safetensors", changing)
     checked = handle(spec, "flux", "tensor_parallel", (("changing.safetensors", 1.0),))
     shutil.copy(loras_dir / "flux_b.safetensors", changing)  # another size: the checked file is gone
-    with pytest.raises(OpFailed, match=r"changing\.safetensors is \d+ bytes on .*, not the \d+ that were checked"):
+    with pytest.raises(InvalidInput, match=r"changing\.safetensors is \d+ bytes on .*, not the \d+ that were checked"):
         jobs.sample(checked, conditioning(spec, "flux"), seed=3, steps=STEPS, width=64, height=64, guidance_scale=3.5)
     image = generate(spec, conditioning, "flux", "tensor_parallel")
     assert get_backend(spec).worker_pids == pids

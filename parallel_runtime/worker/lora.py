@@ -36,13 +36,12 @@ import re
 import socket
 
 import torch
-import torch.distributed as dist
 
 from ..families import FamilyAdapter
 from ..families.lora import LoraError, LoraWeights, read_lora
 from ..strategy import Strategy, StrategyPlan
 from ..wire import LoraMode, LoraRef, TransformerSpec
-from .ops import OpContext, OpError
+from .ops import OpContext, OpError, WidgetError
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ def apply_loras(ctx: OpContext, transformer: torch.nn.Module, spec: TransformerS
         state = _State(mode)
         setattr(transformer, _STATE, state)
     known = state.files if mode is LoraMode.FUSED else state.adapters
-    error, read, files = None, {}, {}
+    refused, read, files = None, {}, {}
     try:
         read = {w.file: _read(w.ref, adapter, transformer) for w in wanted if w.file not in known}
         if mode is LoraMode.PEFT:
@@ -115,12 +114,12 @@ def apply_loras(ctx: OpContext, transformer: torch.nn.Module, spec: TransformerS
         else:
             files = {w.file: state.files[w.file] if w.file in state.files else read[w.file] for w in wanted}
             # Ranks on one machine copy at once (context / data parallel: the same weights each).
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ctx.spmd else 1
+            local_ranks = ctx.local_world_size if ctx.spmd else 1
             needed = state.fused.new_copy_bytes(transformer, list(files.values()))
             check_host_memory(needed, local_ranks, ", ".join(w.ref.name for w in wanted))
     except OpError as e:
-        error = str(e)
-    _agree(ctx, error)
+        refused = e
+    ctx.agree(refused)
     with torch.no_grad():
         try:
             if mode is LoraMode.FUSED:
@@ -141,16 +140,17 @@ def _read(ref: LoraRef, adapter: FamilyAdapter, transformer: torch.nn.Module) ->
     try:
         size = os.stat(ref.path).st_size
     except OSError as e:
-        raise OpError(f"lora_name: {ref.name} cannot be read on {socket.gethostname()} ({e.strerror})") from None
+        raise WidgetError("lora_name", f"{ref.name} cannot be read on {socket.gethostname()} ({e.strerror})") from None
     if size != ref.size:
-        raise OpError(
-            f"lora_name: {ref.name} is {size} bytes on {socket.gethostname()}, not the {ref.size} that were checked: "
-            "the file changed (or differs between machines); queue the prompt again"
+        raise WidgetError(
+            "lora_name",
+            f"{ref.name} is {size} bytes on {socket.gethostname()}, not the {ref.size} that were checked: "
+            "the file changed (or differs between machines); queue the prompt again",
         )
     try:
         return read_lora(adapter, ref.path, dict(transformer.config))
     except LoraError as e:
-        raise OpError(f"lora_name: {ref.name} {e}") from None
+        raise WidgetError("lora_name", f"{ref.name} {e}") from None
 
 
 def check_host_memory(
@@ -166,23 +166,13 @@ def check_host_memory(
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     if needed * local_ranks <= 0.9 * available:
         return
-    raise OpError(
-        f"lora_name: merging {loras} keeps a copy of the original of every weight it changes in host memory, "
+    raise WidgetError(
+        "lora_name",
+        f"merging {loras} keeps a copy of the original of every weight it changes in host memory, "
         f"{needed / 2**30:.1f} GiB more on each of the {local_ranks} ranks of {host or socket.gethostname()}, but "
         f"{available / 2**30:.1f} GiB are free there; free memory, stack fewer LoRAs, or use tensor_parallel (each "
-        "rank keeps only its slice of the originals)"
+        "rank keeps only its slice of the originals)",
     )
-
-
-def _agree(ctx: OpContext, error: str | None) -> None:
-    """Every rank raises if any rank failed, so none is left alone in the next collective."""
-    failed = error is not None
-    if ctx.spmd and ctx.world_size > 1:
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(flag.item())
-    if failed:
-        raise OpError(error or "lora_name: another rank could not read a LoRA (see its error)")
 
 
 def _clear(transformer: torch.nn.Module, state: _State) -> None:

@@ -122,6 +122,20 @@ class OpContext:
         if self._send_progress is not None:
             self._send_progress(step, total, text)
 
+    def agree(self, refused: OpError | None) -> None:
+        """Every rank of an SPMD op learns whether any rank refused the request (``refused``: this rank's reason, or
+        None), before any of them goes on into a collective: the refusing rank raises its own error, the others an
+        OpError naming it, so no rank is left alone in the next collective."""
+        first = self.rank if refused is not None else self.world_size
+        if self.spmd and self.world_size > 1:
+            flag = torch.tensor([first], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            first = int(flag.item())
+        if refused is not None:
+            raise refused
+        if first < self.world_size:
+            raise OpError(f"rank {first} refused this request before it changed anything (its message says why)")
+
     def check_cancel(self, step: int) -> None:
         """Raise OpCancelled if the client asked to cancel. In SPMD ops this is a collective: rank 0 decides
         and broadcasts, so every rank stops at the same step and none waits alone in the next collective."""

@@ -16,7 +16,6 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..arena import DTYPES
 from ..families import Placement, family
@@ -38,23 +37,6 @@ def _placement(ctx: OpContext, device_map: str, max_memory: dict[str, str] | Non
         return placement, str(ctx.device)
     shown = ",".join(f"{k}:{v}" for k, v in (max_memory or {}).items())
     return placement, f"device_map={device_map}" + (f"[{shown}]" if shown else "")
-
-
-def _agree(ctx: OpContext, check: Callable[[], None]) -> None:
-    """Run ``check`` (it raises WidgetError for a request that cannot work) on every rank of an SPMD op and agree
-    before anyone loads: if one rank refuses, all do, so none is left alone in the load's collectives."""
-    refused: WidgetError | None = None
-    try:
-        check()
-    except WidgetError as e:
-        refused = e
-    if ctx.spmd and ctx.world_size > 1:
-        first = torch.tensor([ctx.rank if refused else ctx.world_size], dtype=torch.int64)
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        if refused is None and first.item() < ctx.world_size:
-            raise OpError(f"rank {first.item()} refused this request before loading anything (its message says why)")
-    if refused is not None:
-        raise refused
 
 
 def _on_step(ctx: OpContext) -> Callable[[int, int], None]:
@@ -105,21 +87,14 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
         )
     text_tokens = max(tensors[name].shape[1] for name in ("prompt_embeds", "negative_prompt_embeds") if name in tensors)
-    _agree(
-        ctx,
-        lambda: memory.check_denoise(
-            adapter,
-            spec.model.path,
-            plan,
-            sampling,
-            text_tokens,
-            dtype,
-            ctx.device,
-            local_ranks=ctx.local_world_size,
-            loads_weights=not models.resident(key),
-            freed_by_load=models.freed_by_loading(key),
-        ),
-    )
+    refused = None
+    try:
+        memory.check_denoise(adapter, spec.model.path, plan, sampling, text_tokens, dtype, ctx.device,
+                             local_ranks=ctx.local_world_size, loads_weights=not models.resident(key),
+                             freed_by_load=models.freed_by_loading(key))  # fmt: skip
+    except WidgetError as e:
+        refused = e
+    ctx.agree(refused)  # one rank short of memory: all refuse, before any of them loads
     ctx.progress(0, sampling.steps, "loading transformer")
     transformer = models.get(key, load)
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
