@@ -16,16 +16,21 @@ backend, then for each strategy the same generation (seed, steps, guidance, size
   alone), Ulysses N, Ring N, Unified 2×N/2 (N ≥ 4), tensor parallel N, TP 2 × Ulysses N/2 (``tp_cp``, N ≥ 4, once
   the runtime has it) and data parallel N (a batch of N, one image per rank; reported per image).
 
-Per-step time: each step's end is timestamped (the backend's progress events on this side, the adapter's step
-callback in-process); a run of S steps gives S-1 intervals, so the first step, which carries the lazy set-up after
-a load, is dropped, and loading and encoding are never timed. Reported: medians, and their ratio strategy / one
-process (below 1: faster than one process). On CPU (default) each strategy's runs alternate with one-process runs
-(which one goes first alternates too), so a noisy moment on a shared machine hits both; the ratio is taken against
-those adjacent runs, and ``paired`` is the median of the per-run ratios. On CUDA the one-process runs come first
-and their model is freed before the backend loads its own: two FLUX.1-dev copies on GPU 0 would not fit a 48 GB
-card, and GPU timings do not drift the way a shared CPU's do. Timestamps are taken on the host without a
-synchronisation; a FLUX.1-dev step launches far more kernels than CUDA's launch queue holds, so from the second step
-on the host should be waiting for the GPU and the intervals be GPU time.
+Per-step time: the clock reads at each step's end, the pipeline's ``callback_on_step_end`` (in-process: that
+callback itself; on the backend: the progress event rank 0 sends from it, read as it reaches this process), and a
+run of S steps gives the S-1 intervals from the end of step 1 to the end of step S. So the first step, which carries
+the lazy set-up after a load, is dropped, and loading, encoding and what follows the last step (unpacking the
+latents, the backend's closing "denoised" event, the result's trip back) are never timed. The backend's events with a
+text are labels, not steps ("loading transformer" before step 1, "denoised" after step S): they are not counted, and
+a run whose step events do not number S is an error rather than a figure.
+
+Reported: medians, and their ratio strategy / one process (below 1: faster than one process). On CPU (default) each
+strategy's runs alternate with one-process runs (which one goes first alternates too), so a noisy moment on a shared
+machine hits both; the ratio is taken against those adjacent runs, and ``paired`` is the median of the per-run
+ratios. On CUDA the one-process runs come first and their model is freed before the backend loads its own: two
+FLUX.1-dev copies on GPU 0 would not fit a 48 GB card, and GPU timings do not drift the way a shared CPU's do.
+Timestamps are taken on the host without a synchronisation; a FLUX.1-dev step launches far more kernels than CUDA's
+launch queue holds, so from the second step on the host should be waiting for the GPU and the intervals be GPU time.
 
 The one process and each rank run ``--threads`` threads, so N ranks use N cores where the one process uses one (the
 GPU picture: N devices against one). On 2 shared CPU cores a ratio below 1 therefore says the second core paid for
@@ -160,8 +165,10 @@ def strategies_for(ranks: int) -> list[Strategy]:
     return rows
 
 
-def _intervals(marks: list[float]) -> list[float]:
+def _intervals(marks: list[float], steps: int) -> list[float]:
     """Seconds between consecutive step ends: steps 2..S of a run (the first step's start is not observed)."""
+    if len(marks) != steps:
+        raise RuntimeError(f"{len(marks)} step ends were timed for {steps} steps; the bench's timing points are off")
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
@@ -185,7 +192,7 @@ class OneProcess:
             sampling,
             on_step=lambda step, total: marks.append(time.perf_counter()),
         )
-        return _intervals(marks)
+        return _intervals(marks, args.steps)
 
 
 def backend_run(
@@ -195,7 +202,9 @@ def backend_run(
     marks: list[float] = []
 
     def on_progress(step: int, total: int, text: str | None) -> None:
-        if step >= 1:  # step 0 is "loading transformer"
+        # A step's event carries no text; "loading transformer" (step 0) and "denoised" (step S, sent after the
+        # latents are unpacked) are labels. Counting "denoised" added a 1-2 ms interval per run.
+        if text is None:
             marks.append(time.perf_counter())
 
     jobs.sample(
@@ -209,7 +218,7 @@ def backend_run(
         batch_size=images,
         on_progress=on_progress,
     )
-    return _intervals(marks)
+    return _intervals(marks, args.steps)
 
 
 def _transformer_bytes_per_rank(spec: BackendSpec) -> list[int]:
