@@ -165,7 +165,7 @@ def strategies_for(ranks: int) -> list[Strategy]:
     return rows
 
 
-def _intervals(marks: list[float], steps: int) -> list[float]:
+def step_intervals(marks: list[float], steps: int) -> list[float]:
     """Seconds between consecutive step ends: steps 2..S of a run (the first step's start is not observed)."""
     if len(marks) != steps:
         raise RuntimeError(f"{len(marks)} step ends were timed for {steps} steps; the bench's timing points are off")
@@ -192,7 +192,7 @@ class OneProcess:
             sampling,
             on_step=lambda step, total: marks.append(time.perf_counter()),
         )
-        return _intervals(marks, args.steps)
+        return step_intervals(marks, args.steps)
 
 
 def backend_run(
@@ -218,7 +218,7 @@ def backend_run(
         batch_size=images,
         on_progress=on_progress,
     )
-    return _intervals(marks, args.steps)
+    return step_intervals(marks, args.steps)
 
 
 def _transformer_bytes_per_rank(spec: BackendSpec) -> list[int]:
@@ -226,7 +226,7 @@ def _transformer_bytes_per_rank(spec: BackendSpec) -> list[int]:
     return [sum(m.parameter_bytes for m in r.resident if m.component == "transformer") for r in ranks]
 
 
-def _transformer_config(model_dir: str) -> dict:
+def transformer_config(model_dir: str) -> dict:
     with open(os.path.join(model_dir, "transformer", "config.json")) as f:
         return json.load(f)
 
@@ -282,7 +282,7 @@ def bench_strategy(
     return row
 
 
-def _model_dir(args: argparse.Namespace, scratch: str, log: Callable[[str], None]) -> str:
+def prepare_model_dir(args: argparse.Namespace, scratch: str, log: Callable[[str], None]) -> str:
     """The pipeline folder to run: ``--model-dir`` if it holds one whose transformer matches the requested config,
     else built there (or in ``scratch``)."""
     if args.preset not in PRESETS:
@@ -290,7 +290,7 @@ def _model_dir(args: argparse.Namespace, scratch: str, log: Callable[[str], None
     wanted = preset_config(args.preset, args.double_blocks, args.single_blocks)
     model_dir = os.path.abspath(args.model_dir or os.path.join(scratch, f"flux-{args.preset}"))
     if os.path.isfile(os.path.join(model_dir, "model_index.json")):
-        config = _transformer_config(model_dir)
+        config = transformer_config(model_dir)
         differs = {k: config.get(k) for k, v in wanted.items() if json.loads(json.dumps(v)) != config.get(k)}
         if differs:
             raise SystemExit(
@@ -334,7 +334,7 @@ def run(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]) ->
         "threads": args.threads,
         "dtype": dtype,
         "model_dir": model_dir,
-        "transformer": {k: v for k, v in _transformer_config(model_dir).items() if not k.startswith("_")},
+        "transformer": {k: v for k, v in transformer_config(model_dir).items() if not k.startswith("_")},
         "interleaved": args.device == "cpu",
         "cpus": os.cpu_count(),
         "rows": [],
@@ -423,6 +423,25 @@ def print_report(report: dict) -> None:
     )
 
 
+def check_request(args: argparse.Namespace, names: list[str], needs_gpus: bool = True) -> None:
+    """Refuse, before anything starts, a CUDA run on fewer GPUs than ``--ranks`` and ``--strategies`` that are not
+    among ``names``; then silence diffusers' and transformers' progress bars (the bench prints its own lines)."""
+    if args.device == "cuda" and needs_gpus and torch.cuda.device_count() < args.ranks:
+        raise SystemExit(
+            f"--device cuda --ranks {args.ranks} needs {args.ranks} GPUs; this machine has {torch.cuda.device_count()}"
+        )
+    unknown = set(args.strategies or ()) - set(names)
+    if unknown:
+        raise SystemExit(
+            f"no strategy {', '.join(sorted(unknown))} at --ranks {args.ranks}; there are {', '.join(names)}"
+        )
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
 def main() -> int:
     args = ARGS
     torch.set_num_threads(args.threads)
@@ -430,23 +449,9 @@ def main() -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    if args.device == "cuda" and not args.build_only and torch.cuda.device_count() < args.ranks:
-        raise SystemExit(
-            f"--device cuda --ranks {args.ranks} needs {args.ranks} GPUs; this machine has {torch.cuda.device_count()}"
-        )
-    unknown = set(args.strategies or ()) - {s.name for s in strategies_for(args.ranks)}
-    if unknown:
-        raise SystemExit(
-            f"no strategy {', '.join(sorted(unknown))} at --ranks {args.ranks}; there are "
-            + ", ".join(s.name for s in strategies_for(args.ranks))
-        )
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
+    check_request(args, [s.name for s in strategies_for(args.ranks)], needs_gpus=not args.build_only)
     with tempfile.TemporaryDirectory(prefix="pd-strategies-") as scratch:
-        model_dir = _model_dir(args, scratch, log)
+        model_dir = prepare_model_dir(args, scratch, log)
         if args.build_only:
             print(f"{model_dir}: {_folder_bytes(model_dir) / 2**30:.2f} GiB")
             return 0
