@@ -38,14 +38,17 @@ a pair further apart than the dtype's tolerance makes the exit status 1, as does
 A peer that cannot run a strategy (cache-dit's Ring and TP on CPU) is reported with its error, not counted as a
 failure of the bench.
 
-The first image (``--no-first-image`` skips it; on the first strategy): from this process with no backend running
-(what an idle ComfyUI has: torch and the pack imported, nothing started) through encode, transformer, sample and
-decode to the IMAGE tensor, against ``torchrun bench/peer_ranks.py --first-image`` from launch to its first image
-(``FluxPipeline`` from the prompt to the image, as a user's script runs). Then warm re-runs: the pack with a new
-seed (what ComfyUI re-executes when only the seed changes: sampler and decoder) and the whole graph again (every
-node; under the default ``staged`` memory policy the text encoders and the transformer reload), against the bare
-script's time per further image. Both first images are checked against each other too. This is the pack's ``jobs``
-path in-process, not a ComfyUI server: ComfyUI's own share (graph validation, its queue, the websocket) is not in it.
+The first image (``--no-first-image`` skips it; on the first strategy), before the rounds: from this process with no
+backend running (what an idle ComfyUI has: torch and the pack imported, nothing started) through encode,
+transformer, sample and decode to the IMAGE tensor, against ``torchrun bench/peer_ranks.py --first-image`` from
+launch to its first image (``FluxPipeline`` from the prompt to the image, as a user's script runs); ``--cold`` times
+each (default 2), alternating which goes first, each alone on the machine, medians reported. After the first pack
+run, warm re-runs: the pack with a new seed (what ComfyUI re-executes when only the seed changes: sampler and
+decoder) and the whole graph again (every node; under the default ``staged`` memory policy the text encoders and the
+transformer reload), against the bare script's time per further image. The two first images are checked against
+each other too. That is the pack's ``jobs`` path in this process; ``--comfyui DIR`` adds the same graph queued on a
+real ComfyUI server from that checkout (its start not counted; from ``POST /prompt`` on the idle server to
+``execution_success``, SaveImage's PNG included), which adds ComfyUI's own share: validation, its queue, caching.
 
 On 2 CPU cores these figures say what the pack costs against the peers on top of the same computation (overhead
 parity), never what speed-up GPUs give: N ranks on N shared cores are never faster than one process.
@@ -77,6 +80,9 @@ def _parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--interleave", action="store_true", help="on CUDA too: all sides resident at once")
     parser.add_argument("--no-first-image", action="store_true", help="skip the cold-start / first-image timings")
+    parser.add_argument(
+        "--cold", type=int, default=2, help="first images per side from cold, in alternating order (default 2)"
+    )
     parser.add_argument("--first-images", type=int, default=3, help="warm re-runs after the first image (default 3)")
     parser.add_argument(
         "--comfyui",
@@ -102,9 +108,9 @@ def _parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.smoke:
         args.width = args.height = 64
-        args.steps, args.rounds, args.first_images, args.max_sequence_length = 3, 1, 1, 16
-    if args.steps < 3 or args.rounds < 1 or args.ranks < 2 or args.threads < 1 or args.first_images < 1:
-        parser.error("--steps must be at least 3, --ranks at least 2, --rounds, --threads, --first-images at least 1")
+        args.steps, args.rounds, args.first_images, args.cold, args.max_sequence_length = 3, 1, 1, 1, 16
+    if min(args.rounds, args.threads, args.first_images, args.cold) < 1 or args.steps < 3 or args.ranks < 2:
+        parser.error("--steps must be at least 3, --ranks 2, --rounds, --threads, --cold, --first-images 1")
     if min(args.width, args.height) < 16 or args.width % 16 or args.height % 16:
         parser.error("--width and --height must be multiples of 16")
     if args.comfyui is not None and not os.path.isfile(os.path.join(args.comfyui, "main.py")):
@@ -508,11 +514,13 @@ def first_image(
     args: argparse.Namespace,
     log: Callable[[str], None],
 ) -> tuple[dict, jobs.Conditioning]:
-    """Idle process to first image through the pack, against the bare script's launch to first image; then warm
-    re-runs against the bare script's time per further image. Returns the pack's conditioning for the rounds."""
+    """Idle process to first image through the pack, against the bare script's launch to first image, ``--cold``
+    times each in alternating order (pack first, then bare first, ...), each alone on the machine; after the first
+    pack run, warm re-runs against the bare script's time per further image. Returns the pack's conditioning."""
     a = args
-    shutdown_backend()  # idle: nothing started
     sample = dict(steps=a.steps, guidance_scale=a.guidance, width=a.width, height=a.height)
+    result: dict = {"strategy": strategy.name, "memory_policy": spec.memory_policy, "pack": [], "bare": []}
+    found: dict = {}
 
     def graph(seed: int, conditioning: jobs.Conditioning | None = None) -> tuple[torch.Tensor, jobs.Conditioning]:
         if conditioning is None:
@@ -523,74 +531,80 @@ def first_image(
         latents = jobs.sample(handle, conditioning, seed=seed, **sample)
         return jobs.decode(spec, model=model, samples=latents), conditioning
 
-    t0 = time.monotonic()
-    pack_image, conditioning = graph(a.seed)
-    pack_first = time.monotonic() - t0
-    startup = get_backend(spec).startup_s
-    log(f"first image: pack {pack_first:.1f} s from an idle process (backend up in {startup:.1f} s)")
-    new_seed, whole_graph = [], []
-    for i in range(a.first_images):
+    def pack() -> None:
+        shutdown_backend()  # idle: nothing started
         t0 = time.monotonic()
-        graph(a.seed + 1 + i, conditioning)
-        new_seed.append(time.monotonic() - t0)
-        t0 = time.monotonic()
-        graph(a.seed + 1 + i)
-        whole_graph.append(time.monotonic() - t0)
-    log(
-        f"first image: pack warm, new seed {statistics.median(new_seed):.2f} s, "
-        f"whole graph {statistics.median(whole_graph):.2f} s"
-    )
+        found["pack_image"], found["conditioning"] = graph(a.seed)
+        took = time.monotonic() - t0
+        result["pack"].append({"first_s": took, "backend_up_s": get_backend(spec).startup_s})
+        log(f"first image: pack {took:.1f} s from an idle process (backend up in {get_backend(spec).startup_s:.1f} s)")
+        if "pack_new_seed_s" in result:
+            return
+        new_seed, whole_graph = [], []
+        for i in range(a.first_images):
+            t0 = time.monotonic()
+            graph(a.seed + 1 + i, found["conditioning"])
+            new_seed.append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            graph(a.seed + 1 + i)
+            whole_graph.append(time.monotonic() - t0)
+        result["pack_new_seed_s"], result["pack_whole_graph_s"] = new_seed, whole_graph
+        log(
+            f"first image: pack warm, new seed {statistics.median(new_seed):.2f} s, "
+            f"whole graph {statistics.median(whole_graph):.2f} s"
+        )
 
-    get_backend(spec).free()  # the bare script's ranks need the devices' memory for their own copy
-    out = os.path.join(run_dir, "first-image.json")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.ranks}", PEER_RANKS,
-        "--side", "diffusers", "--strategy", strategy.kind, "--model-dir", model_dir, "--device", a.device,
-        "--first-image", out, "--prompt", PROMPT, "--width", str(a.width), "--height", str(a.height),
-        "--steps", str(a.steps), "--guidance", str(a.guidance), "--seed", str(a.seed),
-        "--max-sequence-length", str(a.max_sequence_length), "--images", str(a.first_images),
-    ]  # fmt: skip
-    log_path = os.path.join(run_dir, "first-image.log")
-    with open(log_path, "w") as f:
-        t0 = time.monotonic()
-        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = proc.wait(timeout=START_TIMEOUT_S + RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _end_session(proc)
-        raise SideFailed(f"the bare script did not finish (log: {log_path})") from None
-    exited = time.monotonic() - t0
-    if code != 0:
-        with open(log_path, errors="replace") as f:
-            raise SideFailed(f"the bare script failed: {summarize_failure(f.read())}")
-    with open(out) as f:
-        bare = json.load(f)
-    from safetensors.torch import load_file
+    def bare() -> None:
+        shutdown_backend()  # alone on the machine, and the devices' memory free for its own copy
+        out = os.path.join(run_dir, "first-image.json")
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.ranks}", PEER_RANKS,
+            "--side", "diffusers", "--strategy", strategy.kind, "--model-dir", model_dir, "--device", a.device,
+            "--first-image", out, "--prompt", PROMPT, "--width", str(a.width), "--height", str(a.height),
+            "--steps", str(a.steps), "--guidance", str(a.guidance), "--seed", str(a.seed),
+            "--max-sequence-length", str(a.max_sequence_length), "--images", str(a.first_images),
+        ]  # fmt: skip
+        log_path = os.path.join(run_dir, "first-image.log")
+        with open(log_path, "w") as f:
+            t0 = time.monotonic()
+            proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=START_TIMEOUT_S + RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _end_session(proc)
+            raise SideFailed(f"the bare script did not finish (log: {log_path})") from None
+        exited = time.monotonic() - t0
+        if code != 0:
+            with open(log_path, errors="replace") as f:
+                raise SideFailed(f"the bare script failed: {summarize_failure(f.read())}")
+        with open(out) as f:
+            run = json.load(f)
+        from safetensors.torch import load_file
 
-    bare_image = load_file(bare["image"])["images"]
-    result = {
-        "strategy": strategy.name,
-        "memory_policy": spec.memory_policy,
-        "pack_first_s": pack_first,
-        "pack_backend_up_s": startup,
-        "pack_new_seed_s": new_seed,
-        "pack_whole_graph_s": whole_graph,
-        "bare_first_s": bare["first_image_at"] - t0,
-        "bare_ranks_up_s": bare["ranks_up_at"] - t0,
-        "bare_imported_s": bare["imported_at"] - t0,
-        "bare_load_s": bare["load_s"],
-        "bare_exit_s": exited,
-        "bare_per_image_s": bare["per_image_s"],
-        "image_max_diff": _max_diff(pack_image, bare_image),
-    }
-    log(
-        f"first image: bare script {result['bare_first_s']:.1f} s from launch, "
-        f"{statistics.median(bare['per_image_s']):.2f} s per further image"
-    )
+        found["bare_image"] = load_file(run["image"])["images"]
+        result["bare"].append(
+            {
+                "first_s": run["first_image_at"] - t0,
+                "ranks_up_s": run["ranks_up_at"] - t0,
+                "imported_s": run["imported_at"] - t0,
+                "load_s": run["load_s"],
+                "exit_s": exited,
+                "per_image_s": run["per_image_s"],
+            }
+        )
+        log(
+            f"first image: bare script {run['first_image_at'] - t0:.1f} s from launch, "
+            f"{statistics.median(run['per_image_s']):.2f} s per further image"
+        )
+
+    for i in range(a.cold):
+        for side in (pack, bare) if i % 2 == 0 else (bare, pack):
+            side()
+    result["image_max_diff"] = _max_diff(found["pack_image"], found["bare_image"])
     if a.comfyui is not None:
         shutdown_backend()  # the server starts its own backend: one backend owns the devices at a time
-        result["comfyui"] = comfyui_first_image(strategy, model, model_dir, bare_image, a, log)
-    return result, conditioning
+        result["comfyui"] = comfyui_first_image(strategy, model, model_dir, found["bare_image"], a, log)
+    return result, found["conditioning"]
 
 
 def comfyui_first_image(
@@ -792,34 +806,42 @@ def print_report(report: dict) -> None:
     if not first:
         return
     med = statistics.median
+    pack, bare, comfyui = first["pack"], first["bare"], first.get("comfyui")
     print()
     print(
         f"first image ({first['strategy']}, memory_policy {first['memory_policy']}; pack: this process with no "
-        "backend running, through the nodes' steps; bare: torchrun launch to its first image)"
+        "backend running, through the nodes' steps; bare: torchrun launch to its first image; "
+        f"cold: median of {len(pack)} each, alternating which goes first)"
     )
-    comfyui = first.get("comfyui")
     print(
         f"{'':>40} {'pack':>8} {'bare script':>12} {'ratio':>7}" + (f" {'ComfyUI':>9} {'ratio':>7}" if comfyui else "")
     )
-    bare_next = med(first["bare_per_image_s"])
+    bare_next = med(s for run in bare for s in run["per_image_s"])
     rows = [
-        ("idle / launch to first image", first["pack_first_s"], first["bare_first_s"], "first_s"),
+        ("idle / launch to first image", med(r["first_s"] for r in pack), med(r["first_s"] for r in bare), "first_s"),
         ("warm, new seed (sampler + decoder)", med(first["pack_new_seed_s"]), bare_next, "new_seed_s"),
         ("warm, whole graph again (every node)", med(first["pack_whole_graph_s"]), bare_next, "new_prompt_s"),
     ]
-    for label, pack, bare, key in rows:
-        line = f"{label:>40} {pack:>7.2f}s {bare:>11.2f}s {pack / bare:>6.2f}×"
+    for label, pack_s, bare_s, key in rows:
+        line = f"{label:>40} {pack_s:>7.2f}s {bare_s:>11.2f}s {pack_s / bare_s:>6.2f}×"
         if comfyui:
             server = comfyui[key] if key == "first_s" else med(comfyui[key])
-            line += f" {server:>8.2f}s {server / bare:>6.2f}×"
+            line += f" {server:>8.2f}s {server / bare_s:>6.2f}×"
         print(line)
     print(
-        f"pack: backend up (ranks started with diffusers imported, client connected) after "
-        f"{first['pack_backend_up_s']:.1f} s; bare script: process group formed after {first['bare_ranks_up_s']:.1f} "
-        f"s, diffusers imported after {first['bare_imported_s']:.1f} s, pipeline loaded {first['bare_load_s']:.1f} s "
-        f"later, exit after {first['bare_exit_s']:.1f} s; warm: medians of "
-        f"{len(first['bare_per_image_s'])} images (the bare script's further images run the whole pipeline from the "
-        f"prompt); first images: max |Δ| {first['image_max_diff']:.1e}"
+        "cold runs, pack: "
+        + ", ".join(f"{r['first_s']:.1f} s (backend up {r['backend_up_s']:.1f})" for r in pack)
+        + "; bare: "
+        + ", ".join(
+            f"{r['first_s']:.1f} s (process group {r['ranks_up_s']:.1f}, diffusers imported {r['imported_s']:.1f}, "
+            f"loaded +{r['load_s']:.1f}, exit {r['exit_s']:.1f})"
+            for r in bare
+        )
+    )
+    print(
+        "pack: backend up = ranks started with diffusers imported (the CPU shims patch it) and the client connected; "
+        f"warm: medians of {len(first['pack_new_seed_s'])} images, the bare script's further images run the whole "
+        f"pipeline from the prompt; first images, pack against bare: max |Δ| {first['image_max_diff']:.1e}"
     )
     if comfyui:
         print(

@@ -45,6 +45,9 @@ def test_peers_smoke_runs_every_side_and_the_outputs_agree():
             assert "error" in row["sides"]["cache-dit"] or "ms_per_step" in row["sides"]["cache-dit"]
     first = report["first_image"]
     assert first["image_max_diff"] <= report["tolerance"]
-    assert first["pack_first_s"] > first["pack_backend_up_s"] > 0
-    assert first["bare_first_s"] > first["bare_ranks_up_s"] > 0
-    assert len(first["pack_new_seed_s"]) == len(first["pack_whole_graph_s"]) == len(first["bare_per_image_s"]) == 1
+    # --smoke: one cold run per side, one warm re-run.
+    assert [run["first_s"] > run["backend_up_s"] > 0 for run in first["pack"]] == [True]
+    assert [run["first_s"] > run["imported_s"] > run["ranks_up_s"] > 0 for run in first["bare"]] == [True]
+    assert (
+        len(first["pack_new_seed_s"]) == len(first["pack_whole_graph_s"]) == len(first["bare"][0]["per_image_s"]) == 1
+    )
