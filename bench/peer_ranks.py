@@ -3,9 +3,9 @@
 script does it, or by cache-dit (its caching off). Run by ``peers.py``; by hand:
 
     torchrun --standalone --nproc-per-node 2 bench/peer_ranks.py --side diffusers --strategy ulysses \\
-        --model-dir DIR --serve SOCKET            # step timing: stays up, one generation per request
+        --model-dir DIR --serve SOCKET            # stays up, one generation per request from peers.py
     torchrun --standalone --nproc-per-node 2 bench/peer_ranks.py --side diffusers --strategy ulysses \\
-        --model-dir DIR --first-image OUT.json    # cold start: launch to first image, then per-image times
+        --model-dir DIR --first-image OUT.json    # cold start: launch to first image, then exit
 
 How each side builds the transformer (one function each, below, so the recipes can be read against their docs):
 
@@ -22,16 +22,17 @@ How each side builds the transformer (one function each, below, so the recipes c
 
 Both sides then wrap the transformer in a ``FluxPipeline`` loaded from the same folder and call it with the same
 seed, size, steps and guidance. In ``--serve`` mode rank 0 connects to ``peers.py``'s unix socket, the ranks load
-once and then run one generation per request, from the embeddings ``peers.py`` encoded with the pack (so every side
-denoises the same inputs); rank 0 sends one line per step from the pipeline's ``callback_on_step_end``, where the
-pack's backend sends its progress event, and ``peers.py`` reads the clock as each line arrives. Requests reach the
-other ranks over a gloo group, so ranks waiting for the next request sleep in a socket read rather than spin in an
-accelerator collective. The latents go back unpacked and scaled as the pack returns them (ComfyUI's LATENT
-convention), written to a safetensors file.
+once and then serve one request at a time. ``run``: latents from the embeddings ``peers.py`` encoded with the pack
+(so every side denoises the same inputs), rank 0 sending one line per step from the pipeline's
+``callback_on_step_end``, where the pack's backend sends its progress event, and ``peers.py`` reading the clock as
+each line arrives; the latents go back unpacked and scaled as the pack returns them (ComfyUI's LATENT convention).
+``image``: a whole image from the prompt (text encoders, transformer, VAE), as a user's script makes its next image.
+Results travel as safetensors files. Requests reach the other ranks over a gloo group, so ranks waiting for the next
+request sleep in a socket read rather than spin in an accelerator collective.
 
-In ``--first-image`` mode each rank runs the whole pipeline from the prompt (text encoders, transformer, VAE) as a
-user's script would: rank 0 writes when its first image was ready (``time.monotonic()``, the clock ``peers.py``
-read before launching torchrun) and how long each further image took.
+In ``--first-image`` mode the ranks load everything and make one image from the prompt, as a user's script does
+from launch; rank 0 writes when its process group was up, diffusers imported, the pipeline loaded and the image
+ready (``time.monotonic()``, the clock ``peers.py`` read before launching torchrun).
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=3.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-sequence-length", type=int, default=64)
-    parser.add_argument("--images", type=int, default=3, help="--first-image: images after the first, each timed")
     return parser.parse_args()
 
 
@@ -149,11 +149,54 @@ class Link:
         return json.loads(line)
 
 
+def image(pipe, prompt: str, seed: int, steps: int, guidance: float, width: int, height: int, tokens: int):
+    """One image the way a user's script makes it: the whole pipeline from the prompt; ComfyUI's IMAGE layout."""
+    images = pipe(
+        prompt=prompt,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        height=height,
+        width=width,
+        max_sequence_length=tokens,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="pt",
+    ).images
+    return images.permute(0, 2, 3, 1).float().cpu().contiguous()
+
+
+def denoise(pipe, request: dict, device: torch.device, on_step) -> torch.Tensor:
+    """Latents from the embeddings peers.py encoded with the pack, unpacked and scaled as the pack returns them."""
+    from safetensors.torch import load_file
+
+    embeds = load_file(request["conditioning"])
+    dtype = pipe.transformer.dtype
+    packed = pipe(
+        prompt_embeds=embeds["prompt_embeds"].to(device=device, dtype=dtype),
+        pooled_prompt_embeds=embeds["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+        num_inference_steps=request["steps"],
+        guidance_scale=request["guidance"],
+        height=request["height"],
+        width=request["width"],
+        generator=torch.Generator("cpu").manual_seed(request["seed"]),
+        output_type="latent",
+        callback_on_step_end=on_step,
+    ).images
+    return comfy_latents(pipe, packed, request["height"], request["width"])
+
+
 def serve(args: argparse.Namespace, rank: int, ranks: int, device: torch.device) -> None:
-    from safetensors.torch import load_file, save_file
+    """Load once, then one request at a time from peers.py: ``run`` (latents from the pack's embeddings, a line per
+    step) or ``image`` (a whole image from the prompt), until ``quit`` or until peers.py goes away."""
+    from safetensors.torch import save_file
 
     control = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
     link = Link(args.serve) if rank == 0 else None
+
+    def step_end(pipeline, step_index, timestep, callback_kwargs):
+        if link:
+            link.send(step=step_index + 1)
+        return {}
+
     try:
         t0 = time.monotonic()
         pipe = load_pipeline(args, ranks, device)
@@ -165,27 +208,17 @@ def serve(args: argparse.Namespace, rank: int, ranks: int, device: torch.device)
             request = request[0]
             if request["op"] == "quit":
                 return
-            embeds = load_file(request["conditioning"])
-            dtype = pipe.transformer.dtype
-
-            def step_end(pipeline, step_index, timestep, callback_kwargs):
-                if link:
-                    link.send(step=step_index + 1)
-                return {}
-
-            packed = pipe(
-                prompt_embeds=embeds["prompt_embeds"].to(device=device, dtype=dtype),
-                pooled_prompt_embeds=embeds["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-                num_inference_steps=request["steps"],
-                guidance_scale=request["guidance"],
-                height=request["height"],
-                width=request["width"],
-                generator=torch.Generator("cpu").manual_seed(request["seed"]),
-                output_type="latent",
-                callback_on_step_end=step_end,
-            ).images
+            if request["op"] == "run":
+                out = {"samples": denoise(pipe, request, device, step_end)}
+            else:
+                r = request
+                out = {
+                    "images": image(
+                        pipe, r["prompt"], r["seed"], r["steps"], r["guidance"], r["width"], r["height"], r["tokens"]
+                    )
+                }
             if link:
-                save_file({"samples": comfy_latents(pipe, packed, request["height"], request["width"])}, request["out"])
+                save_file(out, request["out"])
                 link.send(done=request["out"])
     except BaseException:
         if link:  # the error travels to peers.py, which shows its last line; the whole traceback is in the log
@@ -197,47 +230,24 @@ def serve(args: argparse.Namespace, rank: int, ranks: int, device: torch.device)
 
 
 def first_image(args: argparse.Namespace, rank: int, ranks: int, device: torch.device) -> None:
-    """Launch to first image as a user's script runs: everything from the prompt, then a few more images."""
+    """Launch to first image as a user's script runs: load everything, one image from the prompt, exit."""
     from safetensors.torch import save_file
-
-    def image(seed: int) -> torch.Tensor:
-        return pipe(
-            prompt=args.prompt,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
-            height=args.height,
-            width=args.width,
-            max_sequence_length=args.max_sequence_length,
-            generator=torch.Generator("cpu").manual_seed(seed),
-            output_type="pt",
-        ).images
 
     ranks_up_at = time.monotonic()  # torch imported, process group formed
     import diffusers  # noqa: F401  (the pack's ranks import it before they report up: its CPU shims patch it)
 
     imported_at = time.monotonic()
     pipe = load_pipeline(args, ranks, device)
-    load_s = time.monotonic() - imported_at
-    first = image(args.seed)
+    loaded_at = time.monotonic()
+    a = args
+    first = image(pipe, a.prompt, a.seed, a.steps, a.guidance, a.width, a.height, a.max_sequence_length)
     first_at = time.monotonic()
-    per_image = []
-    for i in range(args.images):
-        t0 = time.monotonic()
-        image(args.seed + 1 + i)
-        per_image.append(time.monotonic() - t0)
     if rank == 0:
         out = os.path.splitext(args.first_image)[0] + ".safetensors"
-        save_file({"images": first.permute(0, 2, 3, 1).float().cpu().contiguous()}, out)  # ComfyUI's IMAGE layout
-        result = {
-            "ranks_up_at": ranks_up_at,
-            "imported_at": imported_at,
-            "first_image_at": first_at,
-            "load_s": load_s,
-            "per_image_s": per_image,
-            "image": out,
-        }
+        save_file({"images": first}, out)
+        times = {"ranks_up_at": ranks_up_at, "imported_at": imported_at, "loaded_at": loaded_at}
         with open(args.first_image, "w") as f:
-            json.dump(result, f)
+            json.dump(dict(times, first_image_at=first_at, image=out), f)
 
 
 def main() -> int:

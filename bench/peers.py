@@ -42,13 +42,14 @@ The first image (``--no-first-image`` skips it; on the first strategy), before t
 backend running (what an idle ComfyUI has: torch and the pack imported, nothing started) through encode,
 transformer, sample and decode to the IMAGE tensor, against ``torchrun bench/peer_ranks.py --first-image`` from
 launch to its first image (``FluxPipeline`` from the prompt to the image, as a user's script runs); ``--cold`` times
-each (default 2), alternating which goes first, each alone on the machine, medians reported. After the first pack
-run, warm re-runs: the pack with a new seed (what ComfyUI re-executes when only the seed changes: sampler and
-decoder) and the whole graph again (every node; under the default ``staged`` memory policy the text encoders and the
-transformer reload), against the bare script's time per further image. The two first images are checked against
-each other too. That is the pack's ``jobs`` path in this process; ``--comfyui DIR`` adds the same graph queued on a
-real ComfyUI server from that checkout (its start not counted; from ``POST /prompt`` on the idle server to
-``execution_success``, SaveImage's PNG included), which adds ComfyUI's own share: validation, its queue, caching.
+each (default 2), alternating which goes first, each alone on the machine, medians reported. Then warm images,
+interleaved as the rounds are (``--first-images`` of each, default 3): the pack with a new seed (what ComfyUI
+re-executes when only the seed changes: sampler and decoder) and the whole graph again (every node; under the
+default ``staged`` memory policy the text encoders and the transformer reload), against the bare script's next image
+from the prompt in its running torchrun group. The two first images are checked against each other too. That is the
+pack's ``jobs`` path in this process; ``--comfyui DIR`` adds the same graph queued on a real ComfyUI server from
+that checkout (its start not counted; from ``POST /prompt`` on the idle server to ``execution_success``, SaveImage's
+PNG included), which adds ComfyUI's own share: validation, its queue, caching.
 
 On 2 CPU cores these figures say what the pack costs against the peers on top of the same computation (overhead
 parity), never what speed-up GPUs give: N ranks on N shared cores are never faster than one process.
@@ -83,7 +84,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--cold", type=int, default=2, help="first images per side from cold, in alternating order (default 2)"
     )
-    parser.add_argument("--first-images", type=int, default=3, help="warm re-runs after the first image (default 3)")
+    parser.add_argument("--first-images", type=int, default=3, help="warm images per side, interleaved (default 3)")
     parser.add_argument(
         "--comfyui",
         nargs="?",
@@ -319,14 +320,12 @@ class PeerSide:
             text = f.read()
         return summarize_failure(text) if text.strip() else f"{what} with no output (log: {self.log_path})"
 
-    def run(self) -> Run:
+    def _request(self, op: str, **fields: object) -> tuple[list[float], float, dict]:
+        """Send one request; the clock at each step line and at the "done" line, and the result's tensors."""
         a = self.args
-        out = os.path.join(self.run_dir, f"{self.name}-latents.safetensors")
-        request = {
-            "op": "run", "seed": a.seed, "steps": a.steps, "guidance": a.guidance, "width": a.width,
-            "height": a.height, "conditioning": self.conditioning_file, "out": out,
-        }  # fmt: skip
-        self.conn.sendall(json.dumps(request).encode() + b"\n")
+        out = os.path.join(self.run_dir, f"{self.name}-{op}.safetensors")
+        request = {"op": op, "steps": a.steps, "guidance": a.guidance, "width": a.width, "height": a.height}
+        self.conn.sendall(json.dumps(dict(request, out=out, **fields)).encode() + b"\n")
         deadline = time.monotonic() + RUN_TIMEOUT_S
         marks: list[float] = []
         while True:
@@ -334,10 +333,19 @@ class PeerSide:
             if "step" in message:
                 marks.append(arrived)
             elif "done" in message:
-                break
-        from safetensors.torch import load_file
+                from safetensors.torch import load_file
 
-        return Run(step_intervals(marks, a.steps), load_file(out)["samples"])
+                return marks, arrived, load_file(out)
+
+    def run(self) -> Run:
+        marks, _, result = self._request("run", seed=self.args.seed, conditioning=self.conditioning_file)
+        return Run(step_intervals(marks, self.args.steps), result["samples"])
+
+    def image(self, seed: int) -> tuple[float, torch.Tensor]:
+        """Seconds from the request to rank 0's "done" for a whole image from the prompt, and the image."""
+        t0 = time.perf_counter()
+        _, done, result = self._request("image", seed=seed, prompt=PROMPT, tokens=self.args.max_sequence_length)
+        return done - t0, result["images"]
 
     def close(self) -> None:
         if self.proc is None:
@@ -505,54 +513,52 @@ def bench_strategy(
     return row
 
 
+def write_conditioning(conditioning: jobs.Conditioning, path: str) -> str:
+    """The pack's embeddings for the peers' ``run`` requests: every side denoises the same inputs."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in conditioning.tensors.items()}, path)
+    return path
+
+
 def first_image(
     strategy: Strategy,
     spec: BackendSpec,
     model: str,
     model_dir: str,
     run_dir: str,
+    interleave: bool,
     args: argparse.Namespace,
     log: Callable[[str], None],
 ) -> tuple[dict, jobs.Conditioning]:
     """Idle process to first image through the pack, against the bare script's launch to first image, ``--cold``
-    times each in alternating order (pack first, then bare first, ...), each alone on the machine; after the first
-    pack run, warm re-runs against the bare script's time per further image. Returns the pack's conditioning."""
+    times each in alternating order (pack first, then bare first, ...), each alone on the machine. Then warm images,
+    interleaved like the rounds: the pack re-running the graph with a new seed and whole, against the bare script's
+    next image from the prompt. Returns the pack's conditioning."""
     a = args
     sample = dict(steps=a.steps, guidance_scale=a.guidance, width=a.width, height=a.height)
     result: dict = {"strategy": strategy.name, "memory_policy": spec.memory_policy, "pack": [], "bare": []}
     found: dict = {}
 
-    def graph(seed: int, conditioning: jobs.Conditioning | None = None) -> tuple[torch.Tensor, jobs.Conditioning]:
+    def graph(seed: int, conditioning: jobs.Conditioning | None = None) -> torch.Tensor:
+        """The four nodes' steps; with ``conditioning``, what ComfyUI re-executes for a new seed (its encoder's
+        output is cached)."""
         if conditioning is None:
             conditioning = jobs.encode_prompt(
                 spec, model=model, prompt=PROMPT, max_sequence_length=a.max_sequence_length
             )
+            found["conditioning"] = conditioning
         handle = jobs.plan_transformer(spec, model=model, **strategy.pack)
         latents = jobs.sample(handle, conditioning, seed=seed, **sample)
-        return jobs.decode(spec, model=model, samples=latents), conditioning
+        return jobs.decode(spec, model=model, samples=latents)
 
     def pack() -> None:
         shutdown_backend()  # idle: nothing started
         t0 = time.monotonic()
-        found["pack_image"], found["conditioning"] = graph(a.seed)
-        took = time.monotonic() - t0
-        result["pack"].append({"first_s": took, "backend_up_s": get_backend(spec).startup_s})
-        log(f"first image: pack {took:.1f} s from an idle process (backend up in {get_backend(spec).startup_s:.1f} s)")
-        if "pack_new_seed_s" in result:
-            return
-        new_seed, whole_graph = [], []
-        for i in range(a.first_images):
-            t0 = time.monotonic()
-            graph(a.seed + 1 + i, found["conditioning"])
-            new_seed.append(time.monotonic() - t0)
-            t0 = time.monotonic()
-            graph(a.seed + 1 + i)
-            whole_graph.append(time.monotonic() - t0)
-        result["pack_new_seed_s"], result["pack_whole_graph_s"] = new_seed, whole_graph
-        log(
-            f"first image: pack warm, new seed {statistics.median(new_seed):.2f} s, "
-            f"whole graph {statistics.median(whole_graph):.2f} s"
-        )
+        found["pack_image"] = graph(a.seed)
+        took, up = time.monotonic() - t0, get_backend(spec).startup_s
+        result["pack"].append({"first_s": took, "backend_up_s": up})
+        log(f"first image: pack {took:.1f} s from an idle process (backend up after {up:.1f} s)")
 
     def bare() -> None:
         shutdown_backend()  # alone on the machine, and the devices' memory free for its own copy
@@ -562,7 +568,7 @@ def first_image(
             "--side", "diffusers", "--strategy", strategy.kind, "--model-dir", model_dir, "--device", a.device,
             "--first-image", out, "--prompt", PROMPT, "--width", str(a.width), "--height", str(a.height),
             "--steps", str(a.steps), "--guidance", str(a.guidance), "--seed", str(a.seed),
-            "--max-sequence-length", str(a.max_sequence_length), "--images", str(a.first_images),
+            "--max-sequence-length", str(a.max_sequence_length),
         ]  # fmt: skip
         log_path = os.path.join(run_dir, "first-image.log")
         with open(log_path, "w") as f:
@@ -587,20 +593,51 @@ def first_image(
                 "first_s": run["first_image_at"] - t0,
                 "ranks_up_s": run["ranks_up_at"] - t0,
                 "imported_s": run["imported_at"] - t0,
-                "load_s": run["load_s"],
+                "loaded_s": run["loaded_at"] - t0,
                 "exit_s": exited,
-                "per_image_s": run["per_image_s"],
             }
         )
-        log(
-            f"first image: bare script {run['first_image_at'] - t0:.1f} s from launch, "
-            f"{statistics.median(run['per_image_s']):.2f} s per further image"
-        )
+        log(f"first image: bare script {run['first_image_at'] - t0:.1f} s from launch")
 
     for i in range(a.cold):
         for side in (pack, bare) if i % 2 == 0 else (bare, pack):
             side()
     result["image_max_diff"] = _max_diff(found["pack_image"], found["bare_image"])
+
+    # Warm: every side loaded and past its first image (untimed), then --first-images rounds.
+    graph(a.seed)
+    conditioning_file = write_conditioning(found["conditioning"], os.path.join(run_dir, "conditioning.safetensors"))
+    peer = PeerSide("diffusers", a, model_dir, conditioning_file, run_dir)
+    warm: dict[str, list[float]] = {"new_seed": [], "whole_graph": [], "bare": []}
+
+    def timed(name: str, seed: int) -> None:
+        if name == "bare":
+            warm[name].append(peer.image(seed)[0])
+            return
+        t0 = time.perf_counter()
+        graph(seed, found["conditioning"] if name == "new_seed" else None)
+        warm[name].append(time.perf_counter() - t0)
+
+    try:
+        if not interleave:  # CUDA: the pack's images first, then its models freed for the bare script's
+            for i in range(a.first_images):
+                timed("new_seed", a.seed + 1 + i)
+                timed("whole_graph", a.seed + 1 + i)
+            get_backend(spec).free()
+        peer.load(strategy)
+        peer.image(a.seed)
+        for i in range(a.first_images):
+            names = list(warm) if interleave else ["bare"]
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                timed(name, a.seed + 1 + i)
+    finally:
+        peer.close()
+    result.update(pack_new_seed_s=warm["new_seed"], pack_whole_graph_s=warm["whole_graph"], bare_next_s=warm["bare"])
+    med = statistics.median
+    log(
+        f"first image: warm, pack new seed {med(warm['new_seed']):.2f} s, whole graph {med(warm['whole_graph']):.2f} "
+        f"s; bare script's next image {med(warm['bare']):.2f} s"
+    )
     if a.comfyui is not None:
         shutdown_backend()  # the server starts its own backend: one backend owns the devices at a time
         result["comfyui"] = comfyui_first_image(strategy, model, model_dir, found["bare_image"], a, log)
@@ -707,11 +744,10 @@ def run(args: argparse.Namespace, model_dir: str, run_dir: str, log: Callable[[s
                 spec, model=model, prompt=PROMPT, max_sequence_length=args.max_sequence_length
             )
         else:
-            report["first_image"], conditioning = first_image(rows[0], spec, model, model_dir, run_dir, args, log)
-        from safetensors.torch import save_file
-
-        conditioning_file = os.path.join(run_dir, "conditioning.safetensors")
-        save_file({k: v.contiguous() for k, v in conditioning.tensors.items()}, conditioning_file)
+            report["first_image"], conditioning = first_image(
+                rows[0], spec, model, model_dir, run_dir, interleave, args, log
+            )
+        conditioning_file = write_conditioning(conditioning, os.path.join(run_dir, "conditioning.safetensors"))
         for strategy in rows:
             sides = [
                 PackSide(spec, model, conditioning, args),
@@ -809,14 +845,16 @@ def print_report(report: dict) -> None:
     pack, bare, comfyui = first["pack"], first["bare"], first.get("comfyui")
     print()
     print(
-        f"first image ({first['strategy']}, memory_policy {first['memory_policy']}; pack: this process with no "
-        "backend running, through the nodes' steps; bare: torchrun launch to its first image; "
-        f"cold: median of {len(pack)} each, alternating which goes first)"
+        f"first image ({first['strategy']}, memory_policy {first['memory_policy']}): cold, this process with no "
+        "backend running through the nodes' steps against torchrun's launch of the bare script to its first image "
+        f"(median of {len(pack)} each, alternating which goes first); warm, "
+        + ("interleaved" if report["interleaved"] else "one side after the other")
+        + f" (median of {len(first['bare_next_s'])} each)"
     )
     print(
         f"{'':>40} {'pack':>8} {'bare script':>12} {'ratio':>7}" + (f" {'ComfyUI':>9} {'ratio':>7}" if comfyui else "")
     )
-    bare_next = med(s for run in bare for s in run["per_image_s"])
+    bare_next = med(first["bare_next_s"])
     rows = [
         ("idle / launch to first image", med(r["first_s"] for r in pack), med(r["first_s"] for r in bare), "first_s"),
         ("warm, new seed (sampler + decoder)", med(first["pack_new_seed_s"]), bare_next, "new_seed_s"),
@@ -834,20 +872,21 @@ def print_report(report: dict) -> None:
         + "; bare: "
         + ", ".join(
             f"{r['first_s']:.1f} s (process group {r['ranks_up_s']:.1f}, diffusers imported {r['imported_s']:.1f}, "
-            f"loaded +{r['load_s']:.1f}, exit {r['exit_s']:.1f})"
+            f"loaded {r['loaded_s']:.1f}, exited {r['exit_s']:.1f})"
             for r in bare
         )
     )
     print(
         "pack: backend up = ranks started with diffusers imported (the CPU shims patch it) and the client connected; "
-        f"warm: medians of {len(first['pack_new_seed_s'])} images, the bare script's further images run the whole "
-        f"pipeline from the prompt; first images, pack against bare: max |Δ| {first['image_max_diff']:.1e}"
+        "bare warm: its next image from the prompt (text encoders, transformer, VAE) in the running torchrun group; "
+        f"first images, pack against bare: max |Δ| {first['image_max_diff']:.1e}"
     )
     if comfyui:
         print(
             f"ComfyUI {comfyui['version']}: POST /prompt on an idle server (up after {comfyui['server_start_s']:.1f} "
-            "s, not counted) to execution_success, SaveImage's PNG included; whole graph again: a new prompt; its "
-            f"PNG against the bare script's first image: max |Δ| {comfyui['image_max_diff']:.1e} (8-bit)"
+            "s, not counted) to execution_success, SaveImage's PNG included, not interleaved; whole graph again: a "
+            f"new prompt; its PNG against the bare script's first image: max |Δ| {comfyui['image_max_diff']:.1e} "
+            "(8-bit)"
         )
 
 
