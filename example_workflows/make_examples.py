@@ -246,7 +246,9 @@ def describe(class_name: str):
     if class_name == "SaveImage":
         return SAVE_IMAGE["INPUT_TYPES"], SAVE_IMAGE["RETURN_TYPES"], SAVE_IMAGE["RETURN_NAMES"], SAVE_IMAGE["title"]
     cls = NODES_BY_ID[class_name]
-    return cls.INPUT_TYPES(include_hidden=False), cls.RETURN_TYPES, cls.RETURN_NAMES, cls.define_schema().display_name
+    # Only the sockets and widgets a workflow holds (ComfyUI 0.26 dropped INPUT_TYPES' include_hidden argument).
+    inputs = {section: specs for section, specs in cls.INPUT_TYPES().items() if section in ("required", "optional")}
+    return inputs, cls.RETURN_TYPES, cls.RETURN_NAMES, cls.define_schema().display_name
 
 
 def is_widget(spec) -> bool:

@@ -51,7 +51,7 @@ CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
 def test_saved_workflows_keep_their_inputs(nodes):
     assert set(nodes) == set(CONTRACT)
     for node_id, (required, optional, outputs) in CONTRACT.items():
-        types = nodes[node_id].INPUT_TYPES(include_hidden=False)
+        types = nodes[node_id].INPUT_TYPES()  # no include_hidden: ComfyUI 0.26 dropped that argument
         assert list(types.get("required", {}))[: len(required)] == required, node_id
         assert list(types.get("required", {})) == required, f"{node_id}: a new input must be optional, and last"
         assert list(types.get("optional", {}))[: len(optional)] == optional, node_id
