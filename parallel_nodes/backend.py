@@ -47,6 +47,27 @@ class ParallelBackend(io.ComfyNode):
                         "resident: keep everything loaded (faster prompt changes)."
                     ),
                 ),
+                # Last: UI-format workflows store widget values by position, so saved graphs keep loading.
+                io.String.Input(
+                    "gpus",
+                    default="",
+                    optional=True,
+                    tooltip=(
+                        "The GPUs the backend uses, as nvidia-smi numbers them, e.g. 0,1,2,3. Empty: every GPU "
+                        "ComfyUI's process sees (COMFY_PARALLEL_VISIBLE_DEVICES overrides). ComfyUI started with "
+                        "--cuda-device sees one GPU only: list the others here."
+                    ),
+                ),
+                io.Boolean.Input(
+                    "free_comfyui_vram",
+                    default=True,
+                    optional=True,
+                    tooltip=(
+                        "Before each of the pack's steps on a GPU ComfyUI uses, unload ComfyUI's own models from it "
+                        "(as ComfyUI's nodes make room), so the two do not run it out of memory together. Off: they "
+                        "stay loaded."
+                    ),
+                ),
             ],
             outputs=[
                 Backend.Output(
@@ -67,4 +88,12 @@ class ParallelBackend(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
-        return io.NodeOutput(default_spec(device=w["device"], ranks=w["ranks"], memory_policy=w["memory_policy"]))
+        return io.NodeOutput(
+            default_spec(
+                device=w["device"],
+                ranks=w["ranks"],
+                memory_policy=w["memory_policy"],
+                gpus=w["gpus"],
+                free_comfyui_vram=w["free_comfyui_vram"],
+            )
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -14,29 +15,73 @@ import torch
 
 from .families import REGISTRY, family
 
+DOCTOR_STEP_S = 60.0
+P2P_ADVICE = (
+    "peer-to-peer between these GPUs is broken here (wrong bytes arrived, or a transfer hung): start ComfyUI with "
+    "NCCL_P2P_DISABLE=1 in its environment (the ranks inherit it) so that NCCL goes through host memory instead; "
+    "the usual cause is the IOMMU or PCIe ACS, which the machine's BIOS or kernel settings control"
+)
+COPY_ADVICE = (
+    "copies between two GPUs in one process came back wrong: device_map placement moves activations that way, so "
+    "prefer data_parallel or context_parallel (with NCCL_P2P_DISABLE=1) until the peer-to-peer path is fixed"
+)
 
-def doctor(ranks: int, device: str) -> dict:
-    """Start a backend, run status + a collective + an arena round trip, shut it down; a report dict."""
+
+def advice_for(pairs: list, failed_step: str | None, device: str) -> list[str]:
+    """What to do about the peer-to-peer check's findings (``PeerCopy`` pairs), or about a GPU collective that hung
+    (``failed_step``: the step the deadline ended)."""
+    advice = []
+    if any(not p.ok for p in pairs if p.kind == "collective") or (
+        device == "cuda" and failed_step in ("all-reduce", "peer-to-peer")
+    ):
+        advice.append(P2P_ADVICE)
+    if any(not p.ok for p in pairs if p.kind == "copy"):
+        advice.append(COPY_ADVICE)
+    return advice
+
+
+def doctor(ranks: int, device: str, step_s: float = DOCTOR_STEP_S) -> dict:
+    """Start a backend, run status, a timed all-reduce, a peer-to-peer check of every rank pair (and of every GPU
+    pair of rank 0) and a shared-memory round trip, then shut it down; a report dict. Every step has a deadline of
+    ``step_s`` (starting, twice that): a step that hangs fails the report, naming the step, instead of waiting."""
     from . import Backend, ParallelRuntimeError
     from .arena import shm_free_bytes
     from .spec import default_spec
-    from .wire import AllreduceArgs, EchoArgs
+    from .watchdog import Deadlines
+    from .wire import AllreduceArgs, EchoArgs, PeersArgs
 
     spec = default_spec(device=device, ranks=ranks)
+    pairs: list = []
     report: dict = {
         "world_size": None,
         "device": spec.device,
         "ranks": [],
         "startup_s": None,
         "collective_ok": False,
+        "peers_ok": False,
+        "peers": [],
         "roundtrip_ok": False,
         "shm_free_gib": round(shm_free_bytes() / 2**30, 2),
         "errors": [],
+        "advice": [],
     }
-    backend = Backend(spec)
+    backend = Backend(
+        spec, startup_timeout=2 * step_s, deadlines=Deadlines(load_s=step_s, stall_floor_s=step_s, cancel_s=step_s)
+    )
+    step = "start"
+    last_progress: list[str] = []
+
+    def timed_call(name: str, args: object, **kwargs: Any) -> Any:
+        nonlocal step
+        step = name
+        return backend.call(
+            args, timeout=step_s, on_progress=lambda s, t, text: text and last_progress.append(text), **kwargs
+        )
+
     try:
         backend.start()
         report["startup_s"] = round(backend.startup_s, 3)
+        step = "status"
         status = backend.status()
         report["world_size"] = status.world_size
         report["ranks"] = [
@@ -52,8 +97,13 @@ def doctor(ranks: int, device: str) -> dict:
             for r in status.ranks
         ]
         x = torch.arange(1024, dtype=torch.float32)
-        reduced = backend.call(AllreduceArgs(), tensors={"x": x})
+        t0 = time.perf_counter()
+        reduced = timed_call("all-reduce", AllreduceArgs(), tensors={"x": x})
+        report["collective_s"] = round(time.perf_counter() - t0, 4)
         report["collective_ok"] = torch.equal(reduced.tensors["x"], x * reduced.result.expected_factor)
+        pairs = [p for r in timed_call("peer-to-peer", PeersArgs()).per_rank if r is not None for p in r.pairs]
+        report["peers"] = [dataclasses.asdict(p) for p in pairs]
+        report["peers_ok"] = all(p.ok for p in pairs)
         sent = {
             "float32": torch.randn(64, 64),
             "bfloat16": torch.randn(8, 8).bfloat16(),
@@ -63,16 +113,20 @@ def doctor(ranks: int, device: str) -> dict:
             "big": torch.randn(16 << 20 >> 2),
         }
         t0 = time.perf_counter()
-        back = backend.call(EchoArgs(), tensors=sent).tensors
+        back = timed_call("shared-memory round trip", EchoArgs(), tensors=sent).tensors
         report["roundtrip_s"] = round(time.perf_counter() - t0, 4)
         report["roundtrip_ok"] = all(torch.equal(back[k], v) for k, v in sent.items())
     except ParallelRuntimeError as e:
-        report["errors"].append(str(e))
+        where = f" (at {last_progress[-1]})" if step == "peer-to-peer" and last_progress else ""
+        report["errors"].append(f"{step}{where}: {e}")
+        report["failed_step"] = step
     finally:
         backend.shutdown()
+    report["advice"] = advice_for(pairs, report.get("failed_step"), spec.device)
     report["ok"] = (
         not report["errors"]
         and report["collective_ok"]
+        and report["peers_ok"]
         and report["roundtrip_ok"]
         and report["world_size"] == spec.world_size
     )
@@ -86,7 +140,15 @@ def _print_doctor(report: dict) -> None:
             f"  rank {r['rank']}: {r['device']} ({r['device_name']}) pid {r['pid']} on {r['hostname']}, "
             f"{r['memory_free_gib']} of {r['memory_total_gib']} GiB free"
         )
-    print(f"collective (all-reduce): {'ok' if report['collective_ok'] else 'FAILED'}")
+    timing = f" ({report['collective_s'] * 1000:.1f} ms)" if "collective_s" in report else ""
+    print(f"collective (all-reduce): {'ok' if report['collective_ok'] else 'FAILED'}{timing}")
+    for p in report["peers"]:
+        between = f"ranks {p['source']} and {p['target']}" if p["kind"] == "collective" else (
+            f"GPU {p['source']} to GPU {p['target']} (one process"
+            + (", direct peer access)" if p["peer_access"] else ", through the host)")
+        )  # fmt: skip
+        rate = p["nbytes"] / p["seconds"] / 1e9 if p["seconds"] else 0.0
+        print(f"peer-to-peer, {between}: " + (f"ok, {rate:.2f} GB/s" if p["ok"] else f"FAILED: {p['error']}"))
     print(f"/dev/shm free: {report['shm_free_gib']} GiB (tensors to and from the backend live there)")
     print(
         f"shared-memory round trip: {'ok' if report['roundtrip_ok'] else 'FAILED'}"
@@ -94,6 +156,8 @@ def _print_doctor(report: dict) -> None:
     )
     for e in report["errors"]:
         print(f"error: {e}")
+    for a in report["advice"]:
+        print(f"advice: {a}")
     print("OK" if report["ok"] else "FAILED")
 
 
@@ -169,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=0, help="ranks on this machine (default: one per GPU, or 2 on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--step-timeout", type=float, default=DOCTOR_STEP_S, help="seconds each check may take (start: twice that)"
+    )
     p = sub.add_parser("demo", help="generate an image with the nodes' steps on a tiny offline FLUX.1 model")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
@@ -202,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "doctor":
-        report = doctor(args.ranks, args.device)
+        report = doctor(args.ranks, args.device, args.step_timeout)
         if args.json:
             print(json.dumps(report, indent=2))
         else:

@@ -113,6 +113,7 @@ class Backend:
         self._aborted: str | None = None  # why another thread ended the group under a running call
         self.startup_s: float | None = None
         self._last_status: BackendStatus | None = None
+        self._gpus: tuple[str, ...] | None = None  # the running group's GPUs, by UUID
 
     # -- lifecycle ------------------------------------------------------------------------------------
     @property
@@ -143,7 +144,7 @@ class Backend:
 
     def _start(self) -> None:
         t0 = time.monotonic()
-        group = launcher.launch(self.spec)
+        group = launcher.launch(self.spec, collective_timeout_s=self.deadlines.collective_s)
         self._group, self._aborted = group, None
         deadline = t0 + self.startup_timeout
         try:
@@ -229,7 +230,7 @@ class Backend:
         if self._group is not None:
             launcher.terminate(self._group, grace=grace)
             self._group = None
-        self._pids, self._memory = {}, {}
+        self._pids, self._memory, self._gpus = {}, {}, None
 
     # -- health ---------------------------------------------------------------------------------------
     def _follow_memory_cgroups(self) -> None:
@@ -461,6 +462,14 @@ class Backend:
             world_size=len(r.per_rank), device=self.spec.device, ranks=r.per_rank, startup_s=self.startup_s
         )
         return self._last_status
+
+    def gpu_uuids(self) -> tuple[str, ...]:
+        """UUIDs of the GPUs the ranks on this machine see (rank 0 sees every one of them); starts the backend if
+        needed. Asked once per group: which GPUs a group sees never changes."""
+        with self._lock:
+            if self._gpus is None:
+                self._gpus = self.status().ranks[0].gpus
+            return self._gpus
 
     def free(self) -> None:
         """Unload every resident model on every rank; the ranks stay up."""

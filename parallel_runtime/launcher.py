@@ -26,7 +26,7 @@ import time
 from .arena import SHM_DIR, remove_segments
 from .processes import process_alive
 from .rundir import RunDir
-from .spec import BackendSpec
+from .spec import BackendSpec, visible_gpu_uuids
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHM_PREFIX = "pd"
@@ -124,7 +124,28 @@ def torchrun_command(spec: BackendSpec, run_dir: RunDir) -> list[str]:
     return [*cmd, "-m", "parallel_runtime.worker"]
 
 
-def _environment(spec: BackendSpec, run_dir: RunDir, shm_prefix: str) -> dict[str, str]:
+# The CUDA caching allocator the ranks run with, unless COMFY_PARALLEL_CUDA_ALLOC_CONF says otherwise. ComfyUI sets
+# PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync in its own process (cuda_malloc.py); its children would inherit it,
+# and the ranks' NCCL communicators are tested by torch with its native allocator. So the ranks get that one, on
+# purpose, and the pack's override is the one place to change it.
+RANK_CUDA_ALLOC_CONF = "backend:native"
+
+
+def gpu_environment(spec: BackendSpec) -> dict[str, str]:
+    """Which GPUs a cuda backend's ranks see and in which order: ``spec.gpus`` (nvidia-smi's numbers, which are PCI
+    bus order), or else the GPUs this process sees, by UUID so that the ranks' PCI bus order cannot swap them.
+    Empty without CUDA in this process: the ranks then inherit its ``CUDA_VISIBLE_DEVICES`` as it is."""
+    if spec.device != "cuda":
+        return {}
+    visible = [str(g) for g in spec.gpus] if spec.gpus else visible_gpu_uuids()
+    if not visible:
+        return {}
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(visible)}
+
+
+def _environment(
+    spec: BackendSpec, run_dir: RunDir, shm_prefix: str, collective_timeout_s: float | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(
@@ -140,28 +161,38 @@ def _environment(spec: BackendSpec, run_dir: RunDir, shm_prefix: str) -> dict[st
             "TMPDIR": run_dir.path,
         }
     )
+    if collective_timeout_s is not None:
+        env["COMFY_PARALLEL_COLLECTIVE_TIMEOUT_S"] = f"{collective_timeout_s:g}"
     if spec.nnodes == 1:
         # The collectives' sockets (gloo pairs, NCCL's bootstrap) listen on loopback too: nothing of the backend is
         # reachable from another machine.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    # The ranks wait on torchrun's store with short timeouts by design; c10d would log a warning for each.
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # c10d's warnings stay in the rank logs (the ranks wait on torchrun's store without timeouts that expire while
+    # idle, so polling leaves none there), and so do NCCL's own: without NCCL_DEBUG it prints nothing at all, and a
+    # broken link then looks like a hang with an empty log.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "WARNING")
+    env.setdefault("NCCL_DEBUG", "WARN")
+    alloc_conf = env.get("COMFY_PARALLEL_CUDA_ALLOC_CONF") or RANK_CUDA_ALLOC_CONF
+    env["PYTORCH_CUDA_ALLOC_CONF"] = env["PYTORCH_ALLOC_CONF"] = alloc_conf  # torch ≥ 2.9 reads the second name
+    # torchrun gives each rank 1 thread when unset, which starves whatever runs on the CPU (tokenizers, a CPU decode,
+    # the latents' packing); share the cores out instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.ranks)))
     if spec.device == "cpu":
         # CPU ranks must not see GPUs: diffusers builds its device mesh on the accelerator torch reports.
         env["CUDA_VISIBLE_DEVICES"] = ""
-        # torchrun gives each rank 1 thread when unset; on CPU share the cores out instead.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.ranks)))
         # glibc returns large activation buffers to the kernel after every run and faults them in again on the
         # next (tens of thousands of faults per VAE decode, measured by bench/overhead.py). A persistent backend
         # runs the same shapes again and again, so it keeps them.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(16 << 30))
+    env.update(gpu_environment(spec))
     return env
 
 
-def launch(spec: BackendSpec) -> LaunchedGroup:
-    """Start the group in a fresh private run directory. Returns at once; the ranks come up on their own."""
+def launch(spec: BackendSpec, collective_timeout_s: float | None = None) -> LaunchedGroup:
+    """Start the group in a fresh private run directory. Returns at once; the ranks come up on their own.
+    ``collective_timeout_s`` bounds each collective of the ranks (torch's process-group timeout)."""
     sweep_stale()
     run_dir = RunDir(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))  # mode 0700
     with open(run_dir.client_pid, "w") as f:
@@ -175,7 +206,7 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
     try:
         proc = subprocess.Popen(
             torchrun_command(spec, run_dir),
-            env=_environment(spec, run_dir, shm_prefix),
+            env=_environment(spec, run_dir, shm_prefix, collective_timeout_s),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

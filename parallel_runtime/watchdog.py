@@ -23,6 +23,8 @@ import time
 from .launcher import LaunchedGroup
 from .processes import process_state
 
+COLLECTIVE_MARGIN_S = 60.0
+
 
 def _seconds(name: str, default: float) -> float:
     value = os.environ.get(f"COMFY_PARALLEL_{name.upper()}")
@@ -57,6 +59,14 @@ class Deadlines:
         for field in dataclasses.fields(self):
             if not getattr(self, field.name) > 0:
                 raise ValueError(f"{field.name} must be a positive number of seconds, got {getattr(self, field.name)}")
+
+    @property
+    def collective_s(self) -> float:
+        """How long one collective of the ranks may wait before torch gives up on it (the process group's timeout).
+        Longer than the watchdog's own deadlines, so the watchdog, which names what stopped, always acts first (the
+        rank that loads weights slowest keeps the others waiting in the next collective for up to ``load_s``); short
+        enough that ranks whose client is gone never sit in NCCL for hours."""
+        return max(self.load_s, self.stall_floor_s) + COLLECTIVE_MARGIN_S
 
     @classmethod
     def from_env(cls) -> Deadlines:

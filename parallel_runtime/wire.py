@@ -197,13 +197,16 @@ class FreeArgs(OpArgs):
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """A rank's device memory ("cuda": the GPU's; "cpu": the machine's, and the rank's own RSS)."""
+    """A rank's device memory ("cuda": the GPU's; "cpu": the machine's, and the rank's own RSS). ``peak_bytes``: the
+    most this rank held since its last stage op began (cuda: allocated by torch; cpu: its peak RSS), so a status
+    after a stage says what that stage took."""
 
     kind: str
     total_bytes: int
     free_bytes: int
     allocated_bytes: int | None = None
     process_rss_bytes: int | None = None
+    peak_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +235,7 @@ class RankStatus:
     resident: tuple[ResidentModel, ...]
     load_counts: dict[str, int]
     torch: str
+    gpus: tuple[str, ...] = ()  # UUIDs of the GPUs this rank sees (every GPU of the backend on this machine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +286,66 @@ class StepsArgs(OpArgs):
     result: ClassVar[type] = StepsResult
     steps: int = 10
     seconds_per_step: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerCopy:
+    """One GPU pair's peer-to-peer check: its data came back intact (``ok``), in ``seconds``; ``error`` says what
+    failed.
+
+    Args:
+        source, target: the pair (ranks for ``kind`` "collective", GPU indices of rank 0 for "copy").
+        kind: "collective" (a send and a receive between two ranks: NCCL's peer-to-peer path on GPUs, gloo on CPU) or
+            "copy" (rank 0 copies between two of its GPUs: the path device_map placement uses).
+        peer_access: "copy" only: CUDA reports direct peer access between the two GPUs.
+    """
+
+    source: int
+    target: int
+    kind: str
+    ok: bool
+    seconds: float
+    nbytes: int
+    peer_access: bool | None = None
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersResult:
+    pairs: tuple[PeerCopy, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersArgs(OpArgs):
+    """Check every pair of ranks (a send and a receive of a known pattern) and, on rank 0, every pair of its GPUs (a
+    copy): broken peer-to-peer gives wrong data or hangs, and ``doctor`` says to set ``NCCL_P2P_DISABLE=1``."""
+
+    op: ClassVar[str] = "peers"
+    result: ClassVar[type] = PeersResult
+    nbytes: int = 8 << 20
+
+
+class Fault(str, enum.Enum):
+    """What an armed fault does at the next transformer load on its rank (tests only)."""
+
+    LOAD_RAISES = "load_raises"  # the load fails with an OSError, as an unreadable file would
+    LOAD_OUT_OF_MEMORY = "load_out_of_memory"  # the load fails with torch's OutOfMemoryError
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmFaultResult:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmFaultArgs(OpArgs):
+    """Make the next transformer load fail on one rank only (``fault`` says how), so that a test can drill a load
+    that works on some ranks and fails on others. Served only by a backend started for tests."""
+
+    op: ClassVar[str] = "arm_fault"
+    result: ClassVar[type] = ArmFaultResult
+    rank: int
+    fault: Fault
 
 
 class FailMode(str, enum.Enum):
@@ -336,6 +400,8 @@ OPS: dict[str, type[OpArgs]] = {
         StepsArgs,
         FailArgs,
         OutputArgs,
+        PeersArgs,
+        ArmFaultArgs,
     )
 }
 

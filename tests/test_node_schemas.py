@@ -40,6 +40,10 @@ CONTRACT_0_1_0 = {
     ),
     "VAEDecodeSingleGPU": (["samples", "model", "device"], ["dtype", "backend"], ["IMAGE"]),
 }
+# Inputs added since, appended to a node's "optional" inputs in this order (the same rule: grow only at the end).
+ADDED_INPUTS = {
+    "ParallelBackend": ["gpus", "free_comfyui_vram"],
+}
 
 # Nodes added after 0.1.0, with what workflows saved since hold; the same rule: grow only at the end of "optional".
 ADDED_AFTER_0_1_0 = {
@@ -55,6 +59,8 @@ def test_saved_workflows_keep_their_inputs(nodes):
         assert list(types.get("required", {}))[: len(required)] == required, node_id
         assert list(types.get("required", {})) == required, f"{node_id}: a new input must be optional, and last"
         assert list(types.get("optional", {}))[: len(optional)] == optional, node_id
+        added = ADDED_INPUTS.get(node_id, [])
+        assert list(types.get("optional", {}))[len(optional) : len(optional) + len(added)] == added, node_id
         assert list(nodes[node_id].RETURN_TYPES) == outputs, node_id
 
 

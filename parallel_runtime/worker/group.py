@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 # After one rank reports an error, how long the others may take to report before we conclude they are
 # stuck in a collective that the failed rank will never join (then the group must be torn down).
 ERROR_GRACE_S = 5.0
+# Store waits that time out make c10d log a warning each time, which would bury the NCCL warnings the rank logs keep.
+# So an idle rank waits for the next op as long as it likes (it exits from its orphan watch when its client or
+# torchrun's agent dies, never by polling), and rank 0 collecting outcomes waits a second for a rank that is not done
+# yet before it looks at the others.
+IDLE_WAIT_S = 3600.0
+COLLECT_WAIT_S = 1.0
 SHUTDOWN_OP = "__shutdown__"
 _ACKED = "acked"
 _TAMPERED_BACKOFF_S = 0.2  # a forged record is not re-read in a busy loop
@@ -150,7 +156,7 @@ class Group:
 
         while (pending := next((r for r, o in enumerate(outcomes) if o is None), None)) is not None:
             # The common case costs one round trip per rank: wait (returns as soon as it is set), then get.
-            if _wait(self.store, f"done/{seq}/{pending}", 0.05 if failed_since is None else 0.2):
+            if _wait(self.store, f"done/{seq}/{pending}", COLLECT_WAIT_S if failed_since is None else 0.2):
                 take(pending)
                 continue
             # ``pending`` is slow: look at the others, so that a failure elsewhere starts the grace period.
@@ -186,7 +192,7 @@ class Group:
             self.store.delete_key(key)
 
     # -- ranks 1..N-1 ---------------------------------------------------------------------------------
-    def next_header(self, seq: int, poll_s: float = 1.0) -> OpHeader | None:
+    def next_header(self, seq: int, poll_s: float = IDLE_WAIT_S) -> OpHeader | None:
         """Op ``seq``'s header, or None if it has not been posted within ``poll_s``. A forged header is ignored: rank
         0's own overwrites it when rank 0 posts the op."""
         key = f"op/{seq}"

@@ -43,6 +43,11 @@ class WidgetError(OpError):
         self.widget = widget
 
 
+class PeerFailed(OpError):
+    """Raised on the ranks that did their part when another rank failed the op: the reply to the client carries that
+    rank's own error, not this one."""
+
+
 class OpCancelled(Exception):
     """Raised on every rank at the same step boundary once the client asked to cancel."""
 
@@ -122,28 +127,38 @@ class OpContext:
         if self._send_progress is not None:
             self._send_progress(step, total, text)
 
-    def agree(self, refused: OpError | None) -> None:
+    def _together(self) -> bool:
+        return self.spmd and self.world_size > 1
+
+    def agree(self, refused: Exception | None, what: str = "refused this request before it changed anything") -> None:
         """Every rank of an SPMD op learns whether any rank refused the request (``refused``: this rank's reason, or
-        None), before any of them goes on into a collective: the refusing rank raises its own error, the others an
-        OpError naming it, so no rank is left alone in the next collective."""
+        None), before any of them goes on into a collective: the refusing rank raises its own error, the others a
+        PeerFailed naming it (``what`` it did: refused, or failed a step such as a load that they all must undo), so
+        no rank is left alone in the next collective and the reply carries the refusing rank's reason."""
         first = self.rank if refused is not None else self.world_size
-        if self.spmd and self.world_size > 1:
+        if self._together():
             flag = torch.tensor([first], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             first = int(flag.item())
         if refused is not None:
-            raise refused
+            try:
+                raise refused
+            finally:
+                del refused  # this frame is in the error's traceback: no cycle that only the collector could free
         if first < self.world_size:
-            raise OpError(f"rank {first} refused this request before it changed anything (its message says why)")
+            raise PeerFailed(f"rank {first} {what} (its message says why)")
+
+    def from_rank0(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (a broadcast on the CPU group in SPMD ops): a decision only rank 0 can make
+        (it alone sees the client, or a stage's device), taken by all."""
+        if not self._together():
+            return flag
+        shared = torch.tensor([int(flag) if self.rank == 0 else 0], dtype=torch.int32)
+        dist.broadcast(shared, src=0)
+        return bool(shared.item())
 
     def check_cancel(self, step: int) -> None:
         """Raise OpCancelled if the client asked to cancel. In SPMD ops this is a collective: rank 0 decides
         and broadcasts, so every rank stops at the same step and none waits alone in the next collective."""
-        if not self.spmd or self.world_size == 1:
-            cancelled = self._cancel_event.is_set()
-        else:
-            flag = torch.tensor([1 if (self.rank == 0 and self._cancel_event.is_set()) else 0], dtype=torch.int32)
-            dist.broadcast(flag, src=0)
-            cancelled = bool(flag.item())
-        if cancelled:
+        if self.from_rank0(self._cancel_event.is_set()):
             raise OpCancelled(step)

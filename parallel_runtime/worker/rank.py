@@ -20,16 +20,24 @@ import torch.distributed as dist
 from ..rundir import RunDir
 from ..serial import from_json, to_json
 from . import stages  # noqa: F401  (registers its ops)
-from .diagnostics import memory_of  # and registers its ops
+from .diagnostics import device_label, flush, memory_of  # and registers its ops
 from .group import SHUTDOWN_OP, Group, OpHeader, Outcome, OutcomeStatus, broadcast_tensors
 from .models import ResidentModels
 from .ops import OpCancelled, OpContext, WidgetError, get_op
 
 log = logging.getLogger("parallel_runtime.worker")
 
-# Ranks can sit idle between queue runs for hours; idle waits poll the store, so the work group's
-# collectives only need to cover the longest single op.
-COLLECTIVE_TIMEOUT = timedelta(hours=2)
+# How long one collective may wait: the client's watchdog sets it above its own deadlines
+# (COMFY_PARALLEL_COLLECTIVE_TIMEOUT_S, see watchdog.Deadlines.collective_s), so it tears a stuck group down first and
+# names what stopped; this is the last resort for ranks whose client is gone. Idle ranks wait on the store, never in a
+# collective, so hours between queue runs do not count. The default is for ranks started without the pack's launcher.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1860.0
+
+
+def collective_timeout() -> timedelta:
+    return timedelta(
+        seconds=float(os.environ.get("COMFY_PARALLEL_COLLECTIVE_TIMEOUT_S") or DEFAULT_COLLECTIVE_TIMEOUT_S)
+    )
 
 
 def _out_of_memory(e: Exception) -> bool:
@@ -64,14 +72,29 @@ class Rank:
             self.device = torch.device("cpu")
             backend = "gloo"
         self.state["models"] = ResidentModels(self.device, self.memory_policy)
-        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+        timeout = collective_timeout()
+        # device_id binds NCCL to this rank's GPU at once (a broken link fails the start, not the first denoise) and
+        # spares torch guessing the device from the global rank.
+        device_id = self.device if self.device.type == "cuda" else None
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         with open(self.run_dir.token) as f:
             secret = f.read().strip()
         self.group = Group(dist.distributed_c10d._get_default_store(), self.rank, self.world_size, secret)
-        log.info("rank %d/%d up on %s (pid %d)", self.rank, self.world_size, self.device, os.getpid())
+        # What the start-up imported lives as long as the rank: out of the collector's sight.
+        flush(self.device, freeze=True)
+        log.info(
+            "rank %d/%d up on %s (%s, pid %d); a collective times out after %.0f s",
+            self.rank,
+            self.world_size,
+            self.device,
+            device_label(self.device),
+            os.getpid(),
+            timeout.total_seconds(),
+        )
 
     def execute(self, header: OpHeader, tensors: dict[str, torch.Tensor]) -> tuple[Outcome, dict[str, torch.Tensor]]:
         """Run one op; return this rank's outcome and, on rank 0, its output tensors."""
+        self.state.pop("estimate", None)  # what this op's memory check estimated, for an out-of-memory message
         try:
             op = get_op(header.op)
             args = from_json(op.args, header.args)
@@ -111,10 +134,12 @@ class Rank:
 
     def _out_of_memory(self, e: Exception) -> str:
         memory = memory_of(self.device)
+        estimate = self.state.get("estimate")
+        needs = f"needs about {estimate}, " if estimate is not None else ""
         return (
-            f"out of memory on rank {self.rank} ({self.device}): {e} ({memory.free_bytes / 2**30:.1f} GiB of "
-            f"{memory.total_bytes / 2**30:.1f} GiB free there now). Use a strategy that splits the work "
-            "(context_parallel or tensor_parallel), a smaller size or batch, or free the device"
+            f"out of memory on rank {self.rank} ({device_label(self.device)}): {needs}free "
+            f"{memory.free_bytes / 2**30:.1f} of {memory.total_bytes / 2**30:.1f} GiB there now ({e}). Use a strategy "
+            "that splits the work (context_parallel or tensor_parallel), a smaller size or batch, or free the device"
         )
 
     def die(self, outcome: Outcome) -> None:

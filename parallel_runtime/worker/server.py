@@ -38,7 +38,7 @@ from ..protocol import (
 from ..rundir import RunDir
 from ..serial import WireError, from_json
 from .group import SHUTDOWN_OP, OpHeader, Outcome, OutcomeStatus, TensorLayout
-from .ops import OpError, get_op
+from .ops import OpError, PeerFailed, get_op
 from .rank import Rank
 
 log = logging.getLogger("parallel_runtime.worker.server")
@@ -205,10 +205,11 @@ class Server:
         self.rank.group.finish(seq)
 
     def _reply(self, call_id: str, outcomes: list[Outcome], out_tensors: dict) -> Frame:
-        # The rank that says what to change goes first (the others only report that it refused).
+        # The rank that says what to change goes first, then a rank's own failure (the others only report that another
+        # rank refused or failed).
         errors = sorted(
             ((r, o) for r, o in enumerate(outcomes) if o.status is OutcomeStatus.ERROR),
-            key=lambda ro: ro[1].widget is None,
+            key=lambda ro: (ro[1].widget is None, ro[1].error_type == PeerFailed.__name__),
         )
         if errors:
             r, o = errors[0]
