@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import importlib.util
 
 from .errors import InvalidInput
 
@@ -26,6 +27,107 @@ class Strategy(str, enum.Enum):
 
 
 ATTENTION_BACKENDS = ("auto", "native", "_native_flash", "_native_cudnn", "flash", "sage")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionNeeds:
+    """What one of diffusers' attention backends needs on this pack's devices (diffusers 0.42.1's registry).
+
+    Args:
+        ring: it returns the log-sum-exp Ring attention merges partial results with.
+        cuda_only: it has no CPU kernel (``_native_flash`` has one on CPU ranks through the pack's shim).
+        half_precision: on GPUs it takes bfloat16 or float16 only.
+        min_capability: the oldest GPU it runs on (compute capability).
+        package, install: the Python package it imports, and how to get it.
+    """
+
+    ring: bool
+    cuda_only: bool = False
+    half_precision: bool = False
+    min_capability: tuple[int, int] | None = None
+    package: str | None = None
+    install: str = ""
+
+
+ATTENTION_NEEDS = {
+    "native": AttentionNeeds(ring=False),
+    "_native_flash": AttentionNeeds(ring=True, half_precision=True, min_capability=(8, 0)),
+    "_native_cudnn": AttentionNeeds(ring=True, cuda_only=True, half_precision=True, min_capability=(8, 0)),
+    "flash": AttentionNeeds(ring=True, cuda_only=True, half_precision=True, min_capability=(8, 0), package="flash_attn",
+                            install="pip install 'flash-attn>=2.6.3'"),
+    "sage": AttentionNeeds(ring=True, cuda_only=True, half_precision=True, min_capability=(8, 0),
+                           package="sageattention", install="pip install 'sageattention>=2.1.1'"),
+}  # fmt: skip
+HALF_PRECISION = ("bfloat16", "float16")
+
+
+def ring_attention_backend(capability: tuple[int, int]) -> str:
+    """What ``auto`` runs Ring attention with on a GPU of ``capability`` (the choice needs half precision and an
+    Ampere or newer GPU, ``check_attention_on_gpu`` says so first): cuDNN's fused attention on Hopper and newer, where
+    it is the fastest kernel torch has, torch's flash attention on Ampere and Ada."""
+    return "_native_cudnn" if capability >= (9, 0) else "_native_flash"
+
+
+def _chosen(plan: StrategyPlan) -> str | None:
+    """The backend a plan asks for by name; None for ``auto`` or when it does not split the tokens."""
+    return plan.attention_backend if plan.splits_tokens and plan.attention_backend != "auto" else None
+
+
+def check_attention(plan: StrategyPlan, dtype: str, device: str) -> None:
+    """What can be told without a GPU: the attention backend against the dtype, the backend's device and the
+    packages this Python has (the ranks run the same one). InvalidInput naming the widget and the alternative."""
+    if not plan.splits_tokens:
+        return
+    ring, name = plan.ring_degree > 1, _chosen(plan)
+    if name is None:
+        if ring and device == "cuda" and dtype not in HALF_PRECISION:
+            raise InvalidInput(
+                "dtype",
+                f"Ring attention on GPUs needs bfloat16 or float16 (the attention kernels that return the "
+                f"log-sum-exp it merges with take nothing else), not {dtype}; set dtype to auto or bfloat16, or use "
+                "Ulysses (ring_degree 1)",
+            )
+        return
+    needs = ATTENTION_NEEDS[name]
+    if ring and not needs.ring:
+        raise InvalidInput(
+            "attention_backend",
+            f"{name} cannot run Ring attention (it does not return the log-sum-exp Ring merges partial results "
+            "with); choose auto, or use Ulysses (ring_degree 1)",
+        )
+    if needs.cuda_only and device != "cuda":
+        raise InvalidInput(
+            "attention_backend",
+            f"{name} runs on CUDA GPUs only and this backend is on the {device}; choose auto"
+            + (" (or _native_flash)" if ring else ""),
+        )
+    if needs.package and importlib.util.find_spec(needs.package) is None:
+        raise InvalidInput(
+            "attention_backend",
+            f"{name} needs the {needs.package} package, which this Python does not have ({needs.install} into "
+            "ComfyUI's Python); choose auto, or _native_cudnn / _native_flash, which come with torch",
+        )
+    if needs.half_precision and device == "cuda" and dtype not in HALF_PRECISION:
+        raise InvalidInput(
+            "dtype",
+            f"attention_backend {name} takes bfloat16 or float16 on GPUs, not {dtype}; set dtype to auto or "
+            "bfloat16, or choose attention_backend auto",
+        )
+
+
+def check_attention_on_gpu(plan: StrategyPlan, capability: tuple[int, int], gpu: str) -> None:
+    """What only the rank's GPU can tell: its compute capability against the backend (``gpu`` names it)."""
+    if not plan.splits_tokens or (plan.ring_degree == 1 and _chosen(plan) is None):
+        return
+    name = _chosen(plan) or ring_attention_backend(capability)
+    needed = ATTENTION_NEEDS[name].min_capability
+    if needed is not None and capability < needed:
+        what = f"attention_backend {name}" if _chosen(plan) else "Ring attention"
+        raise InvalidInput(
+            "attention_backend" if _chosen(plan) else "ring_degree",
+            f"{what} needs a GPU of compute capability {needed[0]}.{needed[1]} (Ampere) or newer; {gpu} is "
+            f"{capability[0]}.{capability[1]}. Use Ulysses (ring_degree 1) with attention_backend auto",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ class Placement:
 
     device: str
     device_map: str | None = None
-    max_memory: dict[int | str, str] | None = None
+    max_memory: dict[int | str, str | int] | None = None  # sizes as "16GB" or bytes
 
     def from_pretrained_kwargs(self, what: str) -> dict[str, Any]:
         """``from_pretrained`` keyword arguments; empty when the component loads whole onto ``device``.

@@ -7,7 +7,7 @@ fix), then runs one op. What travels between steps are plain values: the ``Condi
 conventions. The nodes (``parallel_nodes``) are thin wrappers over these functions; the demo calls them directly.
 """
 
-from .decode import decode, decode_device_choices, validate_decode
+from .decode import decode, decode_device, decode_device_choices, validate_decode
 from .encode import MAX_SEQUENCE_LENGTH, Conditioning, count_prompts, encode_prompt, validate_encode
 from .lora import MAX_STRENGTH, LoraCheck, add_lora, validate_lora
 from .sample import sample, validate_sample
@@ -26,6 +26,7 @@ __all__ = [
     "add_lora",
     "count_prompts",
     "decode",
+    "decode_device",
     "decode_device_choices",
     "encode_prompt",
     "plan_transformer",

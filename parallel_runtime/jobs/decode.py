@@ -18,6 +18,13 @@ def decode_device_choices() -> list[str]:
     return ["auto", "cpu"] + [f"cuda:{i}" for i in range(cuda_device_count())]
 
 
+def decode_device(spec: BackendSpec, device: str) -> str:
+    """The device a decode runs on: ``auto`` is the backend's first GPU, or the CPU."""
+    if device == "auto":
+        return "cuda:0" if spec.device == "cuda" else "cpu"
+    return device
+
+
 def validate_decode(*, model: str, device: str = "auto") -> ModelRef:
     """The checks VAEDecodeSingleGPU can make before it runs (also its validate_inputs)."""
     ref = model_folders.resolve(model)
@@ -40,8 +47,7 @@ def decode(
 ) -> torch.Tensor:
     """Decode LATENT samples with the model's VAE on one device; IMAGE ``[B, H, W, 3]`` float32 in 0..1."""
     ref = validate_decode(model=model, device=device)
-    if device == "auto":
-        device = "cuda:0" if spec.device == "cuda" else "cpu"
+    device = decode_device(spec, device)
     family = families.family(ref.family)
     channels = family.latent.channels(model_folders.read_config(ref, "vae"))
     frames = samples.shape[2] if samples.ndim == 5 else 1  # video-VAE latents: [B, C, T, h, w]

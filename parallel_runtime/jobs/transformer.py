@@ -7,7 +7,7 @@ import dataclasses
 
 from .. import families, model_folders
 from ..spec import BackendSpec
-from ..strategy import StrategyPlan, TransformerFacts
+from ..strategy import StrategyPlan, TransformerFacts, check_attention
 from ..wire import TransformerSpec
 from .widgets import parse_max_memory, resolve_dtype
 
@@ -59,8 +59,10 @@ def plan_transformer(
         attention_backend=attention_backend,
         tp_degree=tp_degree,
     )
+    resolved = resolve_dtype(dtype, spec)
+    check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(
         backend=spec,
-        spec=TransformerSpec(model=ref, dtype=resolve_dtype(dtype, spec), plan=plan, max_memory=budget),
+        spec=TransformerSpec(model=ref, dtype=resolved, plan=plan, max_memory=budget),
         config=config,
     )

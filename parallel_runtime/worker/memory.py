@@ -16,6 +16,7 @@ Ranks of one machine on CPU share its memory, so there each rank counts what all
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -54,6 +55,25 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+# What every GPU keeps free of a device_map placement's weights when max_memory is left empty: the CUDA context's
+# growth, the allocator's fragmentation, NCCL's buffers.
+GPU_MARGIN = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What a stage was estimated to need on this rank, before anything loaded: for the out-of-memory message."""
+
+    activations: int
+    weights: int = 0
+
+    def __str__(self) -> str:
+        if not self.weights:
+            return f"{_gib(self.activations)} of activations"
+        total = _gib(self.activations + self.weights)
+        return f"{total} ({_gib(self.weights)} of weights, {_gib(self.activations)} of activations)"
+
+
 def _free(device: torch.device, local_ranks: int) -> tuple[int, int]:
     """(bytes this rank may count on, how many ranks share them)."""
     memory = memory_of(device)
@@ -72,8 +92,8 @@ def check_denoise(
     local_ranks: int,
     loads_weights: bool,
     freed_by_load: int,
-) -> None:
-    """WidgetError (``width``) when the denoise cannot fit this rank's device."""
+) -> Estimate:
+    """What the denoise needs on this rank; WidgetError (``width``) when it cannot fit this rank's device."""
     with open(os.path.join(model_dir, "transformer", "config.json")) as f:
         config = json.load(f)
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
@@ -102,20 +122,57 @@ def check_denoise(
             "width and height or batch_size, context_parallel over more ranks (it splits the "
             "activations), or free memory",
         )
+    return Estimate(activations, int(weights))
+
+
+def default_budget(
+    free_by_gpu: list[int], reserve_first: int, activations: int, host_free: int
+) -> dict[int | str, int]:
+    """``max_memory`` for a ``device_map`` placement the user left unbounded: each GPU's free memory less
+    ``GPU_MARGIN`` and the activations of the blocks it will run, and the first GPU (where the inputs, the
+    embeddings and, after the denoise, the VAE live) less ``reserve_first`` too. accelerate would otherwise fill the
+    first GPU with weights to the brim and the first step or the decode would run out of memory there. What does not
+    fit the GPUs goes to the host (``host_free``), as accelerate's own default would put it."""
+    budget: dict[int | str, int] = {}
+    for index, free in enumerate(free_by_gpu):
+        keep = GPU_MARGIN + activations + (reserve_first if index == 0 else 0)
+        budget[index] = max(0, free - keep)
+    budget["cpu"] = host_free
+    return budget
+
+
+def decode_need(
+    family: FamilyAdapter, vae_config: dict, images: int, width: int, height: int, dtype: torch.dtype
+) -> int:
+    """Bytes a VAE decode of ``images`` of ``width`` × ``height`` holds at its peak (its first-level feature maps,
+    ``VAE_COPIES`` of them)."""
+    return images * height * width * family.decoder_channels(vae_config) * dtype.itemsize * VAE_COPIES
+
+
+def samples_size(family: FamilyAdapter, samples: torch.Tensor) -> tuple[int, int, int]:
+    """(images, width, height) of LATENT samples."""
+    down = family.latent.downscale
+    return samples.shape[0], samples.shape[-1] * down, samples.shape[-2] * down
+
+
+def decode_is_short(need: int, device: torch.device) -> bool:
+    """The device has too little free memory for a decode that needs ``need`` bytes."""
+    return need > memory_of(device).free_bytes * HEADROOM
 
 
 def check_decode(
     family: FamilyAdapter, vae_config: dict, samples: torch.Tensor, dtype: torch.dtype, device: torch.device
-) -> None:
-    """WidgetError (``samples``) when decoding these latents cannot fit the device."""
-    height, width = samples.shape[-2] * family.latent.downscale, samples.shape[-1] * family.latent.downscale
-    need = samples.shape[0] * height * width * family.decoder_channels(vae_config) * dtype.itemsize * VAE_COPIES
+) -> Estimate:
+    """What decoding these latents needs; WidgetError (``samples``) when it cannot fit the device."""
+    count, width, height = samples_size(family, samples)
+    need = decode_need(family, vae_config, count, width, height, dtype)
     free, _ = _free(device, 1)
     if need > free * HEADROOM:
-        images = f"{samples.shape[0]} image(s) of {width}×{height}"
+        images = f"{count} image(s) of {width}×{height}"
         raise WidgetError(
             "samples",
             f"decoding {images} needs about {_gib(need)} on {device}, which has {_gib(free)} "
             "free; decode a smaller latent (or fewer images at once), or use ComfyUI's "
             "VAEDecodeTiled",
         )
+    return Estimate(need)

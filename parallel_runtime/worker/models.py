@@ -4,14 +4,14 @@ One slot per component kind: a new key for the same kind (another model, dtype o
 old one, so a spec change reloads only the component that changed. Under the ``staged`` memory policy the
 text encoders and the transformer never share the devices: loading one frees the other first (the staged
 recipe of diffusers' guide: encode, flush, load transformer, denoise, flush, decode). The VAE is small and
-stays. ``load_counts`` is what tests and the status panel use to see that a warm run loads nothing.
+stays; when a decode would not fit beside the transformer, ``free_before_decode`` lets the transformer go first.
+``load_counts`` is what tests and the status panel use to see that a warm run loads nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -21,12 +21,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..wire import ResidentModel
+from .diagnostics import flush
 
 log = logging.getLogger(__name__)
 
 COMPONENTS = ("text_encoders", "transformer", "vae")
 # Under "staged", loading the key's component first frees these.
 STAGED_EVICTS = {"text_encoders": ("transformer",), "transformer": ("text_encoders",), "vae": ()}
+# Under "staged", a decode short of memory first frees these.
+STAGED_DECODE_FREES = ("transformer", "text_encoders")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +121,13 @@ class ResidentModels:
             log.info("freed %s", name)
         if dropped:
             del dropped  # the last references: the collector can now return the memory
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            flush(self.device, everything=True)
         return names
+
+    def free_before_decode(self) -> list[str]:
+        """Make room for a decode that would not fit: under ``staged``, free the transformer and the text encoders
+        (the next prompt loads them again); ``resident`` keeps everything and lets the decode's check refuse."""
+        return self.free(*STAGED_DECODE_FREES) if self.policy == "staged" else []
 
     def free_all(self) -> list[str]:
         return self.free(*tuple(self._slots))

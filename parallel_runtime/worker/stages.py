@@ -4,7 +4,9 @@ registry (by the key its arguments carry) and calls the family's stage.
 Every op runs on every rank, so resident models change on all ranks together. Encode, decode and the ``device_map``
 transformer are rank-0 stages: one process places a component across several GPUs (balanced text encoders, ``auto``
 transformer, single-device VAE) while the other ranks only free what the stage replaces. Context, tensor and data
-parallel denoising run on every rank (see strategies.py).
+parallel denoising run on every rank (see strategies.py), and their load is agreed: when it fails on one rank, every
+rank frees it, so no rank keeps a transformer the others do not hold. After every stage op each rank flushes (Python's
+cycles, the CUDA allocator's cache), and its peak memory counts from the start of the op.
 """
 
 from __future__ import annotations
@@ -18,11 +20,23 @@ from collections.abc import Callable
 import torch
 
 from ..arena import DTYPES
-from ..families import Placement, family
-from ..wire import DecodeArgs, DecodeResult, DenoiseArgs, DenoiseResult, EncodeArgs, EncodeResult, FreeArgs, FreeResult
+from ..families import FamilyAdapter, Placement, family
+from ..wire import (
+    DecodeArgs,
+    DecodeResult,
+    DenoiseArgs,
+    DenoiseResult,
+    EncodeArgs,
+    EncodeResult,
+    Fault,
+    FreeArgs,
+    FreeResult,
+    Sampling,
+)
 from . import lora, memory, strategies
+from .diagnostics import flush, memory_of, reset_peak
 from .models import ModelKey, ResidentModels
-from .ops import OpContext, OpError, OpResult, WidgetError, op
+from .ops import OpContext, OpError, OpFn, OpResult, WidgetError, op
 
 
 def _models(ctx: OpContext) -> ResidentModels:
@@ -39,8 +53,75 @@ def _placement(ctx: OpContext, device_map: str, max_memory: dict[str, str] | Non
     return placement, f"device_map={device_map}" + (f"[{shown}]" if shown else "")
 
 
+def _stage(fn: OpFn) -> OpFn:
+    """A stage op: this rank's peak memory counts from its start, and whatever it leaves is flushed at its end
+    (also when it fails), so ComfyUI and the next stage find the memory free."""
+
+    @functools.wraps(fn)
+    def run(ctx: OpContext, args: object, tensors: dict) -> OpResult:
+        reset_peak(ctx.device)
+        try:
+            result = fn(ctx, args, tensors)
+        except BaseException:
+            flush(ctx.device)
+            raise
+        flush(ctx.device, freeze=True)
+        return result
+
+    return run
+
+
+def _spring_fault(ctx: OpContext) -> None:
+    """A fault a test armed on this rank (``arm_fault``; never in a production backend) fails this load."""
+    fault = ctx.state.pop("fault", None)
+    if fault is Fault.LOAD_RAISES:
+        raise OSError(f"rank {ctx.rank} could not read the weights (a fault armed by a test)")
+    if fault is Fault.LOAD_OUT_OF_MEMORY:
+        raise torch.OutOfMemoryError("tried to allocate the transformer's weights (a fault armed by a test)")
+
+
+def _load_together(ctx: OpContext, models: ResidentModels, key: ModelKey, load: Callable[[], object]) -> object:
+    """``models.get(key, load)`` on every rank of an SPMD load, agreed (``OpContext.agree``): when it fails on any
+    rank, every rank frees ``key``'s component, so none keeps a transformer the others do not hold (the next load's
+    collectives would hang on it); the failing rank raises its own error and the others name that rank."""
+
+    def loading() -> object:
+        _spring_fault(ctx)
+        return load()
+
+    failure: Exception | None = None
+    try:
+        loaded = models.get(key, loading)
+    except Exception as e:  # out of memory, an unreadable file, ...: reported once every rank has freed it
+        failure = e
+    try:
+        ctx.agree(failure, f"could not load the {key.component}; every rank freed it, and the next run loads it again")
+    except Exception:
+        loaded = failure = None  # the traceback holds this frame: let go of what the load built before freeing
+        models.free(key.component)
+        raise
+    return loaded
+
+
+def _device_map_budget(
+    adapter: FamilyAdapter, model_dir: str, sampling: Sampling, dtype: torch.dtype, activations: int
+) -> dict[int | str, int]:
+    """``max_memory`` for a ``device_map`` transformer the user left unbounded: what every GPU has free now, less the
+    step's activations and a margin, and on the first GPU less the VAE too (it decodes there next)."""
+    with open(os.path.join(model_dir, "vae", "config.json")) as f:
+        vae_config = json.load(f)
+    vae = memory.decode_need(adapter, vae_config, sampling.batch_size, sampling.width, sampling.height, dtype)
+    vae += memory.parameters_in(os.path.join(model_dir, "vae")) * dtype.itemsize
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    return memory.default_budget(free, vae, activations, memory_of(torch.device("cpu")).free_bytes)
+
+
 def _on_step(ctx: OpContext) -> Callable[[int, int], None]:
     def on_step(step_index: int, total: int) -> None:
+        if ctx.device.type == "cuda":
+            # The step's kernels are queued ahead of the host: wait for them, so that progress (and the watchdog's and
+            # the benchmarks' step times) follow the GPU, not the launch queue.
+            torch.cuda.synchronize(ctx.device)
         ctx.progress(step_index + 1, total)
         ctx.check_cancel(step_index + 1)
 
@@ -48,6 +129,7 @@ def _on_step(ctx: OpContext) -> Callable[[int, int], None]:
 
 
 @op(EncodeArgs, spmd=True)
+@_stage
 def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
     placement, where = _placement(ctx, "balanced", args.max_memory)
     key = ModelKey(args.model.name, "text_encoders", where, args.dtype.value)
@@ -67,6 +149,7 @@ def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
 
 
 @op(DenoiseArgs, spmd=True)
+@_stage
 def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     spec, sampling = args.transformer, args.sampling
     adapter, plan, dtype = family(spec.model.family), spec.plan, DTYPES[spec.dtype.value]
@@ -80,23 +163,32 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             models.make_room(key)
             return None, {}
         ctx.alone()
-        load = functools.partial(adapter.load_transformer, spec.model.path, dtype, placement)
     else:  # context / tensor / data parallel: every rank loads its part together
         key = ModelKey(spec.model.name, "transformer", plan.describe(), spec.dtype.value)
         load = functools.partial(
             strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
         )
     text_tokens = max(tensors[name].shape[1] for name in ("prompt_embeds", "negative_prompt_embeds") if name in tensors)
-    refused = None
+
+    refused, estimate = None, None
     try:
-        memory.check_denoise(adapter, spec.model.path, plan, sampling, text_tokens, dtype, ctx.device,
-                             local_ranks=ctx.local_world_size, loads_weights=not models.resident(key),
-                             freed_by_load=models.freed_by_loading(key))  # fmt: skip
+        strategies.check_attention(plan, ctx.device)
+        estimate = memory.check_denoise(adapter, spec.model.path, plan, sampling, text_tokens, dtype, ctx.device,
+                                        local_ranks=ctx.local_world_size, loads_weights=not models.resident(key),
+                                        freed_by_load=models.freed_by_loading(key))  # fmt: skip
     except WidgetError as e:
         refused = e
-    ctx.agree(refused)  # one rank short of memory: all refuse, before any of them loads
+    ctx.agree(refused)  # one rank short of memory, or its GPU cannot run the attention: all refuse, before any loads
+    ctx.state["estimate"] = estimate
     ctx.progress(0, sampling.steps, "loading transformer")
-    transformer = models.get(key, load)
+    if plan.spmd:
+        transformer = _load_together(ctx, models, key, load)
+    else:
+        if models.make_room(key) and spec.max_memory is None and ctx.device.type == "cuda":
+            flush(ctx.device)  # what staged just freed counts as free for the budget
+            budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate.activations)
+            placement = dataclasses.replace(placement, max_memory=budget)
+        transformer = models.get(key, functools.partial(adapter.load_transformer, spec.model.path, dtype, placement))
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
     lora.apply_loras(ctx, transformer, spec, adapter)
 
@@ -121,21 +213,33 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
 
 
 @op(DecodeArgs, spmd=True)
+@_stage
 def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     key = ModelKey(args.model.name, "vae", args.device, args.dtype.value)
+    models = _models(ctx)
+    adapter, dtype = family(args.model.family), DTYPES[args.dtype.value]
+    usable = not args.device.startswith("cuda") or torch.cuda.is_available()
+    vae_config = None
+    short = False
+    if ctx.rank == 0 and usable:
+        with open(os.path.join(args.model.path, "vae", "config.json")) as f:
+            vae_config = json.load(f)
+        need = memory.decode_need(adapter, vae_config, *memory.samples_size(adapter, tensors["samples"]), dtype)
+        short = memory.decode_is_short(need, torch.device(args.device))
+    # Rank 0 alone sees the decode's device; when it is short, every rank frees what staged lets go of.
+    if ctx.from_rank0(short):
+        models.free_before_decode()
     if ctx.rank != 0:
-        _models(ctx).make_room(key)
+        models.make_room(key)
         return None, {}
     ctx.alone()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if not usable:
         raise OpError(f"device: {args.device} was asked for, but the backend has no GPU; use cpu or auto")
-    adapter = family(args.model.family)
-    with open(os.path.join(args.model.path, "vae", "config.json")) as f:
-        memory.check_decode(
-            adapter, json.load(f), tensors["samples"], DTYPES[args.dtype.value], torch.device(args.device)
-        )
+    ctx.state["estimate"] = memory.check_decode(
+        adapter, vae_config, tensors["samples"], dtype, torch.device(args.device)
+    )
     ctx.progress(0, 1, "loading VAE")
-    vae = _models(ctx).get(key, lambda: adapter.load_vae(args.model.path, DTYPES[args.dtype.value], args.device))
+    vae = models.get(key, lambda: adapter.load_vae(args.model.path, dtype, args.device))
     ctx.progress(0, 1, "decoding")
     images = adapter.decode(vae, tensors["samples"])
     ctx.progress(1, 1, "decoded")
@@ -143,6 +247,7 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
 
 
 @op(FreeArgs, spmd=True)
+@_stage
 def free(ctx: OpContext, args: FreeArgs, tensors: dict) -> OpResult:
     """Free resident models (``components``, or all) on every rank, e.g. before ComfyUI's own nodes need the GPUs."""
     models = _models(ctx)

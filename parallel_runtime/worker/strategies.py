@@ -10,17 +10,31 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import InvalidInput
 from ..families.base import expand_batch
-from ..strategy import Strategy, StrategyPlan
+from ..strategy import Strategy, StrategyPlan, check_attention_on_gpu, ring_attention_backend
+from .diagnostics import device_label
 from .meshes import device_mesh
+from .ops import WidgetError
 
 if TYPE_CHECKING:
     from diffusers import ContextParallelConfig
 
 
+def check_attention(plan: StrategyPlan, device: torch.device) -> None:
+    """WidgetError when this rank's GPU cannot run the plan's attention (before anything loads; the client checked
+    the dtype and the packages already)."""
+    if device.type != "cuda":
+        return
+    try:
+        check_attention_on_gpu(plan, torch.cuda.get_device_capability(device), device_label(device))
+    except InvalidInput as e:
+        raise WidgetError(e.widget, str(e).removeprefix(f"{e.widget}: ")) from None
+
+
 def _attention_backend(plan: StrategyPlan, device: torch.device) -> str | None:
-    """Ring attention merges partial results by their log-sum-exp, so it needs a backend whose op returns it;
-    Ulysses works with the default one."""
+    """Ring attention merges partial results by their log-sum-exp, so it needs a backend whose op returns it, chosen
+    by the GPU's generation (``strategy.ring_attention_backend``); Ulysses works with the default one."""
     if plan.attention_backend != "auto":
         return plan.attention_backend
     if plan.ring_degree > 1:
@@ -28,7 +42,7 @@ def _attention_backend(plan: StrategyPlan, device: torch.device) -> str | None:
             from .cpu_shims import CPU_RING_ATTENTION_BACKEND
 
             return CPU_RING_ATTENTION_BACKEND
-        return "_native_cudnn"
+        return ring_attention_backend(torch.cuda.get_device_capability(device))
     return None
 
 
@@ -115,7 +129,11 @@ def load_transformer(
         )
     if plan.kind is Strategy.TP_CP:
         return _tp_cp_transformer(cls, model_dir, dtype, device, plan)
-    transformer = cls.from_pretrained(model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True).to(device)
+    # Each tensor goes to the rank's device as it is read: loading on the host and moving afterwards would hold the
+    # whole model in every rank's host memory at once (N × 24 GB for FLUX.1-dev on N GPUs when its dtype changes).
+    transformer = cls.from_pretrained(
+        model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True, device_map={"": str(device)}
+    )
     if plan.kind is Strategy.CONTEXT_PARALLEL:
         # `from_pretrained(parallel_config=ContextParallelConfig(...))` fails in diffusers 0.42.1; CP keeps full
         # weights on every rank anyway, so enabling it after loading costs nothing.
