@@ -1,5 +1,6 @@
-"""Where the nodes meet ComfyUI's runtime: its progress bar and node text, its Cancel, its errors, the schema defaults
-of inputs a prompt leaves out, and its validation of a queued prompt (``validate_inputs``).
+"""Where the nodes meet ComfyUI's runtime: its progress bar and node text, its Cancel, its errors, its own models on a
+device the backend computes on (``make_room``), the schema defaults of inputs a prompt leaves out, and its validation
+of a queued prompt (``validate_inputs``).
 
 ComfyUI's runtime modules (``comfy.model_management``, ``comfy.utils``, ``server``) are used only once ComfyUI itself
 has loaded them (``sys.modules``): the pack never imports them, so the nodes also run outside a ComfyUI server (their
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 from comfy_api.latest import io
 
-from parallel_runtime import BackendDied, Cancelled, InvalidInput, OpFailed
+from parallel_runtime import BackendDied, BackendSpec, Cancelled, InvalidInput, OpFailed, get_backend
 
 T = TypeVar("T")
 log = logging.getLogger("parallel_nodes")
@@ -83,6 +84,45 @@ class _Progress:
         self.text = text
         if hasattr(server, "send_progress_text"):  # ComfyUI 0.3.75 and later
             server.send_progress_text(text, self.node_id, server.client_id)
+
+
+def _shared_devices(mm: Any, spec: BackendSpec, device: str | None) -> list[Any]:
+    """ComfyUI's GPUs that a backend op runs on (by UUID: the backend numbers its GPUs its own way). ``device``: the
+    one device the op uses ("cuda:1", "cpu"), or None for all of the backend's. None on the CPU: ComfyUI's models
+    there are its host copies, which unloading would not free."""
+    import torch
+
+    kind = torch.device(device).type if device else spec.device
+    if kind != "cuda" or spec.device != "cuda":
+        return []
+    devices = mm.get_all_torch_devices() if hasattr(mm, "get_all_torch_devices") else [mm.get_torch_device()]
+    gpus = get_backend(spec).gpu_uuids()
+    if device is not None and torch.device(device).index is not None:
+        gpus = gpus[torch.device(device).index : torch.device(device).index + 1]
+    return [d for d in devices if d.type == "cuda" and str(torch.cuda.get_device_properties(d).uuid) in gpus]
+
+
+def make_room(node: type[io.ComfyNode], spec: BackendSpec, device: str | None = None) -> None:
+    """Before a backend op: free ComfyUI's own loaded models on the devices the op computes on, the way ComfyUI's
+    nodes make room (``free_memory`` everything there, then ``soft_empty_cache``), so that a model ComfyUI holds and
+    the backend's rank 0 do not run a shared GPU out of memory. Off when the ParallelBackend's ``free_comfyui_vram``
+    is. Outside a ComfyUI server (ComfyUI's model management not loaded) there is nothing to free."""
+    mm = _loaded("comfy.model_management")
+    if mm is None or not spec.free_comfyui_vram:
+        return
+    for shared in _shared_devices(mm, spec, device):
+        held = [m for m in mm.current_loaded_models if m.device == shared]
+        if not held:
+            continue
+        size = sum(m.model_loaded_memory() for m in held)
+        mm.free_memory(1e30, shared)
+        mm.soft_empty_cache()
+        left = sum(1 for m in mm.current_loaded_models if m.device == shared)
+        show_text(
+            node,
+            f"freed {len(held) - left} of ComfyUI's models on {shared} ({size / 2**30:.2f} GiB) for the parallel "
+            "backend (free_comfyui_vram on ParallelBackend)",
+        )
 
 
 def show_text(node: type[io.ComfyNode], text: str) -> None:

@@ -111,4 +111,5 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
         spec = w.pop("backend") or default_spec()
+        comfy.make_room(cls, spec)
         return io.NodeOutput(comfy.run(cls, jobs.encode_prompt, spec, **w))

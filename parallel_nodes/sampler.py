@@ -112,5 +112,6 @@ class ParallelSampler(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
+        comfy.make_room(cls, w["transformer"].backend)
         samples = comfy.run(cls, jobs.sample, w.pop("transformer"), w.pop("positive"), **w)
         return io.NodeOutput({"samples": samples})

@@ -45,5 +45,6 @@ class VAEDecodeSingleGPU(io.ComfyNode):
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
         spec = w.pop("backend") or default_spec()
+        comfy.make_room(cls, spec, jobs.decode_device(spec, w["device"]))
         samples = w.pop("samples")["samples"]
         return io.NodeOutput(comfy.run(cls, jobs.decode, spec, samples=samples, **w))
