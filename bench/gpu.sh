@@ -6,17 +6,24 @@
 #
 # Builds (once) a FLUX.1 pipeline folder whose transformer has FLUX.1-dev's config (19 double + 38 single blocks,
 # 24 heads x 128, T5 width 4096, CLIP pooled 768, guidance embeddings) with random weights in bfloat16 (~22 GiB, drawn
-# on the first GPU; the folder needs ~24 GB of disk), with tiny text encoders and VAE of matching output widths, then
-# runs bench/strategies.py on it at 1024x1024 with FLUX.1-dev's 512 text tokens, one rank per visible GPU, and prints
-# ms per step for one GPU and for each strategy. With "peers" first it runs bench/peers.py instead on the same folder
-# and size: the pack against bare diffusers and cache-dit (caching off), N ranks each, 3 runs per side.
+# one block at a time on the first GPU and saved in 2 GiB shards; the folder needs ~24 GB of disk), with tiny text
+# encoders and VAE of matching output widths, then runs bench/strategies.py on it at 1024x1024 with FLUX.1-dev's 512
+# text tokens, one rank per GPU torch sees, and prints ms per step for one GPU and for each strategy (a side that
+# runs out of GPU memory is reported and the rest still run). With "peers" first it runs bench/peers.py instead on
+# the same folder and size: the pack against bare diffusers and cache-dit (caching off), N ranks each, 3 runs per
+# side.
 # Any other option goes to the Python script and overrides these defaults (see its --help); a folder built with
 # other block counts is refused at the default path, so give such builds their own --model-dir.
 # PYTHON picks the interpreter (default: python); the default folder is under ${XDG_CACHE_HOME:-~/.cache}.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-gpus="$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)"
+# The GPUs this process may use, as torch counts them: CUDA_VISIBLE_DEVICES narrows them, nvidia-smi would not.
+gpus="$("${PYTHON:-python}" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+if (( gpus == 0 )); then
+    echo "gpu.sh: torch sees no GPU here (driver, CUDA_VISIBLE_DEVICES, a CPU-only torch?)" >&2
+    exit 2
+fi
 script=strategies.py
 runs=(--repeats 3)
 if [[ "${1:-}" == peers ]]; then
@@ -24,6 +31,6 @@ if [[ "${1:-}" == peers ]]; then
     script=peers.py
     runs=(--rounds 3)
 fi
-exec "${PYTHON:-python}" "$here/$script" --device cuda --ranks "$(( gpus > 0 ? gpus : 1 ))" \
+exec "${PYTHON:-python}" "$here/$script" --device cuda --ranks "$gpus" \
     --preset flux1-dev --model-dir "${XDG_CACHE_HOME:-$HOME/.cache}/comfy-parallel/flux1-dev-random" \
     --width 1024 --height 1024 --max-sequence-length 512 --steps 12 "${runs[@]}" "$@"

@@ -13,6 +13,7 @@ to the transformer, and they never run in a timed step.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -49,6 +50,83 @@ PRESETS: dict[str, dict] = {
 PRESET_DTYPES = {"bench": torch.float32, "flux1-dev": torch.bfloat16}
 
 
+# Bytes of one saved shard: about the most of the transformer the build holds in host memory at once.
+SHARD_BYTES = 2 << 30
+
+
+def _chunks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's top-level children, each block of a ModuleList on its own: the units drawn one at a time."""
+    chunks = []
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            chunks += [(f"{name}.{i}", block) for i, block in enumerate(child)]
+        else:
+            chunks.append((name, child))
+    return chunks
+
+
+def _draw(module: torch.nn.Module) -> None:
+    """Random weights of a sensible size for a freshly materialised module: matrices normal with std 1/sqrt(fan_in)
+    (the activations keep their scale through the blocks), norms' scales one, biases zero."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, p[0].numel() ** -0.5)
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+
+def _rebuild_in_chunks(component_dir: str, config: dict, model_cls, dtype: torch.dtype, device: str) -> None:
+    """Save a random ``model_cls`` of ``config`` in ``dtype`` without ever holding it whole: built on the meta device,
+    each block drawn on ``device``, moved to the host and written into shards of ``SHARD_BYTES`` with diffusers'
+    index file. FLUX.1-dev (22 GiB in bfloat16) then needs one shard of host memory and one block of the GPU's, not
+    the whole model on the first GPU."""
+    from safetensors.torch import save_file
+
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_cls.from_config(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    shutil.rmtree(component_dir, ignore_errors=True)
+    os.makedirs(component_dir)
+    model.save_config(component_dir)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    written: list[list[str]] = []
+    total = 0
+
+    def write() -> None:
+        path = os.path.join(component_dir, f"part-{len(written)}.safetensors")
+        save_file(shards[-1], path, metadata={"format": "pt"})
+        written.append(list(shards[-1]))
+        shards[-1] = {}
+
+    for prefix, module in _chunks(model):
+        module.to_empty(device=device)
+        _draw(module)
+        for name, tensor in module.state_dict().items():
+            shards[-1][f"{prefix}.{name}"] = tensor.to("cpu").contiguous()
+            total += tensor.numel() * tensor.element_size()
+        module.to("meta")  # this block's memory on ``device`` goes back now
+        if sum(t.numel() * t.element_size() for t in shards[-1].values()) >= SHARD_BYTES:
+            write()
+    if shards[-1]:
+        write()
+    if {k for keys in written for k in keys} != set(model.state_dict()):
+        raise RuntimeError(f"{model_cls.__name__} holds weights outside its children; the chunked build misses them")
+    weight_map = {}
+    for i, keys in enumerate(written):  # diffusers' names: diffusion_pytorch_model-00001-of-0000N.safetensors
+        final = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.rename(os.path.join(component_dir, f"part-{i}.safetensors"), os.path.join(component_dir, final))
+        weight_map.update(dict.fromkeys(keys, final))
+    with open(os.path.join(component_dir, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
 def _rebuild(component_dir: str, config, model_cls, device: str) -> None:
     """Replace a saved component with a fresh random one of ``config``, drawn in torch's default dtype (rmtree first:
     a sharded save would leave the old single file next to the new index)."""
@@ -62,8 +140,9 @@ def build(
     out_dir: str, transformer: dict, *, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0
 ) -> str:
     """Save a FLUX.1 pipeline with a random transformer of ``transformer`` (FluxTransformer2DModel arguments over
-    the tiny one's) in ``dtype`` to ``out_dir``; weights are drawn on ``device`` (FLUX.1-dev's 12 B take a CPU minutes,
-    a GPU far less). Deterministic for a seed on one device."""
+    the tiny one's) in ``dtype`` to ``out_dir``; weights are drawn on ``device`` one block at a time (FLUX.1-dev's 12 B
+    take a CPU minutes, a GPU far less) and saved in shards, so neither holds the whole transformer. Deterministic for
+    a seed on one device."""
     from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -81,13 +160,8 @@ def build(
         if t5.d_model != config["joint_attention_dim"]:
             t5.d_model = config["joint_attention_dim"]
             _rebuild(os.path.join(out_dir, "text_encoder_2"), t5, T5EncoderModel, device)
-        # Drawn in the target dtype: FLUX.1-dev in float32 first would need 48 GB.
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            _rebuild(os.path.join(out_dir, "transformer"), config, FluxTransformer2DModel.from_config, device)
-        finally:
-            torch.set_default_dtype(default_dtype)
+        # Drawn in the target dtype (FLUX.1-dev in float32 first would need 48 GB), one block at a time.
+        _rebuild_in_chunks(os.path.join(out_dir, "transformer"), config, FluxTransformer2DModel, dtype, device)
     return os.fspath(out_dir)
 
 

@@ -29,8 +29,9 @@ strategy's runs alternate with one-process runs (which one goes first alternates
 machine hits both; the ratio is taken against those adjacent runs, and ``paired`` is the median of the per-run
 ratios. On CUDA the one-process runs come first and their model is freed before the backend loads its own: two
 FLUX.1-dev copies on GPU 0 would not fit a 48 GB card, and GPU timings do not drift the way a shared CPU's do.
-Timestamps are taken on the host without a synchronisation; a FLUX.1-dev step launches far more kernels than CUDA's
-launch queue holds, so from the second step on the host should be waiting for the GPU and the intervals be GPU time.
+On CUDA every step end waits for the GPU (``torch.cuda.synchronize``: in the one process here, on the ranks before
+they report the step), so the intervals are GPU time, not the launch queue's. A side that runs out of GPU memory
+(the one-process copy on GPU 0, or a strategy's row) is reported as such and the others still run.
 
 The one process and each rank run ``--threads`` threads, so N ranks use N cores where the one process uses one (the
 GPU picture: N devices against one). On 2 shared CPU cores a ratio below 1 therefore says the second core paid for
@@ -176,7 +177,7 @@ class OneProcess:
     """The FLUX.1 adapter's denoise loop in this process, on one device: what every rank runs, without a backend."""
 
     def __init__(self, model_dir: str, dtype: str, device: str):
-        self.model_dir = model_dir
+        self.model_dir, self.device = model_dir, device
         self.transformer = flux.load_transformer(model_dir, DTYPES[dtype], Placement(device))
         self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.transformer.parameters())
 
@@ -185,13 +186,13 @@ class OneProcess:
         sampling = Sampling(
             seed=args.seed, steps=args.steps, guidance_scale=args.guidance, width=args.width, height=args.height
         )
-        flux.denoise(
-            self.model_dir,
-            self.transformer,
-            conditioning.tensors,
-            sampling,
-            on_step=lambda step, total: marks.append(time.perf_counter()),
-        )
+
+        def on_step(step: int, total: int) -> None:
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize(self.device)  # the step's kernels, not their launch
+            marks.append(time.perf_counter())
+
+        flux.denoise(self.model_dir, self.transformer, conditioning.tensors, sampling, on_step=on_step)
         return step_intervals(marks, args.steps)
 
 
@@ -219,6 +220,13 @@ def backend_run(
         on_progress=on_progress,
     )
     return step_intervals(marks, args.steps)
+
+
+def flux_parameter_bytes(model_dir: str, dtype: str) -> int:
+    """The whole transformer's parameter bytes in ``dtype``, from its files' headers (nothing is loaded)."""
+    from parallel_runtime.worker.memory import parameters_in
+
+    return parameters_in(os.path.join(model_dir, "transformer")) * DTYPES[dtype].itemsize
 
 
 def _transformer_bytes_per_rank(spec: BackendSpec) -> list[int]:
@@ -346,23 +354,34 @@ def run(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]) ->
         conditioning = jobs.encode_prompt(
             spec, model=model, prompt=PROMPT, max_sequence_length=args.max_sequence_length
         )
-        one = OneProcess(model_dir, dtype, device)
-        report["full_parameter_bytes"] = one.parameter_bytes
-        log(f"one process: transformer loaded ({one.parameter_bytes / 2**20:.0f} MiB {dtype} on {device})")
-        if not report["interleaved"]:
-            runs = [one.run(conditioning, args) for _ in range(args.repeats)]
-            report["one_step_s"], report["one_ms"] = runs, _median_ms(runs)
-            log(f"  one process: {report['one_ms']:.1f} ms/step")
+        report["full_parameter_bytes"] = flux_parameter_bytes(model_dir, dtype)
+        one: OneProcess | None = None
+        try:
+            one = OneProcess(model_dir, dtype, device)
+            log(f"one process: transformer loaded ({one.parameter_bytes / 2**20:.0f} MiB {dtype} on {device})")
+            if not report["interleaved"]:
+                runs = [one.run(conditioning, args) for _ in range(args.repeats)]
+                report["one_step_s"], report["one_ms"] = runs, _median_ms(runs)
+                log(f"  one process: {report['one_ms']:.1f} ms/step")
+        except torch.OutOfMemoryError as e:  # the whole model on one GPU: the strategies' rows still run
+            report["one_error"] = f"out of memory on {device}: {str(e).splitlines()[0]}"
+            report["one_ms"] = None
+            log(f"  one process: {report['one_error']}")
+            one = None
+        if not report["interleaved"] and one is not None:
             del one  # free its GPU memory before the ranks load their copies
+            one = None
+        if args.device == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
-            one = None
         for strategy in rows:
             row = bench_strategy(strategy, spec, model, conditioning, one, args, log)
-            if "step_s" in row:  # against its own one-process runs (CPU), or the ones made first (CUDA)
+            if "step_s" in row:
+                row["parameter_share"] = max(row["parameter_bytes"]) / report["full_parameter_bytes"]
+            if "step_s" in row and (row.get("one_step_s") or report.get("one_step_s")):
+                # against its own one-process runs (CPU), or the ones made first (CUDA)
                 row["one_ms"] = _median_ms(row.get("one_step_s") or report["one_step_s"])
                 row["ratio"] = row["ms_per_image_step"] / row["one_ms"]
-                row["parameter_share"] = max(row["parameter_bytes"]) / report["full_parameter_bytes"]
             report["rows"].append(row)
         if report["interleaved"]:  # every one-process run of the bench, for the table's first line
             one_runs = [run for r in report["rows"] for run in r.get("one_step_s", [])]
@@ -393,6 +412,8 @@ def print_report(report: dict) -> None:
     )
     if report["one_ms"] is not None:
         print(f"{'one process':>16} {1:>5} {report['one_ms']:>9.1f}")
+    elif "one_error" in report:
+        print(f"{'one process':>16} {1:>5}  FAILED: {report['one_error']}")
     for r in report["rows"]:
         if "skipped" in r or "error" in r:
             print(
@@ -406,9 +427,9 @@ def print_report(report: dict) -> None:
             if max(r["parameter_bytes"])
             else f"{'':>12}"
         )
+        against = f"{r['one_ms']:>9.1f} {r['ratio']:>6.2f}×" if "ratio" in r else f"{'-':>9} {'-':>7}"
         print(
-            f"{r['name']:>16} {r['ranks']:>5} {r['ms_per_image_step']:>9.1f} {r['one_ms']:>9.1f} "
-            f"{r['ratio']:>6.2f}× {paired} {share}"
+            f"{r['name']:>16} {r['ranks']:>5} {r['ms_per_image_step']:>9.1f} {against} {paired} {share}"
             + (f"   (per image: a batch of {r['images']})" if r["images"] > 1 else "")
         )
     where = (
