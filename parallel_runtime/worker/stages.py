@@ -219,13 +219,15 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     models = _models(ctx)
     adapter, dtype = family(args.model.family), DTYPES[args.dtype.value]
     usable = not args.device.startswith("cuda") or torch.cuda.is_available()
-    vae_config = None
-    short = False
+    vae_config, short, failure = None, False, None
     if ctx.rank == 0 and usable:
-        with open(os.path.join(args.model.path, "vae", "config.json")) as f:
-            vae_config = json.load(f)
-        need = memory.decode_need(adapter, vae_config, *memory.samples_size(adapter, tensors["samples"]), dtype)
-        short = memory.decode_is_short(need, torch.device(args.device))
+        try:
+            with open(os.path.join(args.model.path, "vae", "config.json")) as f:
+                vae_config = json.load(f)
+            need = memory.decode_need(adapter, vae_config, *memory.samples_size(adapter, tensors["samples"]), dtype)
+            short = memory.decode_is_short(need, torch.device(args.device))
+        except Exception as e:  # raised after the broadcast below, which the other ranks are waiting in
+            failure = e
     # Rank 0 alone sees the decode's device; when it is short, every rank frees what staged lets go of.
     if ctx.from_rank0(short):
         models.free_before_decode()
@@ -233,6 +235,11 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
         models.make_room(key)
         return None, {}
     ctx.alone()
+    if failure is not None:
+        try:
+            raise failure
+        finally:
+            failure = None  # this frame is in the error's traceback
     if not usable:
         raise OpError(f"device: {args.device} was asked for, but the backend has no GPU; use cpu or auto")
     ctx.state["estimate"] = memory.check_decode(
