@@ -207,6 +207,10 @@ class QueuedNode:
                 raise Unknown(name)
         return values
 
+    def linked(self, name: str) -> bool:
+        """Whether an input is a link (its value comes from another node)."""
+        return _is_link(self.inputs.get(name))
+
     def source(self, name: str) -> QueuedNode:
         """The node linked to an input, to read its widgets (Unknown when the input is not a link to one of ours)."""
         value = self.inputs.get(name)

@@ -3,6 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import jobs
+from parallel_runtime.families import img2img_steps
 
 from . import comfy
 from .types import CATEGORY, Conditioning, Transformer
@@ -57,8 +58,22 @@ class ParallelSampler(io.ComfyNode):
                         "true_cfg_scale."
                     ),
                 ),
-                io.Int.Input("width", default=1024, min=16, max=8192, step=16, tooltip="A multiple of 16."),
-                io.Int.Input("height", default=1024, min=16, max=8192, step=16, tooltip="A multiple of 16."),
+                io.Int.Input(
+                    "width",
+                    default=1024,
+                    min=16,
+                    max=8192,
+                    step=16,
+                    tooltip="A multiple of 16. Ignored with a latent_image: its size is the image's.",
+                ),
+                io.Int.Input(
+                    "height",
+                    default=1024,
+                    min=16,
+                    max=8192,
+                    step=16,
+                    tooltip="A multiple of 16. Ignored with a latent_image: its size is the image's.",
+                ),
                 io.Int.Input(
                     "batch_size",
                     default=1,
@@ -80,6 +95,29 @@ class ParallelSampler(io.ComfyNode):
                         "Qwen-Image's true classifier-free guidance against the negative prompt "
                         "(EncodeOnBalancedGPUs); 1 turns it off and halves the work per step. Ignored "
                         "by families without true CFG (FLUX)."
+                    ),
+                ),
+                io.Latent.Input(
+                    "latent_image",
+                    optional=True,
+                    tooltip=(
+                        "Start from this LATENT instead of noise (img2img, hires fix): VAEEncodeSingleGPU, a first "
+                        "ParallelSampler, or ComfyUI's latent nodes (LatentUpscaleBy, LatentCrop, ...) in between. "
+                        "Its size replaces width and height; batch 1 serves every image, or give one per image. "
+                        "With a noise_mask (SetLatentNoiseMask), only the masked area is repainted (inpainting)."
+                    ),
+                ),
+                io.Float.Input(
+                    "denoise",
+                    default=1.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    optional=True,
+                    tooltip=(
+                        "With a latent_image: how much of it is re-noised, diffusers' img2img strength. The last "
+                        "steps × denoise of the steps run (rounded up; e.g. 28 steps at 0.5 run 14), from the image "
+                        "noised to where they start. 1 starts from pure noise. Without a latent_image, keep 1."
                     ),
                 ),
             ],
@@ -105,12 +143,22 @@ class ParallelSampler(io.ComfyNode):
                 node.input("transformer"),
                 None,
                 prompts=_prompt_count(node),
-                **node.widgets("steps", "width", "height", "batch_size", "guidance_scale", "true_cfg_scale"),
+                latent_linked=node.linked("latent_image"),
+                **node.widgets("steps", "width", "height", "batch_size", "guidance_scale", "true_cfg_scale", "denoise"),
             ),
         )
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
-        samples = comfy.run(cls, jobs.sample, w.pop("transformer"), w.pop("positive"), **w)
+        handle = w.pop("transformer")
+        samples = comfy.run(cls, jobs.sample, handle, w.pop("positive"), **w)
+        if w["latent_image"] is not None:
+            downscale = handle.family.latent.downscale
+            steps = img2img_steps(w["steps"], w["denoise"])
+            comfy.show_text(
+                cls,
+                f"{samples.shape[-1] * downscale}×{samples.shape[-2] * downscale} from latent_image (width and "
+                f"height ignored); {steps} of {w['steps']} steps at denoise {w['denoise']}",
+            )
         return io.NodeOutput({"samples": samples})

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..arena import DTYPES
-from ..families import Placement, family
+from ..families import IMAGE_INPUTS, Placement, family, img2img_steps
 from ..wire import DecodeArgs, DecodeResult, DenoiseArgs, DenoiseResult, EncodeArgs, EncodeResult, FreeArgs, FreeResult
 from . import lora, memory, strategies
 from .models import ModelKey, ResidentModels
@@ -86,6 +86,10 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         load = functools.partial(
             strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
         )
+    # The img2img inputs travel beside the embeddings; they are not conditioning (one row per prompt).
+    images = {name: tensors[name] for name in IMAGE_INPUTS if name in tensors}
+    tensors = {name: tensor for name, tensor in tensors.items() if name not in IMAGE_INPUTS}
+    steps = img2img_steps(sampling.steps, sampling.denoise) if images else sampling.steps
     text_tokens = max(tensors[name].shape[1] for name in ("prompt_embeds", "negative_prompt_embeds") if name in tensors)
     refused = None
     try:
@@ -95,7 +99,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     except WidgetError as e:
         refused = e
     ctx.agree(refused)  # one rank short of memory: all refuse, before any of them loads
-    ctx.progress(0, sampling.steps, "loading transformer")
+    ctx.progress(0, steps, "loading transformer")
     transformer = models.get(key, load)
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
     lora.apply_loras(ctx, transformer, spec, adapter)
@@ -111,13 +115,19 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         strategies.slice_batch(tensors, batch_size, start, count),
         mine,
         on_step=_on_step(ctx),
+        **{name: _my_images(image, batch_size, start, count) for name, image in images.items()},
     )
     if plan.splits_batch:
         samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:
         return None, {}
-    ctx.progress(sampling.steps, sampling.steps, "denoised")
+    ctx.progress(steps, steps, "denoised")
     return DenoiseResult(tuple(samples.shape)), {"samples": samples}
+
+
+def _my_images(image: torch.Tensor, batch_size: int, start: int, count: int) -> torch.Tensor:
+    """This rank's rows of an img2img input: one row serves every image, ``batch_size`` rows give one per image."""
+    return image if image.shape[0] == 1 else image[start : start + count]
 
 
 @op(DecodeArgs, spmd=True)
