@@ -44,8 +44,16 @@ CONTRACT_0_1_0 = {
 # Nodes added after 0.1.0, with what workflows saved since hold; the same rule: grow only at the end of "optional".
 ADDED_AFTER_0_1_0 = {
     "ParallelLoraLoader": (["transformer", "lora_name", "strength"], [], ["PD_TRANSFORMER"]),
+    "VAEEncodeSingleGPU": (["pixels", "model", "device"], ["dtype", "backend"], ["LATENT"]),
+}
+# Inputs appended since 0.1.0 to the optional end of a node's, in the order they came.
+GROWN_AFTER_0_1_0 = {
+    "ParallelSampler": ["latent_image", "denoise"],  # img2img, hires fix, inpainting
 }
 CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
+for _node_id, _grown in GROWN_AFTER_0_1_0.items():
+    _required, _optional, _outputs = CONTRACT[_node_id]
+    CONTRACT[_node_id] = (_required, _optional + _grown, _outputs)
 
 
 def test_saved_workflows_keep_their_inputs(nodes):
