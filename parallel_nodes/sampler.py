@@ -18,6 +18,54 @@ def _prompt_count(node: comfy.QueuedNode) -> int | None:
         return None
 
 
+def _latent_size(prompt: dict, link: object, downscale: int) -> tuple[int, int]:
+    """(width, height) in latent pixels of the LATENT a link carries, where the queued graph says it without running
+    anything: ComfyUI's empty latents and latent upscales, and a ParallelSampler's own size; Unknown otherwise."""
+    if not comfy.is_link(link) or not isinstance(prompt.get(str(link[0])), dict):
+        raise comfy.Unknown("latent_image")
+    node = prompt[str(link[0])]
+    kind, inputs = node.get("class_type"), node.get("inputs") or {}
+
+    def number(name: str) -> float:
+        value = inputs.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise comfy.Unknown(name)
+        return value
+
+    if kind in ("EmptyLatentImage", "EmptySD3LatentImage"):  # 8 pixels per latent pixel, floored
+        return int(number("width")) // 8, int(number("height")) // 8
+    if kind == "ParallelSampler" and "latent_image" not in inputs:
+        return int(number("width")) // downscale, int(number("height")) // downscale
+    if kind in ("ParallelSampler", "SetLatentNoiseMask", "LatentUpscaleBy"):
+        source = inputs.get("latent_image" if kind == "ParallelSampler" else "samples")
+        width, height = _latent_size(prompt, source, downscale)
+        if kind != "LatentUpscaleBy":
+            return width, height
+        scale = number("scale_by")
+        return round(width * scale), round(height * scale)  # as LatentUpscaleBy rounds
+    if kind == "LatentUpscale" and number("width") > 0 and number("height") > 0:
+        return int(number("width")) // 8, int(number("height")) // 8
+    raise comfy.Unknown("latent_image")
+
+
+def _validate(node: comfy.QueuedNode) -> None:
+    handle = node.input("transformer")
+    size = None
+    if node.linked("latent_image"):
+        try:
+            size = _latent_size(node.prompt, node.inputs["latent_image"], handle.family.latent.downscale)
+        except comfy.Unknown:
+            pass  # only execution knows: the sampler checks it when the latent arrives
+    jobs.validate_sample(
+        handle,
+        None,
+        prompts=_prompt_count(node),
+        latent_linked=node.linked("latent_image"),
+        latent_size=size,
+        **node.widgets("steps", "width", "height", "batch_size", "guidance_scale", "true_cfg_scale", "denoise"),
+    )
+
+
 class ParallelSampler(io.ComfyNode):
     """Run the denoising loop on the backend that holds the transformer."""
 
@@ -135,18 +183,8 @@ class ParallelSampler(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, input_types: dict) -> bool | str:
         """Steps and sizes against the linked transformer's family and strategy (e.g. how context parallelism splits
-        the image tokens), before anything runs."""
-        return comfy.validate(
-            cls,
-            input_types,
-            lambda node: jobs.validate_sample(
-                node.input("transformer"),
-                None,
-                prompts=_prompt_count(node),
-                latent_linked=node.linked("latent_image"),
-                **node.widgets("steps", "width", "height", "batch_size", "guidance_scale", "true_cfg_scale", "denoise"),
-            ),
-        )
+        the image tokens), before anything runs; a latent_image's size where the graph says it."""
+        return comfy.validate(cls, input_types, _validate)
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:

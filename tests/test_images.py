@@ -276,6 +276,7 @@ def test_inpaint_equals_diffusers_and_keeps_the_unmasked_area(family):
     assert (samples[..., half + 1 :] - latent[..., half + 1 :]).abs().max().item() > 1e-2
 
 
+@pytest.mark.slow  # test_images_nodes checks batches per rank, test_images_comfyui EmptySD3LatentImage at denoise 1
 def test_a_latent_of_batch_one_serves_the_batch_and_denoise_one_is_text_to_image(load):
     """Batch 1 is repeated for every image, each with its own seed (as the pipelines' num_images_per_prompt); a
     zero latent at denoise 1 (ComfyUI's EmptySD3LatentImage) gives the text-to-image result."""

@@ -79,8 +79,19 @@ def read_latent_image(handle: TransformerHandle, latent: Any) -> LatentImage:
         )
     if not torch.isfinite(samples).all():
         raise InvalidInput("latent_image", "holds NaN or infinite values; re-make it (VAEEncodeSingleGPU)")
-    multiple = family.pixels_per_token // layout.downscale  # latent pixels per token side
     latent_height, latent_width = samples.shape[-2], samples.shape[-1]
+    _check_latent_size(family, latent_width, latent_height)
+    mask = latent.get("noise_mask")
+    if mask is not None:
+        mask = _read_mask(mask, latent_width, latent_height)
+    return LatentImage(
+        samples.float(), mask, width=latent_width * layout.downscale, height=latent_height * layout.downscale
+    )
+
+
+def _check_latent_size(family: FamilyAdapter, latent_width: int, latent_height: int) -> None:
+    layout = family.latent
+    multiple = family.pixels_per_token // layout.downscale  # latent pixels per token side
     for side, size in (("width", latent_width), ("height", latent_height)):
         if size < multiple or size % multiple:
             lower, upper = max(multiple, size // multiple * multiple), (size // multiple + 1) * multiple
@@ -91,12 +102,6 @@ def read_latent_image(handle: TransformerHandle, latent: Any) -> LatentImage:
                 f"latent pixels ({lower * layout.downscale} or {upper * layout.downscale} pixels; LatentCrop, "
                 "LatentUpscale)",
             )
-    mask = latent.get("noise_mask")
-    if mask is not None:
-        mask = _read_mask(mask, latent_width, latent_height)
-    return LatentImage(
-        samples.float(), mask, width=latent_width * layout.downscale, height=latent_height * layout.downscale
-    )
 
 
 def _read_mask(mask: Any, latent_width: int, latent_height: int) -> torch.Tensor:
@@ -136,10 +141,12 @@ def validate_sample(
     denoise: float = 1.0,
     latent_image: LatentImage | None = None,
     latent_linked: bool = False,
+    latent_size: tuple[int, int] | None = None,
 ) -> None:
     """Every check ParallelSampler can make before it runs. Without a ``conditioning`` (at validation), ``prompts``
     says how many prompts it will hold; None skips the checks that need to know. ``latent_linked``: a latent_image
-    is linked whose contents only execution knows (its size checks wait until then)."""
+    is linked whose contents only execution knows; ``latent_size`` its (width, height) in latent pixels where the
+    graph says it (the size checks wait for execution otherwise)."""
     family, plan = handle.family, handle.plan
     if steps < family.min_steps:
         raise InvalidInput("steps", f"{steps} steps {family.min_steps_reason}; use at least {family.min_steps}")
@@ -161,6 +168,9 @@ def validate_sample(
         )
     if latent_image is not None:  # the latent's size is the image's; the widgets are ignored
         width, height = latent_image.width, latent_image.height
+    elif latent_linked and latent_size is not None:
+        _check_latent_size(family, *latent_size)
+        width, height = (side * family.latent.downscale for side in latent_size)
     elif not latent_linked:
         _check_size("width", width, family.pixels_per_token)
         _check_size("height", height, family.pixels_per_token)
@@ -213,13 +223,14 @@ def validate_sample(
             "batch_size, give more prompts (one_prompt_per_line), or use "
             "context_parallel or tensor_parallel to speed up a single image",
         )
-    if plan.splits_tokens and not plan.anything and not (latent_linked and latent_image is None):
+    size_known = latent_image is not None or not latent_linked or latent_size is not None
+    if plan.splits_tokens and not plan.anything and size_known:
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         image_tokens = (width // family.pixels_per_token) * (height // family.pixels_per_token)
         if image_tokens % degree:
             raise InvalidInput(
-                "width" if latent_image is None else "latent_image",
+                "latent_image" if latent_linked or latent_image is not None else "width",
                 f"{width}×{height} makes {image_tokens} image tokens, which do not split over "
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
