@@ -106,21 +106,16 @@ class ParallelSampler(io.ComfyNode):
                         "true_cfg_scale."
                     ),
                 ),
-                io.Int.Input(
-                    "width",
-                    default=1024,
-                    min=16,
-                    max=8192,
-                    step=16,
-                    tooltip="A multiple of 16. Ignored with a latent_image: its size is the image's.",
-                ),
-                io.Int.Input(
-                    "height",
-                    default=1024,
-                    min=16,
-                    max=8192,
-                    step=16,
-                    tooltip="A multiple of 16. Ignored with a latent_image: its size is the image's.",
+                *(
+                    io.Int.Input(
+                        side,
+                        default=1024,
+                        min=16,
+                        max=8192,
+                        step=16,
+                        tooltip="A multiple of 16. Ignored with a latent_image: its size is the image's.",
+                    )
+                    for side in ("width", "height")
                 ),
                 io.Int.Input(
                     "batch_size",

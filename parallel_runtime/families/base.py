@@ -229,6 +229,23 @@ def img2img_steps(steps: int, denoise: float) -> int:
     return steps - int(max(steps - min(steps * denoise, steps), 0))
 
 
+def image_pipeline(
+    pipelines: tuple[type, type, type], image: torch.Tensor | None, noise_mask: torch.Tensor | None, denoise: float
+) -> tuple[type, dict[str, Any]]:
+    """Which of a family's (text-to-image, img2img, inpaint) pipelines a denoise runs, and the image arguments it
+    takes: none without an image; the latent, normalised as the pipeline's ``_encode_vae_image`` normalises (a tensor
+    of the VAE's latent channels is taken as it is), with ``strength`` = denoise; and the mask. The masked image's
+    latents only feed Fill-style extra channels, which these pipelines do not have; given, the pipeline does not try
+    to mask the latent-sized image with the pixel-sized mask."""
+    text_to_image, img2img, inpaint = pipelines
+    if image is None:
+        return text_to_image, {}
+    inputs = {"image": image, "strength": denoise}
+    if noise_mask is None:
+        return img2img, inputs
+    return inpaint, {**inputs, "mask_image": noise_mask.float(), "masked_image_latents": image}
+
+
 def vae_pixels(pixels: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """An IMAGE [B, H, W, 3] in 0..1 as a VAE's input [B, 3, H, W] in [-1, 1]: what the pipelines' image processor
     makes of a tensor image (``VaeImageProcessor.normalize``)."""

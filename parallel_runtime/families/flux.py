@@ -24,6 +24,7 @@ from .base import (
     comfy_image,
     expand_batch,
     generators,
+    image_pipeline,
     load_placed,
     step_callback,
     vae_pixels,
@@ -82,19 +83,11 @@ class Flux1(FamilyAdapter):
 
         check_size(self, sampling)
         vae_config = AutoencoderKL.load_config(model_dir, subfolder="vae")
-        image_inputs: dict[str, Any] = {}
-        pipeline_class = FluxPipeline
-        if latent_image is not None:
-            # The img2img and inpaint pipelines take a latent of the VAE's channels as `image` as it is: normalised
-            # as their `_encode_vae_image` normalises the VAE's output (ComfyUI's LATENT is not).
+        image = None
+        if latent_image is not None:  # ComfyUI's LATENT is un-normalised
             image = (latent_image.float() - vae_config["shift_factor"]) * vae_config["scaling_factor"]
-            image_inputs = {"image": image, "strength": sampling.denoise}
-            pipeline_class = diffusers.FluxImg2ImgPipeline
-            if noise_mask is not None:
-                pipeline_class = diffusers.FluxInpaintPipeline
-                # The masked image's latents feed only FLUX Fill's extra channels, which this pipeline does not use;
-                # given, the pipeline does not mask the (latent-sized) image with the (pixel-sized) mask.
-                image_inputs.update(mask_image=noise_mask.float(), masked_image_latents=image)
+        pipelines = (FluxPipeline, diffusers.FluxImg2ImgPipeline, diffusers.FluxInpaintPipeline)
+        pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
         pipe = pipeline_class(
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
             vae=None,

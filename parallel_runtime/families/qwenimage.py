@@ -29,6 +29,7 @@ from .base import (
     comfy_image,
     expand_batch,
     generators,
+    image_pipeline,
     load_placed,
     step_callback,
     vae_pixels,
@@ -119,21 +120,14 @@ class QwenImage(FamilyAdapter):
         channels = vae_config["z_dim"]
         mean = torch.tensor(vae_config["latents_mean"]).view(1, channels, 1, 1, 1)
         inverse_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, channels, 1, 1, 1)
-        image_inputs: dict[str, Any] = {}
-        pipeline_class = QwenImagePipeline
+        image = None
         if latent_image is not None:
-            # The img2img and inpaint pipelines take a latent of the VAE's channels as `image` as it is: normalised
-            # as their `_encode_vae_image` normalises the VAE's output (ComfyUI's LATENT is not). 4-D, the frame
-            # dropped: the pipelines' image processor passes only a 4-D latent through untouched.
+            # Normalised (ComfyUI's LATENT is not) and 4-D, the frame dropped: the pipelines' image processor passes
+            # only a 4-D latent through untouched.
             frames = latent_image.float() if latent_image.ndim == 5 else latent_image.float().unsqueeze(2)
             image = ((frames - mean) * inverse_std)[:, :, 0]
-            image_inputs = {"image": image, "strength": sampling.denoise}
-            pipeline_class = diffusers.QwenImageImg2ImgPipeline
-            if noise_mask is not None:
-                pipeline_class = diffusers.QwenImageInpaintPipeline
-                # The masked image's latents are not used by the denoising loop; given, the pipeline does not mask
-                # the (latent-sized) image with the (pixel-sized) mask.
-                image_inputs.update(mask_image=noise_mask.float(), masked_image_latents=image)
+        pipelines = (QwenImagePipeline, diffusers.QwenImageImg2ImgPipeline, diffusers.QwenImageInpaintPipeline)
+        pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
         pipe = pipeline_class(
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
             vae=None,
