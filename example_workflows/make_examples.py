@@ -37,11 +37,35 @@ SAVE_IMAGE = {  # ComfyUI's core SaveImage, as /object_info describes it
     "RETURN_NAMES": (),
     "title": "Save Image",
 }
+# ComfyUI's core nodes the image examples use, as /object_info describes them (LoadImage's options are the files of
+# ComfyUI's input folder; example.png ships with ComfyUI).
+LATENT_UPSCALE_BY = {
+    "INPUT_TYPES": {
+        "required": {
+            "samples": ("LATENT", {}),
+            "upscale_method": (["nearest-exact", "bilinear", "area", "bicubic", "bislerp"], {}),
+            "scale_by": ("FLOAT", {"default": 1.5, "min": 0.01, "max": 8.0, "step": 0.01}),
+        }
+    },
+    "RETURN_TYPES": ("LATENT",),
+    "RETURN_NAMES": ("LATENT",),
+    "title": "Upscale Latent By",
+}
+LOAD_IMAGE = {
+    "INPUT_TYPES": {"required": {"image": (["example.png"], {"image_upload": True})}},
+    "RETURN_TYPES": ("IMAGE", "MASK"),
+    "RETURN_NAMES": ("IMAGE", "MASK"),
+    "title": "Load Image",
+}
+CORE_NODES = {"SaveImage": SAVE_IMAGE, "LatentUpscaleBy": LATENT_UPSCALE_BY, "LoadImage": LOAD_IMAGE}
 CONTROL_AFTER_GENERATE = "randomize"
 # Node ids are the same in every example, so scripts can address them: backend, encoder, transformer, sampler,
 # decoder, saver; an example with LoRAs adds its loaders after them (7, 8, ...), the note comes last.
 BACKEND, ENCODER, TRANSFORMER, SAMPLER, DECODER, SAVER = 1, 2, 3, 4, 5, 6
 LORAS = 7
+# The image examples' extra nodes, after the six: a hires fix's upscale and second sampler; img2img's image and encoder.
+UPSCALE, REFINER = 7, 8
+LOAD_IMAGE_NODE, IMAGE_ENCODER = 7, 8
 # The LoRA file an example names (ComfyUI/models/loras); the user picks their own.
 LORA_PLACEHOLDERS = {"FLUX.1-dev": "FLUX.1-dev-lora.safetensors"}
 
@@ -68,6 +92,8 @@ class Example:
     sampler: dict = dataclasses.field(default_factory=dict)
     loras: tuple[dict, ...] = ()  # each a ParallelLoraLoader's widgets, chained in this order
     tips: str = ""
+    hires_fix: dict | None = None  # the second ParallelSampler's widgets (LatentUpscaleBy's under "upscale")
+    image_input: bool = False  # LoadImage -> VAEEncodeSingleGPU -> the sampler's latent_image
 
 
 SAMPLER_DEFAULTS = {"seed": 42, "steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024, "batch_size": 1}
@@ -105,6 +131,33 @@ EXAMPLES = [
         tips="Chain more **LoRA Loader (parallel)** nodes to stack LoRAs, each with its own strength. The same "
         "loader works with every strategy (tensor parallel merges into each GPU's slice). Only the transformer "
         "changes: a LoRA's text-encoder weights are not applied (the node says so).",
+    ),
+    Example(
+        "flux1_hires_fix",
+        "FLUX.1-dev",
+        "FLUX.1 hires fix: 1024² upscaled to 1536², context parallel",
+        "A first pass at 1024², its latent upscaled 1.5× with ComfyUI's own **Upscale Latent By**, and a second "
+        "pass at 1536² that re-denoises half of it (`denoise` 0.5: 14 of 28 steps). The large second pass is where "
+        "splitting the image's tokens over the GPUs pays most.",
+        transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0},
+        hires_fix={"denoise": 0.5, "upscale": {"upscale_method": "bilinear", "scale_by": 1.5}},
+        tips="The second sampler's size comes from its `latent_image` (its width and height are ignored). Any of "
+        "ComfyUI's latent nodes fits in between (LatentUpscale, LatentCrop, LatentComposite, SetLatentNoiseMask "
+        "for inpainting). Sizes whose token count does not divide by the GPUs need `anything`.",
+    ),
+    Example(
+        "qwenimage_img2img",
+        "Qwen-Image",
+        "Qwen-Image img2img from a loaded picture",
+        "A picture from ComfyUI's **Load Image**, encoded by the model's VAE on one GPU (**VAE Encode (single "
+        "GPU)**), re-denoised at `denoise` 0.6 (30 of 50 steps) with every GPU taking a share of its tokens.",
+        encode={"negative_prompt": "blurry, low quality", "max_sequence_length": 1024},
+        transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0, "anything": True},
+        sampler={"steps": 50, "true_cfg_scale": 4.0, "denoise": 0.6},
+        image_input=True,
+        tips="The image's size is the output's (sides cropped to multiples of 16). Lower `denoise` keeps more of "
+        "the picture. For inpainting, put ComfyUI's **Set Latent Noise Mask** between the encoder and the sampler. "
+        "`anything` lets prompts of any length split over the GPUs (Qwen-Image keeps each prompt's own length).",
     ),
     Example(
         "flux2_tensor_parallel",
@@ -172,6 +225,42 @@ def node_specs(example: Example) -> list:
         for i, values in enumerate(example.loras)
     ]
     transformer = (loras[-1][0], 0) if loras else (TRANSFORMER, 0)
+    images, decoded, sampler_sockets = [], (SAMPLER, 0), {"transformer": transformer, "positive": (ENCODER, 0)}
+    if example.hires_fix:
+        second = {key: value for key, value in example.hires_fix.items() if key != "upscale"}
+        images = [
+            (
+                UPSCALE,
+                "LatentUpscaleBy",
+                [1250, 60],
+                [320, 110],
+                example.hires_fix["upscale"],
+                {"samples": (SAMPLER, 0)},
+            ),
+            (
+                REFINER,
+                "ParallelSampler",
+                [1250, 230],
+                [320, 330],
+                {**sampler, **second},
+                {"transformer": transformer, "positive": (ENCODER, 0), "latent_image": (UPSCALE, 0)},
+            ),
+        ]
+        decoded = (REFINER, 0)
+    if example.image_input:
+        images = [
+            (LOAD_IMAGE_NODE, "LoadImage", [390, 900], [320, 360], {"image": "example.png"}, {}),
+            (
+                IMAGE_ENCODER,
+                "VAEEncodeSingleGPU",
+                [870, 900],
+                [320, 130],
+                {"model": model, "device": "auto"},
+                {"pixels": (LOAD_IMAGE_NODE, 0), "backend": (BACKEND, 0)},
+            ),
+        ]
+        sampler_sockets["latent_image"] = (IMAGE_ENCODER, 0)
+    right = 380 if example.hires_fix else 0  # the decoder and the saver make room for the second pass
     return [
         (
             BACKEND,
@@ -203,25 +292,26 @@ def node_specs(example: Example) -> list:
             [870, 230],
             [320, 262],
             sampler,
-            {"transformer": transformer, "positive": (ENCODER, 0)},
+            sampler_sockets,
         ),
         (
             DECODER,
             "VAEDecodeSingleGPU",
-            [1250, 230],
+            [1250 + right, 230],
             [320, 130],
             {"model": model, "device": "auto"},
-            {"samples": (SAMPLER, 0), "backend": (BACKEND, 0)},
+            {"samples": decoded, "backend": (BACKEND, 0)},
         ),
         (
             SAVER,
             "SaveImage",
-            [1630, 230],
+            [1630 + right, 230],
             [540, 600],
             {"filename_prefix": f"parallel_{example.name}"},
             {"images": (DECODER, 0)},
         ),
         *loras,
+        *images,
     ]
 
 
@@ -230,7 +320,12 @@ def note(example: Example) -> str:
         f"**Parallel Diffusers: {example.title}**\n\n{example.why}\n\n"
         "**Model**: a diffusers folder (`save_pretrained`, safetensors) in `ComfyUI/models/diffusers/`:\n\n"
         f"```\nComfyUI/models/diffusers/{example.model}/\n  model_index.json\n  {FOLDERS[example.model]}\n```\n\n"
-        "Pick it in the three `model` widgets.\n\n"
+        f"Pick it in the {'four' if example.image_input else 'three'} `model` widgets.\n\n"
+        + (
+            "**Image**: any picture in `ComfyUI/input/` (Load Image's upload button puts it there).\n\n"
+            if example.image_input
+            else ""
+        )
         + (
             "**LoRA**: a LoRA for this model (`.safetensors`: diffusers, kohya, ComfyUI or xlabs layout) in "
             "`ComfyUI/models/loras/`; pick it in `lora_name`.\n\n"
@@ -243,8 +338,9 @@ def note(example: Example) -> str:
 
 
 def describe(class_name: str):
-    if class_name == "SaveImage":
-        return SAVE_IMAGE["INPUT_TYPES"], SAVE_IMAGE["RETURN_TYPES"], SAVE_IMAGE["RETURN_NAMES"], SAVE_IMAGE["title"]
+    if class_name in CORE_NODES:
+        core = CORE_NODES[class_name]
+        return core["INPUT_TYPES"], core["RETURN_TYPES"], core["RETURN_NAMES"], core["title"]
     cls = NODES_BY_ID[class_name]
     # Only the sockets and widgets a workflow holds (ComfyUI 0.26 dropped INPUT_TYPES' include_hidden argument).
     inputs = {section: specs for section, specs in cls.INPUT_TYPES().items() if section in ("required", "optional")}
@@ -313,7 +409,7 @@ def build(example: Example) -> tuple[dict, dict]:
                 "mode": 0,
                 "inputs": ui_inputs,
                 "outputs": [],
-                "properties": {"Node name for S&R": cls, **(CORE if cls == "SaveImage" else PACK)},
+                "properties": {"Node name for S&R": cls, **(CORE if cls in CORE_NODES else PACK)},
                 "widgets_values": widgets_values,
             }
         )

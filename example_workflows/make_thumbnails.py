@@ -76,6 +76,18 @@ def thumbnail(server: ComfyUIServer, name: str, work: Path, size: int, timeout: 
     return out
 
 
+def picture(path: Path, size: int) -> None:
+    """The picture an img2img example loads (ComfyUI ships an example.png; the test server's input folder is empty):
+    soft colour gradients with a disc, so its preview reads as an image."""
+    import numpy as np
+
+    y, x = np.mgrid[0:size, 0:size] / size
+    disc = ((x - 0.6) ** 2 + (y - 0.45) ** 2 < 0.06).astype(np.float32)
+    rgb = np.stack([0.9 * x + 0.1, 0.3 + 0.5 * y, 0.8 - 0.6 * x * y], axis=-1) * (1 - disc[..., None])
+    rgb += disc[..., None] * np.array([0.95, 0.75, 0.2])
+    Image.fromarray((255 * np.clip(rgb, 0, 1)).astype(np.uint8)).save(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="workflow names (default: every example_workflows/*.json)")
@@ -104,6 +116,7 @@ def main() -> int:
             lora_weights = make_tiny_lora(models / model, PLACEHOLDERS[model])
             save_diffusers_lora(lora_weights, loras / lora, PLACEHOLDERS[model])
         server = ComfyUIServer(args.comfyui, diffusers_dir=models, loras_dir=loras).start()
+        picture(server.input_dir / "example.png", args.size)
         failed = []
         try:
             for name in names:

@@ -16,6 +16,7 @@ from .lora import ParallelLoraLoader
 from .sampler import ParallelSampler
 from .transformer import LoadShardedTransformer
 from .vae import VAEDecodeSingleGPU
+from .vae_encode import VAEEncodeSingleGPU
 
 NODES: list[type[io.ComfyNode]] = [
     ParallelBackend,
@@ -24,6 +25,7 @@ NODES: list[type[io.ComfyNode]] = [
     ParallelSampler,
     VAEDecodeSingleGPU,
     ParallelLoraLoader,
+    VAEEncodeSingleGPU,
 ]
 NODES_BY_ID: dict[str, type[io.ComfyNode]] = {node.define_schema().node_id: node for node in NODES}
 
@@ -50,5 +52,6 @@ __all__ = [
     "ParallelLoraLoader",
     "ParallelSampler",
     "VAEDecodeSingleGPU",
+    "VAEEncodeSingleGPU",
     "comfy_entrypoint",
 ]

@@ -192,7 +192,8 @@ class Unknown(Exception):
     skipped at validation and made at execution."""
 
 
-def _is_link(value: object) -> bool:
+def is_link(value: object) -> bool:
+    """Whether a prompt's input value is a link ``[node id, output slot]``."""
     return isinstance(value, list) and len(value) == 2
 
 
@@ -233,7 +234,7 @@ class QueuedNode:
         for name in self.given:
             kind, extra = self.options[name][0], (self.options[name][1:] or [{}])[0] or {}
             value, choices = self.inputs[name], extra.get("options", [])
-            if kind == io.Combo.io_type and not _is_link(value) and value not in choices:
+            if kind == io.Combo.io_type and not is_link(value) and value not in choices:
                 shown = ", ".join(map(repr, choices[:8])) + (", ..." if len(choices) > 8 else "")
                 raise InvalidInput(
                     name, f"{value!r} is not one of the choices ({shown or 'none'}); pick one from the list"
@@ -243,21 +244,25 @@ class QueuedNode:
         """The named widgets' values; Unknown when one is linked or refused by ComfyUI's own checks."""
         values = {name: self.inputs.get(name) for name in names}
         for name, value in values.items():
-            if _is_link(value) or (name in self.given and _comfy_refuses(self.options[name], value)):
+            if is_link(value) or (name in self.given and _comfy_refuses(self.options[name], value)):
                 raise Unknown(name)
         return values
+
+    def linked(self, name: str) -> bool:
+        """Whether an input is a link (its value comes from another node)."""
+        return is_link(self.inputs.get(name))
 
     def source(self, name: str) -> QueuedNode:
         """The node linked to an input, to read its widgets (Unknown when the input is not a link to one of ours)."""
         value = self.inputs.get(name)
-        if not _is_link(value):
+        if not is_link(value):
             raise Unknown(name)
         return QueuedNode(self.prompt, str(value[0]))
 
     def input(self, name: str) -> object:
         """What arrives on an input: computed when it comes from a node that loads nothing (LOADS_NOTHING)."""
         value = self.inputs.get(name)
-        if not _is_link(value):
+        if not is_link(value):
             return value
         source = self.source(name)
         if not getattr(source.cls, "LOADS_NOTHING", False):
@@ -271,8 +276,8 @@ class QueuedNode:
         """The node's execute on the prompt's values: only for nodes that load nothing."""
         if not getattr(self.cls, "LOADS_NOTHING", False):
             raise TypeError(f"{self.cls.__name__} does work when it runs; validation must not run it")
-        values = {name: self.input(name) if _is_link(value) else value for name, value in self.inputs.items()}
-        self.widgets(*(name for name, value in self.inputs.items() if not _is_link(value)))
+        values = {name: self.input(name) if is_link(value) else value for name, value in self.inputs.items()}
+        self.widgets(*(name for name, value in self.inputs.items() if not is_link(value)))
         return self.cls.execute(**values).args
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import jobs
+from parallel_runtime.families import img2img_steps
 
 from . import comfy
 from .types import CATEGORY, Conditioning, Transformer
@@ -15,6 +16,54 @@ def _prompt_count(node: comfy.QueuedNode) -> int | None:
         return jobs.count_prompts(**node.source("positive").widgets("prompt", "one_prompt_per_line"))
     except comfy.Unknown:
         return None
+
+
+def _latent_size(prompt: dict, link: object, downscale: int) -> tuple[int, int]:
+    """(width, height) in latent pixels of the LATENT a link carries, where the queued graph says it without running
+    anything: ComfyUI's empty latents and latent upscales, and a ParallelSampler's own size; Unknown otherwise."""
+    if not comfy.is_link(link) or not isinstance(prompt.get(str(link[0])), dict):
+        raise comfy.Unknown("latent_image")
+    node = prompt[str(link[0])]
+    kind, inputs = node.get("class_type"), node.get("inputs") or {}
+
+    def number(name: str) -> float:
+        value = inputs.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise comfy.Unknown(name)
+        return value
+
+    if kind in ("EmptyLatentImage", "EmptySD3LatentImage"):  # 8 pixels per latent pixel, floored
+        return int(number("width")) // 8, int(number("height")) // 8
+    if kind == "ParallelSampler" and "latent_image" not in inputs:
+        return int(number("width")) // downscale, int(number("height")) // downscale
+    if kind in ("ParallelSampler", "SetLatentNoiseMask", "LatentUpscaleBy"):
+        source = inputs.get("latent_image" if kind == "ParallelSampler" else "samples")
+        width, height = _latent_size(prompt, source, downscale)
+        if kind != "LatentUpscaleBy":
+            return width, height
+        scale = number("scale_by")
+        return round(width * scale), round(height * scale)  # as LatentUpscaleBy rounds
+    if kind == "LatentUpscale" and number("width") > 0 and number("height") > 0:
+        return int(number("width")) // 8, int(number("height")) // 8
+    raise comfy.Unknown("latent_image")
+
+
+def _validate(node: comfy.QueuedNode) -> None:
+    handle = node.input("transformer")
+    size = None
+    if node.linked("latent_image"):
+        try:
+            size = _latent_size(node.prompt, node.inputs["latent_image"], handle.family.latent.downscale)
+        except comfy.Unknown:
+            pass  # only execution knows: the sampler checks it when the latent arrives
+    jobs.validate_sample(
+        handle,
+        None,
+        prompts=_prompt_count(node),
+        latent_linked=node.linked("latent_image"),
+        latent_size=size,
+        **node.widgets("steps", "width", "height", "batch_size", "guidance_scale", "true_cfg_scale", "denoise"),
+    )
 
 
 class ParallelSampler(io.ComfyNode):
@@ -57,8 +106,17 @@ class ParallelSampler(io.ComfyNode):
                         "true_cfg_scale."
                     ),
                 ),
-                io.Int.Input("width", default=1024, min=16, max=8192, step=16, tooltip="A multiple of 16."),
-                io.Int.Input("height", default=1024, min=16, max=8192, step=16, tooltip="A multiple of 16."),
+                *(
+                    io.Int.Input(
+                        side,
+                        default=1024,
+                        min=16,
+                        max=8192,
+                        step=16,
+                        tooltip="A multiple of 16. Ignored with a latent_image: its size is the image's.",
+                    )
+                    for side in ("width", "height")
+                ),
                 io.Int.Input(
                     "batch_size",
                     default=1,
@@ -82,6 +140,29 @@ class ParallelSampler(io.ComfyNode):
                         "by families without true CFG (FLUX)."
                     ),
                 ),
+                io.Latent.Input(
+                    "latent_image",
+                    optional=True,
+                    tooltip=(
+                        "Start from this LATENT instead of noise (img2img, hires fix): VAEEncodeSingleGPU, a first "
+                        "ParallelSampler, or ComfyUI's latent nodes (LatentUpscaleBy, LatentCrop, ...) in between. "
+                        "Its size replaces width and height; batch 1 serves every image, or give one per image. "
+                        "With a noise_mask (SetLatentNoiseMask), only the masked area is repainted (inpainting)."
+                    ),
+                ),
+                io.Float.Input(
+                    "denoise",
+                    default=1.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    optional=True,
+                    tooltip=(
+                        "With a latent_image: how much of it is re-noised, diffusers' img2img strength. The last "
+                        "steps × denoise of the steps run (rounded up; e.g. 28 steps at 0.5 run 14), from the image "
+                        "noised to where they start. 1 starts from pure noise. Without a latent_image, keep 1."
+                    ),
+                ),
             ],
             outputs=[
                 io.Latent.Output(
@@ -97,21 +178,21 @@ class ParallelSampler(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, input_types: dict) -> bool | str:
         """Steps and sizes against the linked transformer's family and strategy (e.g. how context parallelism splits
-        the image tokens), before anything runs."""
-        return comfy.validate(
-            cls,
-            input_types,
-            lambda node: jobs.validate_sample(
-                node.input("transformer"),
-                None,
-                prompts=_prompt_count(node),
-                **node.widgets("steps", "width", "height", "batch_size", "guidance_scale", "true_cfg_scale"),
-            ),
-        )
+        the image tokens), before anything runs; a latent_image's size where the graph says it."""
+        return comfy.validate(cls, input_types, _validate)
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
         comfy.make_room(cls, w["transformer"].backend)
-        samples = comfy.run(cls, jobs.sample, w.pop("transformer"), w.pop("positive"), **w)
+        handle = w.pop("transformer")
+        samples = comfy.run(cls, jobs.sample, handle, w.pop("positive"), **w)
+        if w["latent_image"] is not None:
+            downscale = handle.family.latent.downscale
+            steps = img2img_steps(w["steps"], w["denoise"])
+            comfy.show_text(
+                cls,
+                f"{samples.shape[-1] * downscale}×{samples.shape[-2] * downscale} from latent_image (width and "
+                f"height ignored); {steps} of {w['steps']} steps at denoise {w['denoise']}",
+            )
         return io.NodeOutput({"samples": samples})

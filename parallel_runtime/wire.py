@@ -138,7 +138,12 @@ class TransformerSpec:
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """ParallelSampler's widgets, checked. ``batch_size`` counts every image (prompts × images per prompt); image i
-    uses seed + i (modulo 2^64). ``true_cfg_scale`` is None for families without true CFG."""
+    uses seed + i (modulo 2^64). ``true_cfg_scale`` is None for families without true CFG.
+
+    With a ``latent_image`` tensor beside the arguments (img2img; its size gave ``width`` and ``height``), ``denoise``
+    is diffusers' img2img ``strength``: the last ``families.img2img_steps(steps, denoise)`` steps of a ``steps``-step
+    schedule run, from the image noised to the first of them. A ``noise_mask`` tensor beside it (``[B, 1, H, W]``,
+    1 = repaint) makes it inpainting. Without a latent, ``denoise`` is 1."""
 
     seed: int
     steps: int
@@ -147,6 +152,7 @@ class Sampling:
     height: int
     batch_size: int = 1
     true_cfg_scale: float | None = None
+    denoise: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +181,23 @@ class DecodeArgs(OpArgs):
 
     op: ClassVar[str] = "decode"
     result: ClassVar[type] = DecodeResult
+    model: ModelRef
+    device: str
+    dtype: Dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class VaeEncodeResult:
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class VaeEncodeArgs(OpArgs):
+    """Encode IMAGE pixels (``[B, H, W, 3]`` in 0..1, sides multiples of the family's token size) to a LATENT with
+    the model's VAE on one device ("cpu", "cuda:0", ...): the posterior's mode, in ComfyUI's convention."""
+
+    op: ClassVar[str] = "vae_encode"
+    result: ClassVar[type] = VaeEncodeResult
     model: ModelRef
     device: str
     dtype: Dtype
@@ -393,6 +416,7 @@ OPS: dict[str, type[OpArgs]] = {
         EncodeArgs,
         DenoiseArgs,
         DecodeArgs,
+        VaeEncodeArgs,
         FreeArgs,
         StatusArgs,
         AllreduceArgs,

@@ -4,7 +4,9 @@ Each UI-format file must match the server's /object_info widget by widget and co
 converts it, to its API copy; the template browser must list exactly the UI files. Then each example runs headless
 through /prompt with its placeholder models (and LoRAs) swapped for tiny random ones of the same family, 2 CPU ranks
 (the TP×CP example keeps its 4, marked ``four_ranks``), 64×64 and 2 steps, and every saved PNG must equal diffusers'
-one-shot pipeline (with the same LoRAs, ``load_lora_weights``) after 8-bit quantisation (±1 level).
+one-shot pipeline (with the same LoRAs, ``load_lora_weights``) after 8-bit quantisation (±1 level); the image
+examples' (a hires fix through ComfyUI's LatentUpscaleBy, img2img from ComfyUI's LoadImage) must equal diffusers'
+text-to-image and img2img pipelines chained the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ WORKFLOWS = REPO_ROOT / "example_workflows"
 EXAMPLES = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
 PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}
 LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "flux"}  # the LoRA an example names -> its family
+IMAGE_PLACEHOLDER = "example.png"  # the picture an img2img example loads: ComfyUI ships it in its input folder
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflows, never sent to /prompt
@@ -72,9 +75,11 @@ def ui_to_api(ui: dict, info: dict) -> dict:
                     kind, options = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
                     if isinstance(kind, list) or kind == "COMBO":  # a V1 list, or a V3 combo with its options
                         choices = kind if isinstance(kind, list) else options["options"]
-                        allowed = choices + {"model": list(PLACEHOLDERS), "lora_name": list(LORA_PLACEHOLDERS)}.get(
-                            name, []
-                        )
+                        allowed = choices + {
+                            "model": list(PLACEHOLDERS),
+                            "lora_name": list(LORA_PLACEHOLDERS),
+                            "image": [IMAGE_PLACEHOLDER],
+                        }.get(name, [])
                         assert value in allowed, (node["type"], name, value, kind)
                     elif kind in ("INT", "FLOAT"):
                         assert isinstance(value, (int, float)) and not isinstance(value, bool), (name, value)
@@ -110,6 +115,15 @@ def inputs_of(workflow: dict, class_type: str) -> dict:
     return node["inputs"]
 
 
+def samplers(workflow: dict) -> list[dict]:
+    """Every ParallelSampler's inputs, by node id (a hires fix has two: the first pass, then the one it upscales)."""
+    return [
+        n["inputs"]
+        for _, n in sorted(workflow.items(), key=lambda item: int(item[0]))
+        if n["class_type"] == "ParallelSampler"
+    ]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 def test_there_is_an_example_per_strategy():
     from parallel_runtime.strategy import Strategy
@@ -135,8 +149,8 @@ def test_ui_workflow_matches_object_info_and_the_api_copy(comfyui_server, name):
     converted = ui_to_api(load(name), comfyui_server.object_info())
     assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
     # What a user with GPUs wants out of the box: full size, placeholder models named like the hub's repos.
-    sampler = inputs_of(api, "ParallelSampler")
-    assert (sampler["width"], sampler["height"]) == (1024, 1024) and sampler["steps"] >= 28
+    for sampler in samplers(api):
+        assert (sampler["width"], sampler["height"]) == (1024, 1024) and sampler["steps"] >= 28
     assert len({n["inputs"]["model"] for n in api.values() if "model" in n["inputs"]} & set(PLACEHOLDERS)) == 1
 
 
@@ -182,7 +196,8 @@ def small(name: str, tiny_models: dict[str, Path], tiny_loras: dict[str, Path]) 
     backend = inputs_of(workflow, "ParallelBackend")
     backend.update(ranks=max(2, backend["ranks"]), device="cpu")
     inputs_of(workflow, "EncodeOnBalancedGPUs")["max_sequence_length"] = MAX_SEQUENCE_LENGTH[family]
-    inputs_of(workflow, "ParallelSampler").update(seed=SEED, steps=STEPS, width=SIZE, height=SIZE)
+    for sampler in samplers(workflow):
+        sampler.update(seed=SEED, steps=STEPS, width=SIZE, height=SIZE)
     inputs_of(workflow, "SaveImage")["filename_prefix"] = f"example_{name}"
     return workflow, family
 
@@ -197,7 +212,7 @@ def reference_images(family: str, model_dir: Path, workflow: dict, loras_dir: Pa
     """
     from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
 
-    encode, sampler = inputs_of(workflow, "EncodeOnBalancedGPUs"), inputs_of(workflow, "ParallelSampler")
+    encode, (sampler,) = inputs_of(workflow, "EncodeOnBalancedGPUs"), samplers(workflow)
     prompts = (
         [line.strip() for line in encode["prompt"].splitlines() if line.strip()]
         if encode["one_prompt_per_line"]
@@ -239,6 +254,62 @@ def reference_images(family: str, model_dir: Path, workflow: dict, loras_dir: Pa
     return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
 
 
+def image_reference(family: str, model_dir: Path, workflow: dict, input_dir: Path) -> np.ndarray:
+    """diffusers' pipelines for an image example, quantised as SaveImage does. A hires fix: FluxPipeline, its latent
+    upscaled as ComfyUI's LatentUpscaleBy does (``comfy.utils.common_upscale``: ``interpolate`` in the method's mode),
+    then FluxImg2ImgPipeline on it. Img2img: the picture as LoadImage reads it, the VAE's posterior mode, then
+    QwenImageImg2ImgPipeline. Each img2img pipeline takes the latent normalised as its ``_encode_vae_image`` does."""
+    from diffusers import FluxImg2ImgPipeline, FluxPipeline, QwenImageImg2ImgPipeline
+    from PIL import Image
+
+    encode, passes = inputs_of(workflow, "EncodeOnBalancedGPUs"), samplers(workflow)
+    last = passes[-1]
+    common = {"prompt": encode["prompt"], "max_sequence_length": encode["max_sequence_length"]}
+    if family == "flux":
+        first = FluxPipeline.from_pretrained(model_dir)
+        first.set_progress_bar_config(disable=True)
+        sampler = passes[0]
+        packed = first(
+            **common,
+            num_inference_steps=sampler["steps"],
+            guidance_scale=sampler["guidance_scale"],
+            width=sampler["width"],
+            height=sampler["height"],
+            generator=[torch.Generator("cpu").manual_seed(sampler["seed"])],
+            output_type="latent",
+        ).images
+        vae = first.vae.config
+        latent = FluxPipeline._unpack_latents(packed, sampler["height"], sampler["width"], 8)
+        latent = latent / vae.scaling_factor + vae.shift_factor  # ComfyUI's LATENT: what VAEDecode takes
+        upscale = inputs_of(workflow, "LatentUpscaleBy")
+        size = tuple(round(side * upscale["scale_by"]) for side in latent.shape[-2:])
+        latent = torch.nn.functional.interpolate(latent, size=size, mode=upscale["upscale_method"])
+        image = (latent - vae.shift_factor) * vae.scaling_factor
+        pipe, extra = FluxImg2ImgPipeline.from_pretrained(model_dir), {"guidance_scale": last["guidance_scale"]}
+    else:
+        pipe = QwenImageImg2ImgPipeline.from_pretrained(model_dir)
+        picture = Image.open(input_dir / inputs_of(workflow, "LoadImage")["image"]).convert("RGB")
+        pixels = torch.from_numpy(np.asarray(picture).astype(np.float32) / 255.0)[None]
+        with torch.no_grad():
+            mode = pipe.vae.encode((pixels.permute(0, 3, 1, 2) * 2 - 1).unsqueeze(2)).latent_dist.mode()
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        image = ((mode - mean) * (1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1)))[:, :, 0]
+        extra = {"negative_prompt": encode["negative_prompt"], "true_cfg_scale": last["true_cfg_scale"]}
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(
+        **common,
+        image=image,
+        strength=last["denoise"],
+        num_inference_steps=last["steps"],
+        width=image.shape[-1] * 8,
+        height=image.shape[-2] * 8,
+        generator=[torch.Generator("cpu").manual_seed(last["seed"])],
+        output_type="pt",
+        **extra,
+    ).images
+    return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
+
+
 def saved_pngs(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
     from PIL import Image
 
@@ -259,9 +330,18 @@ def test_example_runs_headless_and_equals_the_one_shot_pipeline(
     comfyui_server, tiny_models, tiny_loras, comfyui_loras_dir, name
 ):
     workflow, family = small(name, tiny_models, tiny_loras)
+    starts_from_image = any("latent_image" in sampler for sampler in samplers(workflow))
+    if any(n["class_type"] == "LoadImage" for n in workflow.values()):
+        picture = np.random.default_rng(0).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+        from PIL import Image
+
+        Image.fromarray(picture).save(comfyui_server.input_dir / IMAGE_PLACEHOLDER)
     prompt_id, _ = comfyui_server.run(workflow, timeout=300)
     got = saved_pngs(comfyui_server, prompt_id)
-    expected = reference_images(family, tiny_models[family], workflow, Path(comfyui_loras_dir))
+    if starts_from_image:
+        expected = image_reference(family, tiny_models[family], workflow, comfyui_server.input_dir)
+    else:
+        expected = reference_images(family, tiny_models[family], workflow, Path(comfyui_loras_dir))
     assert got.shape == expected.shape, (got.shape, expected.shape)
     diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
     assert diff.max() <= 1, f"{name}: max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"

@@ -7,7 +7,7 @@ in ``parallel_runtime.testing`` and its tests (docs/ARCHITECTURE.md has the reci
 
 from __future__ import annotations
 
-from .base import FamilyAdapter, LatentLayout, Placement
+from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_steps
 from .flux import Flux1
 from .flux2 import Flux2
 from .qwenimage import QwenImage
@@ -37,4 +37,14 @@ def supported() -> str:
     return ", ".join(f"{adapter.name} ({adapter.pipeline})" for adapter in REGISTRY)
 
 
-__all__ = ["REGISTRY", "FamilyAdapter", "LatentLayout", "Placement", "family", "for_pipeline", "supported"]
+__all__ = [
+    "IMAGE_INPUTS",
+    "REGISTRY",
+    "FamilyAdapter",
+    "LatentLayout",
+    "Placement",
+    "family",
+    "for_pipeline",
+    "img2img_steps",
+    "supported",
+]

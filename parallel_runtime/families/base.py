@@ -24,6 +24,10 @@ from ..wire import Prompts, Sampling
 
 log = logging.getLogger(__name__)
 
+# The denoise stage's img2img inputs, by the names they travel under beside the embeddings (and the keyword arguments
+# of ``FamilyAdapter.denoise``): a LATENT of the family, and a mask of where to repaint.
+IMAGE_INPUTS = ("latent_image", "noise_mask")
+
 OnStep = Callable[[int, int], None]  # (step index from 0, total steps); raising stops the loop (how a cancel works)
 
 
@@ -128,9 +132,17 @@ class FamilyAdapter(abc.ABC):
         embeds: dict[str, torch.Tensor],
         sampling: Sampling,
         on_step: OnStep | None = None,
+        *,
+        latent_image: torch.Tensor | None = None,
+        noise_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The denoising loop: LATENT samples in ComfyUI's convention (float32, CPU) for ``sampling.batch_size``
-        images, image i from a generator seeded ``sampling.seed + i``."""
+        images, image i from a generator seeded ``sampling.seed + i``.
+
+        With ``latent_image`` (a LATENT of this family, batch 1 or ``batch_size``, its size ``sampling``'s), img2img
+        as the family's diffusers img2img pipeline does it, ``sampling.denoise`` its strength; with ``noise_mask``
+        too (``[1 or batch_size, 1, H, W]``, any size of the latent's aspect ratio), inpainting as its inpaint
+        pipeline does it: binarised at 0.5, only where it is 1 is repainted."""
 
     def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
         """diffusers' reading of a LoRA file (safetensors only) for this family: its pipeline's ``lora_state_dict``,
@@ -149,6 +161,11 @@ class FamilyAdapter(abc.ABC):
     @abc.abstractmethod
     def decode(self, vae: torch.nn.Module, samples: torch.Tensor) -> torch.Tensor:
         """LATENT samples to an IMAGE [B, H, W, 3] float32 in 0..1 on the CPU."""
+
+    @abc.abstractmethod
+    def encode_image(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """An IMAGE [B, H, W, 3] in 0..1 (sides multiples of ``pixels_per_token``) to LATENT samples in ComfyUI's
+        convention (float32, CPU): the posterior's mode, so the same image always gives the same latent."""
 
     def decoder_channels(self, vae_config: dict) -> int:
         """Channels of the VAE decoder's first-level (full-resolution) feature maps, for the memory estimate."""
@@ -204,6 +221,35 @@ def comfy_image(decoded: torch.Tensor) -> torch.Tensor:
     from diffusers.image_processor import VaeImageProcessor
 
     return VaeImageProcessor().postprocess(decoded, output_type="pt").permute(0, 2, 3, 1).float().cpu()
+
+
+def img2img_steps(steps: int, denoise: float) -> int:
+    """How many of a ``steps``-step schedule an img2img run at strength ``denoise`` makes: the count diffusers'
+    img2img pipelines' ``get_timesteps`` gives: ``steps × denoise`` rounded up (up to float error), 0 only at 0."""
+    return steps - int(max(steps - min(steps * denoise, steps), 0))
+
+
+def image_pipeline(
+    pipelines: tuple[type, type, type], image: torch.Tensor | None, noise_mask: torch.Tensor | None, denoise: float
+) -> tuple[type, dict[str, Any]]:
+    """Which of a family's (text-to-image, img2img, inpaint) pipelines a denoise runs, and the image arguments it
+    takes: none without an image; the latent, normalised as the pipeline's ``_encode_vae_image`` normalises (a tensor
+    of the VAE's latent channels is taken as it is), with ``strength`` = denoise; and the mask. The masked image's
+    latents only feed Fill-style extra channels, which these pipelines do not have; given, the pipeline does not try
+    to mask the latent-sized image with the pixel-sized mask."""
+    text_to_image, img2img, inpaint = pipelines
+    if image is None:
+        return text_to_image, {}
+    inputs = {"image": image, "strength": denoise}
+    if noise_mask is None:
+        return img2img, inputs
+    return inpaint, {**inputs, "mask_image": noise_mask.float(), "masked_image_latents": image}
+
+
+def vae_pixels(pixels: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An IMAGE [B, H, W, 3] in 0..1 as a VAE's input [B, 3, H, W] in [-1, 1]: what the pipelines' image processor
+    makes of a tensor image (``VaeImageProcessor.normalize``)."""
+    return (pixels[..., :3].permute(0, 3, 1, 2) * 2.0 - 1.0).to(device=device, dtype=dtype)
 
 
 def check_size(family: FamilyAdapter, sampling: Sampling) -> None:

@@ -24,8 +24,10 @@ from .base import (
     comfy_image,
     expand_batch,
     generators,
+    image_pipeline,
     load_placed,
     step_callback,
+    vae_pixels,
 )
 
 
@@ -69,14 +71,24 @@ class Flux1(FamilyAdapter):
         embeds: dict[str, torch.Tensor],
         sampling: Sampling,
         on_step: OnStep | None = None,
+        *,
+        latent_image: torch.Tensor | None = None,
+        noise_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """LATENT samples [batch_size, 16, height/8, width/8]. With fewer prompts than images each prompt is repeated,
         as the pipeline's ``num_images_per_prompt`` does; the result equals the one-shot pipeline called with the list
-        of generators seeded seed + i."""
+        of generators seeded seed + i (``FluxImg2ImgPipeline`` / ``FluxInpaintPipeline`` given the latent image)."""
+        import diffusers
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
 
         check_size(self, sampling)
-        pipe = FluxPipeline(
+        vae_config = AutoencoderKL.load_config(model_dir, subfolder="vae")
+        image = None
+        if latent_image is not None:  # ComfyUI's LATENT is un-normalised
+            image = (latent_image.float() - vae_config["shift_factor"]) * vae_config["scaling_factor"]
+        pipelines = (FluxPipeline, diffusers.FluxImg2ImgPipeline, diffusers.FluxInpaintPipeline)
+        pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
+        pipe = pipeline_class(
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
             vae=None,
             text_encoder=None,
@@ -100,10 +112,10 @@ class Flux1(FamilyAdapter):
             generator=generators(sampling.seed, sampling.batch_size),
             output_type="latent",
             callback_on_step_end=step_callback(on_step),
+            **image_inputs,
         ).images
         # What FluxPipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's weights.
         # In float32 (ComfyUI's LATENT dtype) even for a bf16 transformer, so the scale and shift add no rounding.
-        vae_config = AutoencoderKL.load_config(model_dir, subfolder="vae")
         latents = FluxPipeline._unpack_latents(packed.float(), sampling.height, sampling.width, pipe.vae_scale_factor)
         latents = latents / vae_config["scaling_factor"] + vae_config["shift_factor"]
         return latents.cpu()
@@ -141,6 +153,12 @@ class Flux1(FamilyAdapter):
     def decode(self, vae: torch.nn.Module, samples: torch.Tensor) -> torch.Tensor:
         """LATENT samples (un-normalised, unpacked) to an IMAGE."""
         return comfy_image(vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0])
+
+    @torch.no_grad()
+    def encode_image(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """The posterior's mode, un-normalised (ComfyUI's FLUX.1 LATENT; the pipelines scale and shift it)."""
+        posterior = vae.encode(vae_pixels(pixels, vae.device, vae.dtype)).latent_dist
+        return posterior.mode().float().cpu()
 
     def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
         from ..testing.tiny_models import make_tiny_flux

@@ -13,8 +13,10 @@ Between the stages travel ComfyUI's types:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..wire import Prompts, Sampling
@@ -27,8 +29,10 @@ from .base import (
     comfy_image,
     expand_batch,
     generators,
+    img2img_steps,
     load_placed,
     step_callback,
+    vae_pixels,
 )
 
 
@@ -73,9 +77,13 @@ class Flux2(FamilyAdapter):
         embeds: dict[str, torch.Tensor],
         sampling: Sampling,
         on_step: OnStep | None = None,
+        *,
+        latent_image: torch.Tensor | None = None,
+        noise_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """LATENT samples [batch_size, 4 x VAE channels, height/16, width/16]. ``guidance_scale`` is FLUX.2-dev's
-        distilled guidance (an embedding, not CFG)."""
+        distilled guidance (an embedding, not CFG). diffusers has no FLUX.2-dev img2img pipeline: given a latent
+        image, ``Flux2Pipeline`` runs the tail of its schedule from the noised image (``_from_image``)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
         check_size(self, sampling)
@@ -85,16 +93,24 @@ class Flux2(FamilyAdapter):
         device = pipe._execution_device
         # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself), and their dtype
         # sets the latents' dtype.
-        prompt_embeds = expand_batch(embeds, sampling.batch_size)["prompt_embeds"]
+        prompt_embeds = expand_batch(embeds, sampling.batch_size)["prompt_embeds"].to(
+            device=device, dtype=transformer.dtype
+        )
+        schedule: dict[str, Any] = {"num_inference_steps": sampling.steps}
+        on_step_end = step_callback(on_step)
+        if latent_image is not None:
+            pipe.scheduler, schedule, on_step_end = _from_image(
+                scheduler, sampling, latent_image, noise_mask, prompt_embeds.dtype, device, on_step_end
+            )
         packed = pipe(
-            prompt_embeds=prompt_embeds.to(device=device, dtype=transformer.dtype),
-            num_inference_steps=sampling.steps,
+            prompt_embeds=prompt_embeds,
             guidance_scale=sampling.guidance_scale,
             height=sampling.height,
             width=sampling.width,
             generator=generators(sampling.seed, sampling.batch_size),
             output_type="latent",
-            callback_on_step_end=step_callback(on_step),
+            callback_on_step_end=on_step_end,
+            **schedule,
         ).images
         # Undo `Flux2Pipeline._pack_latents` ([B, C, h, w] -> [B, h*w, C], tokens in raster order; the pipeline's
         # `_unpack_latents_with_ids` scatters by position ids to the same place). No batch-norm de-normalisation:
@@ -136,7 +152,98 @@ class Flux2(FamilyAdapter):
         latents = Flux2Pipeline._unpatchify_latents(latents * bn_std + bn_mean)
         return comfy_image(vae.decode(latents.to(vae.dtype), return_dict=False)[0])
 
+    @torch.no_grad()
+    def encode_image(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """The posterior's mode in 2x2 patches, normalised with the VAE's batch-norm statistics (ComfyUI's FLUX.2
+        LATENT): what ``Flux2Pipeline._encode_vae_image`` makes of an image, in float32."""
+        from diffusers import Flux2Pipeline
+
+        posterior = vae.encode(vae_pixels(pixels, vae.device, vae.dtype)).latent_dist
+        latents = Flux2Pipeline._patchify_latents(posterior.mode().float())
+        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+            latents.device, latents.dtype
+        )
+        return ((latents - bn_mean) / bn_std).cpu()
+
     def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
         from ..testing.tiny_models import make_tiny_flux2
 
         return make_tiny_flux2(out_dir, seed)
+
+
+def _from_image(
+    scheduler: Any,
+    sampling: Sampling,
+    latent_image: torch.Tensor,
+    noise_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_step_end: Callable[..., dict],
+) -> tuple[Any, dict[str, Any], Callable[..., dict]]:
+    """Img2img (and inpainting) on ``Flux2Pipeline``, with the mechanics of diffusers' img2img pipelines and of its
+    FLUX.2 inpaint pipeline (``Flux2KleinInpaintPipeline``, whose reference-image conditioning is Klein's own):
+
+    - the ``steps``-step schedule Flux2Pipeline would set (its ``mu`` depends on the step count), cut where the
+      strength says (``get_timesteps``); the pipeline runs that tail, through a scheduler that takes the already
+      shifted sigmas as they are;
+    - the noise the pipeline would draw, scaled into the image at the tail's first sigma (``scale_noise``), as the
+      pipeline's starting latents;
+    - with a mask, after every step the unmasked area is put back to the image noised to the next step's sigma (the
+      clean image after the last), the mask binarised at 0.5 and resized bilinearly to the token grid, as the inpaint
+      pipeline does.
+
+    The pipeline's scheduler, its schedule arguments and its step callback."""
+    from diffusers import Flux2Pipeline
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
+    from diffusers.utils.torch_utils import randn_tensor
+
+    steps, batch_size = sampling.steps, sampling.batch_size
+    latent_height, latent_width = sampling.height // 16, sampling.width // 16
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    mu = compute_empirical_mu(image_seq_len=latent_height * latent_width, num_steps=steps)
+    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+    t_start = steps - img2img_steps(steps, sampling.denoise)
+    image = latent_image.to(device=device, dtype=dtype)
+    image = torch.cat([image] * (batch_size // image.shape[0]))  # a latent of batch 1 serves every image
+    noise = randn_tensor(
+        (batch_size, image.shape[1], latent_height, latent_width),
+        generator=generators(sampling.seed, sampling.batch_size),
+        device=device,
+        dtype=dtype,
+    )
+    scheduler.set_begin_index(t_start)
+    start = scheduler.scale_noise(image, timesteps[t_start : t_start + 1].repeat(batch_size), noise)
+    # Every transform of the sigmas off: the tail is already shifted (and stretched, were it configured).
+    tail = type(scheduler).from_config(
+        scheduler.config,
+        use_dynamic_shifting=False,
+        shift=1.0,
+        shift_terminal=None,
+        use_karras_sigmas=False,
+        use_exponential_sigmas=False,
+        use_beta_sigmas=False,
+    )
+    schedule = {"latents": start, "sigmas": scheduler.sigmas[t_start:-1].tolist()}
+    if noise_mask is None:
+        return tail, schedule, on_step_end
+
+    processor = Flux2ImageProcessor(vae_scale_factor=16, do_normalize=False, do_binarize=True, do_convert_rgb=False,
+                                    do_convert_grayscale=True)  # fmt: skip
+    mask = processor.preprocess(noise_mask.float(), height=sampling.height, width=sampling.width)
+    mask = torch.nn.functional.interpolate(mask, size=(latent_height, latent_width), mode="bilinear")
+    mask = mask.to(device=device, dtype=dtype)
+    mask = Flux2Pipeline._pack_latents(mask.repeat(batch_size // mask.shape[0], 1, 1, 1))
+    packed_image, packed_noise = Flux2Pipeline._pack_latents(image), Flux2Pipeline._pack_latents(noise)
+
+    def blend(pipeline: Any, step_index: int, timestep: torch.Tensor, callback_kwargs: dict) -> dict:
+        proper = packed_image
+        if step_index < len(pipeline.scheduler.timesteps) - 1:
+            next_timestep = pipeline.scheduler.timesteps[step_index + 1]
+            proper = pipeline.scheduler.scale_noise(packed_image, torch.tensor([next_timestep]), packed_noise)
+        latents = (1 - mask) * proper + mask * callback_kwargs["latents"]
+        on_step_end(pipeline, step_index, timestep, callback_kwargs)
+        return {"latents": latents}
+
+    return tail, schedule, blend

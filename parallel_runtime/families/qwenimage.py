@@ -29,8 +29,10 @@ from .base import (
     comfy_image,
     expand_batch,
     generators,
+    image_pipeline,
     load_placed,
     step_callback,
+    vae_pixels,
 )
 
 
@@ -98,10 +100,15 @@ class QwenImage(FamilyAdapter):
         embeds: dict[str, torch.Tensor],
         sampling: Sampling,
         on_step: OnStep | None = None,
+        *,
+        latent_image: torch.Tensor | None = None,
+        noise_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """LATENT samples [batch_size, 16, 1, height/8, width/8]. True CFG runs when ``true_cfg_scale`` > 1 and the
         embeddings hold negative ones (the pipeline's rule): two transformer passes per step. ``guidance_scale`` only
-        reaches guidance-distilled checkpoints (``guidance_embeds``); Qwen-Image itself has none."""
+        reaches guidance-distilled checkpoints (``guidance_embeds``); Qwen-Image itself has none. Given a latent image,
+        ``QwenImageImg2ImgPipeline`` / ``QwenImageInpaintPipeline`` run instead."""
+        import diffusers
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
         check_size(self, sampling)
@@ -109,7 +116,19 @@ class QwenImage(FamilyAdapter):
             raise ValueError(f"Qwen-Image needs at least {self.min_steps} steps, got {sampling.steps}.")
         true_cfg_scale = sampling.true_cfg_scale or 1.0
         do_true_cfg = true_cfg_scale > 1 and "negative_prompt_embeds" in embeds
-        pipe = QwenImagePipeline(
+        vae_config = AutoencoderKLQwenImage.load_config(model_dir, subfolder="vae")
+        channels = vae_config["z_dim"]
+        mean = torch.tensor(vae_config["latents_mean"]).view(1, channels, 1, 1, 1)
+        inverse_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, channels, 1, 1, 1)
+        image = None
+        if latent_image is not None:
+            # Normalised (ComfyUI's LATENT is not) and 4-D, the frame dropped: the pipelines' image processor passes
+            # only a 4-D latent through untouched.
+            frames = latent_image.float() if latent_image.ndim == 5 else latent_image.float().unsqueeze(2)
+            image = ((frames - mean) * inverse_std)[:, :, 0]
+        pipelines = (QwenImagePipeline, diffusers.QwenImageImg2ImgPipeline, diffusers.QwenImageInpaintPipeline)
+        pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
+        pipe = pipeline_class(
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
             vae=None,
             text_encoder=None,
@@ -142,20 +161,15 @@ class QwenImage(FamilyAdapter):
             generator=generators(sampling.seed, sampling.batch_size),
             output_type="latent",
             callback_on_step_end=step_callback(on_step),
+            **image_inputs,
         ).images
         # What QwenImagePipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's
         # weights: unpack to [B, C, 1, h, w] and undo the per-channel normalisation, in the pipeline's own arithmetic.
         # In float32 (ComfyUI's LATENT dtype) even for a bf16 transformer, so the statistics add no rounding.
-        vae_config = AutoencoderKLQwenImage.load_config(model_dir, subfolder="vae")
         latents = QwenImagePipeline._unpack_latents(
             packed.float(), sampling.height, sampling.width, pipe.vae_scale_factor
         )
-        channels = vae_config["z_dim"]
-        mean = torch.tensor(vae_config["latents_mean"]).view(1, channels, 1, 1, 1).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, channels, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
-        return (latents / inverse_std + mean).cpu()
+        return (latents.cpu() / inverse_std + mean).cpu()
 
     def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         from diffusers import AutoencoderKLQwenImage
@@ -172,6 +186,13 @@ class QwenImage(FamilyAdapter):
         if samples.shape[2] != 1:
             raise ValueError(f"Qwen-Image LATENTs hold one frame; got {samples.shape[2]} in {list(samples.shape)}.")
         return comfy_image(vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0][:, :, 0])
+
+    @torch.no_grad()
+    def encode_image(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """The posterior's mode [B, 16, 1, h, w], un-normalised (ComfyUI's Qwen-Image LATENT): the image as a
+        one-frame video, as the pipelines give it to the VAE."""
+        posterior = vae.encode(vae_pixels(pixels, vae.device, vae.dtype).unsqueeze(2)).latent_dist
+        return posterior.mode().float().cpu()
 
     def decoder_channels(self, vae_config: dict) -> int:
         return vae_config["base_dim"]  # Wan 2.1's VAE: base_dim × dim_mult per level, the first level at × 1

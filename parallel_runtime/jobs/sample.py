@@ -3,13 +3,15 @@ then denoise on the transformer's backend."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
-from ..families import FamilyAdapter
+from ..families import FamilyAdapter, img2img_steps
 from ..wire import DenoiseArgs, Sampling
 from .encode import Conditioning
 from .transformer import TransformerHandle
@@ -34,6 +36,97 @@ def _text_streams(family: FamilyAdapter, conditioning: Conditioning, true_cfg_sc
     return streams
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentImage:
+    """The LATENT ParallelSampler starts from (img2img, hires fix, inpainting), checked against the transformer.
+
+    Args:
+        samples: in ComfyUI's convention of the family, float32; batch 1 (it serves every image) or one per image.
+        noise_mask: where to repaint, ``[1 or one per image, 1, H, W]`` in 0..1 (ComfyUI's SetLatentNoiseMask); None
+            re-denoises all of it.
+        width, height: the image size the latent stands for, in pixels (it replaces the width and height widgets).
+    """
+
+    samples: torch.Tensor
+    noise_mask: torch.Tensor | None
+    width: int
+    height: int
+
+    @property
+    def batch(self) -> int:
+        return self.samples.shape[0]
+
+
+def read_latent_image(handle: TransformerHandle, latent: Any) -> LatentImage:
+    """A LATENT (ComfyUI's ``{"samples": ..., "noise_mask": ...}``) checked against the transformer's family: its
+    layout and channels, a size of whole transformer tokens, finite values, a mask of the latent's aspect ratio."""
+    family = handle.family
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not isinstance(samples, torch.Tensor):
+        raise InvalidInput("latent_image", "is not a LATENT (no samples tensor); link a LATENT output")
+    layout = family.latent
+    # The transformer's input channels are the VAE's latent channels in 2x2 patches (FLUX.2's LATENT stores those
+    # patches as channels already).
+    channels = handle.config["in_channels"] // 4 * layout.channels_per_vae_channel
+    frames = samples.shape[2] if samples.ndim == 5 else 1
+    if samples.ndim not in layout.ndims or samples.shape[1] != channels or frames != 1:
+        expected = " or ".join(f"{n}-D" for n in layout.ndims)
+        raise InvalidInput(
+            "latent_image",
+            f"a LATENT of shape {list(samples.shape)} does not fit {handle.spec.model.name} ({family.name}: "
+            f"{expected}, {channels} channels, one frame); it was made for another model. Start from a LATENT of "
+            f"{family.name}: VAEEncodeSingleGPU or a ParallelSampler with this model",
+        )
+    if not torch.isfinite(samples).all():
+        raise InvalidInput("latent_image", "holds NaN or infinite values; re-make it (VAEEncodeSingleGPU)")
+    latent_height, latent_width = samples.shape[-2], samples.shape[-1]
+    _check_latent_size(family, latent_width, latent_height)
+    mask = latent.get("noise_mask")
+    if mask is not None:
+        mask = _read_mask(mask, latent_width, latent_height)
+    return LatentImage(
+        samples.float(), mask, width=latent_width * layout.downscale, height=latent_height * layout.downscale
+    )
+
+
+def _check_latent_size(family: FamilyAdapter, latent_width: int, latent_height: int) -> None:
+    layout = family.latent
+    multiple = family.pixels_per_token // layout.downscale  # latent pixels per token side
+    for side, size in (("width", latent_width), ("height", latent_height)):
+        if size < multiple or size % multiple:
+            lower, upper = max(multiple, size // multiple * multiple), (size // multiple + 1) * multiple
+            raise InvalidInput(
+                "latent_image",
+                f"its {side} of {size} latent pixels ({size * layout.downscale} pixels) is not a whole number of the "
+                f"transformer's {family.pixels_per_token}-pixel patches; crop or scale it to {lower} or {upper} "
+                f"latent pixels ({lower * layout.downscale} or {upper * layout.downscale} pixels; LatentCrop, "
+                "LatentUpscale)",
+            )
+
+
+def _read_mask(mask: Any, latent_width: int, latent_height: int) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.ndim < 2 or mask.numel() == 0:
+        raise InvalidInput("noise_mask", "is not a mask tensor; set it with SetLatentNoiseMask from a MASK")
+    # ComfyUI's own sampler reads a noise_mask the same way (comfy.sampler_helpers.prepare_mask).
+    mask = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1]).float()
+    mask_height, mask_width = mask.shape[-2:]
+    # Any size is resized to the image; another aspect ratio would stretch it (more than a latent pixel).
+    if abs(mask_height * latent_width / mask_width - latent_height) > 1:
+        raise InvalidInput(
+            "noise_mask",
+            f"is {mask_width}×{mask_height}, another aspect ratio than the latent's {latent_width}×{latent_height} "
+            "(it would be stretched over the image); make the mask from this image, or crop and scale it the way "
+            "the latent was",
+        )
+    if not torch.isfinite(mask).all():
+        raise InvalidInput("noise_mask", "holds NaN or infinite values; set it again from a MASK")
+    return mask
+
+
+def _mask_batch(latent_image: LatentImage) -> int:
+    return latent_image.noise_mask.shape[0] if latent_image.noise_mask is not None else 1
+
+
 def validate_sample(
     handle: TransformerHandle,
     conditioning: Conditioning | None,
@@ -45,14 +138,42 @@ def validate_sample(
     guidance_scale: float = 3.5,
     true_cfg_scale: float = 1.0,
     prompts: int | None = 1,
+    denoise: float = 1.0,
+    latent_image: LatentImage | None = None,
+    latent_linked: bool = False,
+    latent_size: tuple[int, int] | None = None,
 ) -> None:
     """Every check ParallelSampler can make before it runs. Without a ``conditioning`` (at validation), ``prompts``
-    says how many prompts it will hold; None skips the checks that need to know."""
+    says how many prompts it will hold; None skips the checks that need to know. ``latent_linked``: a latent_image
+    is linked whose contents only execution knows; ``latent_size`` its (width, height) in latent pixels where the
+    graph says it (the size checks wait for execution otherwise)."""
     family, plan = handle.family, handle.plan
     if steps < family.min_steps:
         raise InvalidInput("steps", f"{steps} steps {family.min_steps_reason}; use at least {family.min_steps}")
-    _check_size("width", width, family.pixels_per_token)
-    _check_size("height", height, family.pixels_per_token)
+    check_finite("denoise", denoise)
+    if not 0 <= denoise <= 1:
+        raise InvalidInput("denoise", f"{denoise} is outside 0..1; use 1 to start from noise, less to keep more")
+    starts_from_image = latent_image is not None or latent_linked
+    if not starts_from_image and denoise < 1:
+        raise InvalidInput(
+            "denoise",
+            f"{denoise} keeps part of an image, but no latent_image is linked; link one (VAEEncodeSingleGPU, or a "
+            "first ParallelSampler for a hires fix) or set denoise to 1",
+        )
+    if starts_from_image and img2img_steps(steps, denoise) < 1:
+        raise InvalidInput(
+            "denoise",
+            f"{denoise} runs none of the {steps} steps (steps × denoise, rounded up, run) and would return the "
+            "latent_image as it is; raise denoise above 0",
+        )
+    if latent_image is not None:  # the latent's size is the image's; the widgets are ignored
+        width, height = latent_image.width, latent_image.height
+    elif latent_linked and latent_size is not None:
+        _check_latent_size(family, *latent_size)
+        width, height = (side * family.latent.downscale for side in latent_size)
+    elif not latent_linked:
+        _check_size("width", width, family.pixels_per_token)
+        _check_size("height", height, family.pixels_per_token)
     if batch_size < 1:
         raise InvalidInput("batch_size", f"{batch_size} makes no images; use at least 1")
     check_finite("guidance_scale", guidance_scale)
@@ -83,6 +204,16 @@ def validate_sample(
         )
     world = plan.ranks
     prompts = len(conditioning.prompts) if conditioning is not None else prompts
+    if latent_image is not None and prompts is not None:
+        images = batch_size * prompts
+        for what, count in (("latent_image", latent_image.batch), ("noise_mask", _mask_batch(latent_image))):
+            if count not in (1, images):
+                made = f"batch_size {batch_size} × {prompts} prompts" if prompts > 1 else f"batch_size {batch_size}"
+                raise InvalidInput(
+                    what,
+                    f"holds {count} images but the sampler makes {images} ({made}); give one for all of them, or "
+                    f"set batch_size so that there is one image per latent",
+                )
     if plan.splits_batch and prompts is not None and batch_size * prompts < world:
         made = f"batch_size {batch_size} × {prompts} prompts" if prompts > 1 else f"batch_size {batch_size}"
         raise InvalidInput(
@@ -92,13 +223,14 @@ def validate_sample(
             "batch_size, give more prompts (one_prompt_per_line), or use "
             "context_parallel or tensor_parallel to speed up a single image",
         )
-    if plan.splits_tokens and not plan.anything:
+    size_known = latent_image is not None or not latent_linked or latent_size is not None
+    if plan.splits_tokens and not plan.anything and size_known:
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         image_tokens = (width // family.pixels_per_token) * (height // family.pixels_per_token)
         if image_tokens % degree:
             raise InvalidInput(
-                "width",
+                "latent_image" if latent_linked or latent_image is not None else "width",
                 f"{width}×{height} makes {image_tokens} image tokens, which do not split over "
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
@@ -141,6 +273,8 @@ def sample(
     height: int,
     batch_size: int = 1,
     true_cfg_scale: float = 4.0,
+    latent_image: dict | None = None,
+    denoise: float = 1.0,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
@@ -148,7 +282,12 @@ def sample(
     ``[B, 128, H/16, W/16]``, Qwen-Image ``[B, 16, 1, H/8, W/8]``). ``true_cfg_scale`` reaches only families with
     true CFG (Qwen-Image; 1 turns it off); ``guidance_scale`` is the distilled guidance of FLUX.1 / FLUX.2.
     ``batch_size`` images are made of each of the conditioning's prompts, prompt by prompt; image i of the whole
-    batch uses ``seed + i`` (modulo 2^64), as diffusers' pipelines do with a list of generators."""
+    batch uses ``seed + i`` (modulo 2^64), as diffusers' pipelines do with a list of generators.
+
+    From a ``latent_image`` (a LATENT of the family; its size replaces width and height), img2img as diffusers'
+    img2img pipelines do it at strength ``denoise`` (``steps × denoise`` steps run, rounded up), and inpainting where
+    its ``noise_mask`` is 1."""
+    image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
         conditioning,
@@ -158,7 +297,15 @@ def sample(
         batch_size=batch_size,
         guidance_scale=guidance_scale,
         true_cfg_scale=true_cfg_scale,
+        denoise=denoise,
+        latent_image=image,
     )
+    tensors = dict(conditioning.tensors)
+    if image is not None:
+        width, height = image.width, image.height
+        tensors["latent_image"] = image.samples
+        if image.noise_mask is not None:
+            tensors["noise_mask"] = image.noise_mask
     sampling = Sampling(
         seed=seed,
         steps=steps,
@@ -168,10 +315,11 @@ def sample(
         # the backend counts images, prompt by prompt
         batch_size=batch_size * len(conditioning.prompts),
         true_cfg_scale=true_cfg_scale if handle.family.true_cfg else None,
+        denoise=denoise if image is not None else 1.0,
     )
     result = get_backend(handle.backend).call(
         DenoiseArgs(transformer=handle.spec, sampling=sampling),
-        conditioning.tensors,
+        tensors,
         on_progress=on_progress,
         should_cancel=should_cancel,
     )

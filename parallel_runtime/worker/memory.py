@@ -176,3 +176,19 @@ def check_decode(
             "VAEDecodeTiled",
         )
     return Estimate(need)
+
+
+def check_encode(
+    family: FamilyAdapter, vae_config: dict, pixels: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> None:
+    """WidgetError (``pixels``) when encoding these images cannot fit the device: the encoder's first level holds
+    about as many full-resolution feature maps as the decoder's last (``VAE_COPIES``)."""
+    images, height, width = pixels.shape[0], pixels.shape[1], pixels.shape[2]
+    need = images * height * width * family.decoder_channels(vae_config) * dtype.itemsize * VAE_COPIES
+    free, _ = _free(device, 1)
+    if need > free * HEADROOM:
+        raise WidgetError(
+            "pixels",
+            f"encoding {images} image(s) of {width}×{height} needs about {_gib(need)} on {device}, which has "
+            f"{_gib(free)} free; encode smaller or fewer images at once, or use ComfyUI's VAEEncodeTiled",
+        )

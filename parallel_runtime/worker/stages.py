@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..arena import DTYPES
-from ..families import FamilyAdapter, Placement, family
+from ..families import IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
 from ..wire import (
     DecodeArgs,
     DecodeResult,
@@ -168,6 +168,10 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         load = functools.partial(
             strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
         )
+    # The img2img inputs travel beside the embeddings; they are not conditioning (one row per prompt).
+    images = {name: tensors[name] for name in IMAGE_INPUTS if name in tensors}
+    tensors = {name: tensor for name, tensor in tensors.items() if name not in IMAGE_INPUTS}
+    steps = img2img_steps(sampling.steps, sampling.denoise) if images else sampling.steps
     text_tokens = max(tensors[name].shape[1] for name in ("prompt_embeds", "negative_prompt_embeds") if name in tensors)
 
     refused, estimate = None, None
@@ -180,7 +184,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         refused = e
     ctx.agree(refused)  # one rank short of memory, or its GPU cannot run the attention: all refuse, before any loads
     ctx.state["estimate"] = estimate
-    ctx.progress(0, sampling.steps, "loading transformer")
+    ctx.progress(0, steps, "loading transformer")
     if plan.spmd:
         transformer = _load_together(ctx, models, key, load)
     else:
@@ -203,13 +207,19 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         strategies.slice_batch(tensors, batch_size, start, count),
         mine,
         on_step=_on_step(ctx),
+        **{name: _my_images(image, batch_size, start, count) for name, image in images.items()},
     )
     if plan.splits_batch:
         samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:
         return None, {}
-    ctx.progress(sampling.steps, sampling.steps, "denoised")
+    ctx.progress(steps, steps, "denoised")
     return DenoiseResult(tuple(samples.shape)), {"samples": samples}
+
+
+def _my_images(image: torch.Tensor, batch_size: int, start: int, count: int) -> torch.Tensor:
+    """This rank's rows of an img2img input: one row serves every image, ``batch_size`` rows give one per image."""
+    return image if image.shape[0] == 1 else image[start : start + count]
 
 
 @op(DecodeArgs, spmd=True)
