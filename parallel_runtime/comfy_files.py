@@ -176,7 +176,8 @@ class SourceFile:
         return max(counts, key=counts.get) if counts else "BF16"
 
 
-def _resolve(role: str, name: str, widget: str) -> str:
+def resolve(role: str, name: str, widget: str) -> str:
+    """The path of file ``name`` of ``role`` (confined to its folders); InvalidInput naming ``widget`` otherwise."""
     if not name:
         raise InvalidInput(widget, f"no file selected; put the file in models/{FOLDERS[role][0]} and pick it here")
     parts = name.replace("\\", "/").split("/")
@@ -199,7 +200,7 @@ def _strip(key: str, prefixes: tuple[str, ...]) -> str:
 
 def read_file(role: str, name: str, widget: str) -> SourceFile:
     """``name`` resolved and its header read and checked: safetensors, in a format the conversion takes."""
-    path = _resolve(role, name, widget)
+    path = resolve(role, name, widget)
     suffix = os.path.splitext(name)[1].lower()
     if suffix in REFUSED_SUFFIXES:
         raise InvalidInput(widget, f"{name!r} is {REFUSED_SUFFIXES[suffix]}; {USE_INSTEAD}")
@@ -375,12 +376,19 @@ def plan_files(diffusion_model: str, text_encoder: str, text_encoder_2: str, vae
     vae_file = read_file("vae", vae, "vae")
     if not flux_files.is_vae(vae_file.shapes):
         raise InvalidInput("vae", f"{vae!r} is not a VAE in the original layout (FLUX.1's ae.safetensors); pick that")
-    configs = {
-        "transformer": flux_files.transformer_config(transformer.shapes),
-        "text_encoder": flux_files.clip_config(clip[0].shapes),
-        "text_encoder_2": flux_files.t5_config(t5[0].shapes),
-        "vae": flux_files.vae_config(vae_file.shapes),
-    }
+    configs = {}
+    for component, file, derive in (
+        ("transformer", transformer, flux_files.transformer_config),
+        ("text_encoder", clip[0], flux_files.clip_config),
+        ("text_encoder_2", t5[0], flux_files.t5_config),
+        ("vae", vae_file, flux_files.vae_config),
+    ):
+        try:
+            configs[component] = derive(file.shapes)
+        except (KeyError, IndexError, ValueError) as e:
+            raise InvalidInput(
+                file.widget, f"{file.name!r} lacks {e} (cut short, or not FLUX.1's); pick FLUX.1's complete file"
+            ) from None
     if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
         raise InvalidInput(
             "vae",
@@ -391,6 +399,16 @@ def plan_files(diffusion_model: str, text_encoder: str, text_encoder_2: str, vae
         raise InvalidInput(t5[0].widget, f"{t5[0].name!r} does not fit this transformer (its width differs)")
     if configs["text_encoder"]["hidden_size"] != configs["transformer"]["pooled_projection_dim"]:
         raise InvalidInput(clip[0].widget, f"{clip[0].name!r} does not fit this transformer (its width differs)")
+    try:
+        moves = flux_files.transformer_moves(configs["transformer"], transformer.shapes)
+    except KeyError as e:
+        raise InvalidInput("diffusion_model", f"{diffusion_model!r} lacks {e}; pick FLUX.1's complete file") from None
+    missing = sorted({m.source for m in moves} - set(transformer.shapes))
+    if missing:
+        raise InvalidInput(
+            "diffusion_model",
+            f"{diffusion_model!r} lacks {missing[0]} (cut short, or not FLUX.1); pick FLUX.1's complete file",
+        )
     files = (transformer, clip[0], t5[0], vae_file)
     key = hashlib.sha256(json.dumps([CONVERSION_VERSION, [f.identity for f in files]]).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(transformer.path))[0]
@@ -595,28 +613,41 @@ def _write_whole(file: SourceFile, path: str) -> None:
 def _write_transformer(plan: FilesPlan, moves: list[flux_files.Move], out: str, steps: _Steps) -> None:
     """The transformer in diffusers' layout, streamed: one source tensor read at a time, written into shards of at most
     SHARD_BYTES as they fill (diffusers' sharded layout with its index)."""
-    import torch
 
     _write_json(os.path.join(out, "config.json"), plan.configs["transformer"])
+    by_source = group_moves(moves)
+    shards = _Shards(out)
+    for target, tensor in apply_moves(by_source, _tensors(plan.transformer, list(by_source)), steps):
+        shards.add(target, tensor)
+    shards.close()
+
+
+def group_moves(moves: list[flux_files.Move]) -> dict[str, list[flux_files.Move]]:
+    """The moves by source key, in the order the sources are first needed."""
     by_source: dict[str, list[flux_files.Move]] = {}
     for move in moves:
         by_source.setdefault(move.source, []).append(move)
-    missing = sorted(set(by_source) - set(plan.transformer.shapes))
-    if missing:
-        raise InvalidInput(
-            "diffusion_model",
-            f"{plan.transformer.name!r} lacks {missing[0]} (cut short, or another model); pick another file",
-        )
-    shards = _Shards(out)
-    for source, tensor in _tensors(plan.transformer, list(by_source)):
+    return by_source
+
+
+def apply_moves(
+    by_source: dict[str, list[flux_files.Move]],
+    tensors: Iterator[tuple[str, object]],
+    steps: Callable[[str], None] | None = None,
+) -> Iterator[tuple[str, object]]:
+    """The diffusers tensors made from each (source key, tensor), in turn: a source tensor is let go once its moves
+    are made."""
+    import torch
+
+    for source, tensor in tensors:
         for move in by_source[source]:
             part = tensor if move.rows is None else tensor[move.rows[0] : move.rows[1]].clone()
             if move.swap_halves:
                 shift, scale = part.chunk(2, dim=0)
                 part = torch.cat([scale, shift], dim=0)
-            shards.add(move.target, part.contiguous())
-        steps("converting transformer")
-    shards.close()
+            yield move.target, part.contiguous()
+        if steps is not None:
+            steps("converting transformer")
 
 
 class _Shards:

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 
 from . import families
+from .comfy_files import converted_root
 from .errors import InvalidInput
 from .families import FamilyAdapter
 from .families.lora import SAFETENSORS_SUFFIXES
@@ -123,10 +124,11 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
             "models/diffusers or COMFY_PARALLEL_MODELS and pick it here",
         )
     relative = _confined(name, widget)
+    # Last: ComfyUI's own files converted by ParallelModelFromComfyFiles (not listed: that node names them).
     model_dir = next(
         (
             os.path.join(root, relative)
-            for root in roots()
+            for root in [*roots(), converted_root()]
             if os.path.isfile(os.path.join(root, relative, "model_index.json"))
         ),
         None,

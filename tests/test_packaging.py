@@ -5,11 +5,11 @@ its own that .ci/run makes at .ci/comfy-cli) pass and leave the development file
 import os
 import re
 import subprocess
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 COMFY_CLI = ROOT / ".ci" / "comfy-cli" / "bin" / "comfy"

@@ -15,6 +15,7 @@ each kind, about 30 MB of files.
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -133,7 +134,8 @@ def _groups(sd: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     """Which diffusers tensors each BFL tensor is made of, read from the inverse mapping itself (each diffusers tensor
     tagged with its number)."""
     names = list(sd)
-    tagged = {k: torch.full(sd[k].shape, float(i), dtype=torch.float64) for i, k in enumerate(names)}
+    # 1-D tags are enough: the mapping only concatenates and swaps along dim 0.
+    tagged = {k: torch.full(sd[k].shape[:1], float(i), dtype=torch.float64) for i, k in enumerate(names)}
     bfl = _bfl_transformer(tagged, _count(sd, "transformer_blocks."), _count(sd, "single_transformer_blocks."))
     return {k: [names[int(i)] for i in torch.unique(v).tolist()] for k, v in bfl.items()}
 
@@ -180,19 +182,20 @@ def _clip_key(key: str) -> str:
 
 def make_tiny_flux_files(
     models_dir: str,
-    reference_dir: str,
+    reference_root: str,
     comfy_dir: str,
     *,
     seed: int = 0,
-    transformer_format: str = "bf16",
+    formats: tuple[str, ...] = FORMATS,
     schnell: bool = False,
-) -> dict[str, str]:
+) -> dict[str, tuple[dict[str, str], str]]:
     """Write a tiny FLUX.1 as ComfyUI's files under ``models_dir`` (``diffusion_models/``, ``text_encoders/``,
-    ``vae/``) and as a diffusers folder at ``reference_dir`` holding the same weights (the transformer's as its file
-    means them: fp8 cast back, scaled fp8 dequantized). ``comfy_dir`` is ComfyUI's ``comfy`` package (its
-    tokenizers). Returns the widgets' values: diffusion_model, text_encoder (CLIP), text_encoder_2 (T5), vae."""
-    if transformer_format not in FORMATS:
-        raise ValueError(f"transformer_format must be one of {FORMATS}")
+    ``vae/``), one transformer file per format in ``formats``, and for each a diffusers folder below
+    ``reference_root`` holding the same weights (the transformer's as its file means them: fp8 cast back, scaled fp8
+    dequantized). ``comfy_dir`` is ComfyUI's ``comfy`` package (its tokenizers). Returns, per format, the widgets'
+    values (diffusion_model, text_encoder: CLIP, text_encoder_2: T5, vae) and the reference folder."""
+    if not formats or set(formats) - set(FORMATS):
+        raise ValueError(f"formats must be some of {FORMATS}")
     tokenizer = CLIPTokenizer.from_pretrained(os.path.join(comfy_dir, "sd1_tokenizer"), model_max_length=77)
     tokenizer_2 = T5TokenizerFast.from_pretrained(
         os.path.join(comfy_dir, "text_encoders", "t5_tokenizer"), model_max_length=512
@@ -257,10 +260,8 @@ def make_tiny_flux_files(
     # The dtypes ComfyUI distributes them in: CLIP-L and T5 in fp16, the transformer in bf16 (or fp8), the VAE fp32.
     clip.to(torch.float16)
     t5.to(torch.float16)
-    file, meaning = _quantized_transformer(transformer.state_dict(), transformer_format)
-    prefix = "model.diffusion_model." if transformer_format == "fp8_scaled" else ""  # as ComfyUI saves its own files
+    weights = transformer.state_dict()
     transformer.to(torch.bfloat16)
-    transformer.load_state_dict(meaning)
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(
             **{
@@ -276,18 +277,14 @@ def make_tiny_flux_files(
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
-    pipe.save_pretrained(reference_dir, safe_serialization=True)
-
     variant = "schnell" if schnell else "dev"
     names = {
-        "diffusion_model": f"tiny-flux1-{variant}-{transformer_format}.safetensors",
         "text_encoder": "tiny_clip_l.safetensors",
         "text_encoder_2": "tiny_t5xxl_fp16.safetensors",
         "vae": "tiny_ae.safetensors",
     }
     for folder, key, tensors in (
-        ("diffusion_models", "diffusion_model", {prefix + k: v for k, v in file.items()}),
-        # ComfyUI's clip_l.safetensors keeps transformers' older key names (text_model.…), which transformers still reads.
+        # ComfyUI's clip_l.safetensors keeps transformers' older key names (text_model.…), which it still reads.
         ("text_encoders", "text_encoder", {_clip_key(k): v for k, v in clip.state_dict().items()}),
         # T5's encoder.embed_tokens is shared.weight again (tied): the file holds it once.
         (
@@ -299,4 +296,21 @@ def make_tiny_flux_files(
     ):
         os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, names[key]))
-    return names
+    made = {}
+    for fmt in formats:
+        file, meaning = _quantized_transformer(weights, fmt)
+        prefix = "model.diffusion_model." if fmt == "fp8_scaled" else ""  # as ComfyUI saves its own files
+        transformer.load_state_dict(meaning)
+        reference = os.path.join(reference_root, f"tiny-flux1-{variant}-{fmt}")
+        if not made:
+            pipe.save_pretrained(reference, safe_serialization=True)
+        else:  # the same pipeline but for its transformer
+            shutil.copytree(next(iter(made.values()))[1], reference, ignore=shutil.ignore_patterns("transformer"))
+            transformer.save_pretrained(os.path.join(reference, "transformer"), safe_serialization=True)
+        name = f"tiny-flux1-{variant}-{fmt}.safetensors"
+        os.makedirs(os.path.join(models_dir, "diffusion_models"), exist_ok=True)
+        save_file(
+            {prefix + k: v.contiguous() for k, v in file.items()}, os.path.join(models_dir, "diffusion_models", name)
+        )
+        made[fmt] = ({**names, "diffusion_model": name}, reference)
+    return made
