@@ -10,6 +10,9 @@ from . import comfy
 from .types import CATEGORY
 
 WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae")
+# A model name for a combo input: a plain "COMBO" output type (io.Combo.Output's type is its list of options, which
+# ComfyUI's link check compares with the input's "COMBO" and refuses).
+ModelName = io.Custom("COMBO")
 
 
 class ParallelModelFromComfyFiles(io.ComfyNode):
@@ -60,7 +63,7 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                 ),
             ],
             outputs=[
-                io.Combo.Output(
+                ModelName.Output(
                     display_name="model",
                     tooltip=(
                         "The model, as the name of its converted diffusers folder: link it into the model input of "

@@ -278,7 +278,7 @@ def converted(tiny):
     _, made = tiny
     names, reference = made["fp8_scaled"]
     name, _ = jobs.model_from_comfy_files(**names)
-    pipe = FluxPipeline.from_pretrained(reference, torch_dtype=torch.float32)
+    pipe = FluxPipeline.from_pretrained(reference, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     cache = {}
 
@@ -317,38 +317,47 @@ def _generate(spec, model, strategy, *, width=64, height=64, batch_size=1, **str
     return jobs.decode(spec, model=model, samples=latent)
 
 
-TWO_RANKS = [
+def _transformer_on_each_rank(spec) -> list:
+    return [next(m for m in r.resident if m.component == "transformer") for r in get_backend(spec).status().ranks]
+
+
+@pytest.mark.multirank
+def test_tensor_parallel_and_ulysses_on_the_converted_model(converted):
+    """One 2-rank backend: tensor parallel (each rank reads its slice of the converted, sharded transformer) and
+    Ulysses, each image equal to the one-shot pipeline on the diffusers folder within test_strategies' tolerances."""
+    name, one_shot = converted
+    spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
+    image = _generate(spec, name, "tensor_parallel", tp_degree=2)
+    assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
+    sharded = [m.parameter_bytes for m in _transformer_on_each_rank(spec)]
+    image = _generate(spec, name, "context_parallel", ulysses_degree=2)
+    assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
+    full = _transformer_on_each_rank(spec)[0].parameter_bytes
+    print(f"converted model, tensor parallel: parameter share per rank {[round(s / full, 3) for s in sharded]}")
+    assert all(s / full <= 0.75 for s in sharded)
+
+
+# The other strategies: the same folder through the same paths (the default run's test_strategies covers them on its
+# own tiny model); left to `pytest -m slow` for the time they take.
+MORE_STRATEGIES = [
     ("device_map", "device_map", {}, 1),
-    ("ulysses", "context_parallel", {"ulysses_degree": 2}, 1),
     ("ring", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 1),
-    ("tensor_parallel", "tensor_parallel", {"tp_degree": 2}, 1),
     ("data_parallel", "data_parallel", {}, 2),
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
-def test_every_strategy_on_the_converted_model_matches_the_diffusers_folder(converted):
-    """One 2-rank backend, each strategy in turn (only the transformer reloads), each image equal to the one-shot
-    pipeline on the diffusers folder within test_strategies' tolerances; tensor parallel ranks hold a slice."""
+@pytest.mark.parametrize("label, strategy, args, batch", MORE_STRATEGIES, ids=[c[0] for c in MORE_STRATEGIES])
+def test_other_strategies_on_the_converted_model(converted, label, strategy, args, batch):
     name, one_shot = converted
     spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
-    shares = None
-    for label, strategy, args, batch in TWO_RANKS:
-        image = _generate(spec, name, strategy, batch_size=batch, **args)
-        diff = (image - one_shot(3, 64, 64, batch)).abs().max().item()
-        print(f"converted ComfyUI files, {label}: max |diff| {diff:.2e}")
-        assert diff <= 1e-4, label
-        resident = [
-            next(m for m in r.resident if m.component == "transformer") for r in get_backend(spec).status().ranks
-        ]
-        if strategy == "tensor_parallel":
-            shares = [m.parameter_bytes for m in resident]
-        if strategy == "data_parallel":
-            full = resident[0].parameter_bytes
-            print(f"tensor parallel rank share of the converted transformer: {[round(s / full, 3) for s in shares]}")
-            assert all(s / full <= 0.75 for s in shares)
+    image = _generate(spec, name, strategy, batch_size=batch, **args)
+    assert image.shape[0] == batch
+    assert (image - one_shot(3, 64, 64, batch)).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.four_ranks
 def test_tp_cp_on_the_converted_model(converted):
