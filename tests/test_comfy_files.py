@@ -25,25 +25,14 @@ STEPS, TOKENS = 2, 32
 
 
 @pytest.fixture(scope="module")
-def comfy_dir():
-    found = comfy_files.comfy_package_dir()
-    if found is None:
-        pytest.skip("needs ComfyUI's tokenizers: set COMFYUI_DIR (.ci/install-comfyui.sh makes one)")
-    return found
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, comfy_dir, models_root):
-    """The tiny FLUX.1-dev as ComfyUI's files in every transformer format, with their reference diffusers folders;
-    the conversion root and ComfyUI-style models folder set for the module."""
-    from parallel_runtime.testing.tiny_comfy_files import FORMATS, make_tiny_flux_files
-
+def tiny(tiny_comfy_files, comfyui_files_dir, tmp_path_factory, models_root):
+    """The session's tiny FLUX.1 as ComfyUI's files (every transformer format) with their reference diffusers folders,
+    listed for the module (COMFY_PARALLEL_COMFY_MODELS) and converted below a folder of its own."""
     base = tmp_path_factory.mktemp("comfy-files")
     saved = {k: os.environ.get(k) for k in ("COMFY_PARALLEL_COMFY_MODELS", "COMFY_PARALLEL_CONVERTED")}
-    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = str(base / "models")
+    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = str(comfyui_files_dir)
     os.environ["COMFY_PARALLEL_CONVERTED"] = str(base / "converted")
-    made = make_tiny_flux_files(str(base / "models"), str(base / "reference"), comfy_dir, formats=FORMATS)
-    yield base, made
+    yield base, comfyui_files_dir, tiny_comfy_files
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
@@ -133,7 +122,7 @@ def _component_tensors(folder, component):
 def test_converted_folder_is_the_diffusers_folder(tiny, fmt):
     """Every tensor of every component, bit for bit and in the same dtype, as the diffusers folder of the same model
     (fp8 cast back, scaled fp8 dequantized); the text encoders linked, not copied."""
-    base, made = tiny
+    base, _, made = tiny
     names, reference = made[fmt]
     plan = jobs.validate_comfy_files(**names)
     assert (plan.family, plan.variant) == ("flux", "FLUX.1-dev")
@@ -158,13 +147,13 @@ def test_converted_folder_is_the_diffusers_folder(tiny, fmt):
 
 
 def test_conversion_is_cached_keyed_by_the_files(tiny):
-    base, made = tiny
+    base, models, made = tiny
     names, _ = made["bf16"]
     first, plan = jobs.model_from_comfy_files(**names)
     stamp = os.stat(os.path.join(plan.folder, "transformer")).st_mtime_ns
     again, _ = jobs.model_from_comfy_files(**names)
     assert again == first and os.stat(os.path.join(plan.folder, "transformer")).st_mtime_ns == stamp
-    vae = os.path.join(base, "models", "vae", names["vae"])
+    vae = os.path.join(models, "vae", names["vae"])
     os.utime(vae, ns=(time.time_ns(), time.time_ns()))  # the same name, a new file as far as anyone can tell
     changed, _ = jobs.model_from_comfy_files(**names)
     assert changed != first and os.path.isfile(os.path.join(base, "converted", changed, "model_index.json"))
@@ -175,9 +164,9 @@ def test_conversion_is_cached_keyed_by_the_files(tiny):
 
 
 def test_cancelled_conversion_leaves_nothing(tiny):
-    base, made = tiny
+    _, models, made = tiny
     names, _ = made["fp8"]
-    vae = os.path.join(base, "models", "vae", names["vae"])
+    vae = os.path.join(models, "vae", names["vae"])
     os.utime(vae, ns=(1, 1))  # a key no earlier test converted
     plan = jobs.validate_comfy_files(**names)
     calls = []
@@ -187,9 +176,9 @@ def test_cancelled_conversion_leaves_nothing(tiny):
 
 
 def test_no_disk_space_is_refused_before_writing(tiny, monkeypatch):
-    base, made = tiny
+    _, models, made = tiny
     names, _ = made["fp8_scaled"]
-    os.utime(os.path.join(base, "models", "vae", names["vae"]), ns=(2, 2))
+    os.utime(os.path.join(models, "vae", names["vae"]), ns=(2, 2))
     plan = jobs.validate_comfy_files(**names)
     monkeypatch.setattr(comfy_files.shutil, "disk_usage", lambda path: _Usage())
     with pytest.raises(
@@ -208,8 +197,8 @@ def _write(path, tensors, metadata=None):
     save_file(tensors, path, metadata=metadata)
 
 
-def _refusal_cases(base, names):
-    d = base / "models" / "diffusion_models"
+def _refusal_cases(models, names):
+    d = models / "diffusion_models"
     (d / "flux1-dev-Q4_K_S.gguf").write_bytes(b"GGUF" + bytes(60))
     (d / "flux1-dev.ckpt").write_bytes(b"\x80\x02")
     _write(
@@ -256,14 +245,14 @@ def _refusal_cases(base, names):
 
 
 def test_refusals_name_the_input(tiny):
-    base, made = tiny
+    _, models, made = tiny
     names, _ = made["bf16"]
-    for widget, value, message in _refusal_cases(base, names):
+    for widget, value, message in _refusal_cases(models, names):
         with pytest.raises(InvalidInput, match=message) as e:
             jobs.validate_comfy_files(**{**names, widget: value})
         assert e.value.widget == widget and str(e.value).startswith(f"{widget}: "), (widget, value, e.value)
     # The VAE picked as the diffusion model, by a path it is listed under (models/vae is not a diffusion folder):
-    os.symlink(base / "models" / "vae" / names["vae"], base / "models" / "diffusion_models" / "ae-linked.safetensors")
+    os.symlink(models / "vae" / names["vae"], models / "diffusion_models" / "ae-linked.safetensors")
     with pytest.raises(InvalidInput, match=r"diffusion_model: .* is a VAE or a text encoder"):
         jobs.validate_comfy_files(**{**names, "diffusion_model": "ae-linked.safetensors"})
     assert "flux1-dev-Q4_K_S.gguf" in comfy_files.list_files("diffusion_model")  # listed, so that picking it says why
@@ -275,7 +264,7 @@ def converted(tiny):
     """The scaled-fp8 model converted, and diffusers' one-shot pipeline on its reference diffusers folder."""
     from diffusers import FluxPipeline
 
-    _, made = tiny
+    _, _, made = tiny
     names, reference = made["fp8_scaled"]
     name, _ = jobs.model_from_comfy_files(**names)
     pipe = FluxPipeline.from_pretrained(reference, dtype=torch.float32)

@@ -15,23 +15,13 @@ import torch
 from comfyui_host import PromptRejected
 from test_e2e_comfyui import assert_close_uint8, saved_png
 
-from parallel_runtime import comfy_files
-
 pytestmark = pytest.mark.comfyui
 PROMPT = "a photo of a horse in the city"
 
 
 @pytest.fixture(scope="module")
-def files(comfyui_files_dir, tmp_path_factory):
-    from parallel_runtime.testing.tiny_comfy_files import make_tiny_flux_files
-
-    comfy_dir = comfy_files.comfy_package_dir()
-    if comfy_dir is None:
-        pytest.skip("needs ComfyUI's tokenizers: set COMFYUI_DIR")
-    made = make_tiny_flux_files(
-        str(comfyui_files_dir), str(tmp_path_factory.mktemp("reference")), comfy_dir, formats=("fp8_scaled",)
-    )
-    return made["fp8_scaled"]
+def files(tiny_comfy_files):
+    return tiny_comfy_files["fp8_scaled"]
 
 
 def reference_uint8(model_dir, seed: int) -> np.ndarray:
