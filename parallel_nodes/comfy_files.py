@@ -31,7 +31,7 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                 "FLUX.1 (dev and schnell) for now; bf16 / fp16, fp8 and ComfyUI's scaled fp8 files. The first run "
                 "converts them once into a cached diffusers folder (the transformer is rewritten in diffusers' "
                 "layout; the text encoders are linked, not copied); later runs reuse it. Every strategy then loads "
-                "it as any diffusers folder, tensor parallel ranks reading only their slices."
+                "it as any diffusers folder."
             ),
             inputs=[
                 io.Combo.Input(

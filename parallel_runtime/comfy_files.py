@@ -4,8 +4,8 @@ A one-time conversion, cached: the family's files are checked from their safeten
 family is told by the transformer's keys, and a diffusers ``save_pretrained`` folder is written once under the
 conversion root (``converted_root``), named by the files' identities (path, size, modification time), so picking the
 same files again reuses it and a file replaced on disk makes a new one. The folder is then an ordinary model folder:
-every strategy loads it as it loads any other (tensor parallel ranks read only their slices of it from disk), so no
-rank ever holds more than the strategy gives it.
+every strategy loads it exactly as it loads any other (tensor parallel through diffusers' ``parallel_config``, which
+reads each rank's slices; bench/comfy_files_memory.py measures what a rank holds at its peak).
 
 What the conversion writes:
 
