@@ -11,6 +11,7 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from .backend import ParallelBackend
+from .comfy_files import ParallelModelFromComfyFiles
 from .encode import EncodeOnBalancedGPUs
 from .lora import ParallelLoraLoader
 from .sampler import ParallelSampler
@@ -26,6 +27,7 @@ NODES: list[type[io.ComfyNode]] = [
     VAEDecodeSingleGPU,
     ParallelLoraLoader,
     VAEEncodeSingleGPU,
+    ParallelModelFromComfyFiles,
 ]
 NODES_BY_ID: dict[str, type[io.ComfyNode]] = {node.define_schema().node_id: node for node in NODES}
 
@@ -50,6 +52,7 @@ __all__ = [
     "LoadShardedTransformer",
     "ParallelBackend",
     "ParallelLoraLoader",
+    "ParallelModelFromComfyFiles",
     "ParallelSampler",
     "VAEDecodeSingleGPU",
     "VAEEncodeSingleGPU",

@@ -6,6 +6,9 @@ directories in ``COMFY_PARALLEL_MODELS`` (os.pathsep-separated). A model is name
 resolves (no ``..``, no absolute path); a model folder that is a symbolic link the user put into a root (models kept
 on another disk) is the user's choice and loads.
 
+Folders converted from ComfyUI's own files (``comfy_files``, ParallelModelFromComfyFiles) resolve too, from
+``comfy_files.converted_root()`` after the roots; they are not listed (that node names them).
+
 LoRAs are files under ComfyUI's ``loras`` folders (``folder_paths``, once ComfyUI has loaded it) followed by the
 directories in ``COMFY_PARALLEL_LORAS``, named by their path below the root (``style.safetensors``,
 ``flux/style.safetensors``) and confined the same way. Pickle-format files are listed too, so that picking one says
@@ -21,6 +24,7 @@ import sys
 from collections.abc import Iterator
 
 from . import families
+from .comfy_files import converted_root
 from .errors import InvalidInput
 from .families import FamilyAdapter
 from .families.lora import SAFETENSORS_SUFFIXES
@@ -123,10 +127,11 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
             "models/diffusers or COMFY_PARALLEL_MODELS and pick it here",
         )
     relative = _confined(name, widget)
+    # Last: ComfyUI's own files converted by ParallelModelFromComfyFiles (not listed: that node names them).
     model_dir = next(
         (
             os.path.join(root, relative)
-            for root in roots()
+            for root in [*roots(), converted_root()]
             if os.path.isfile(os.path.join(root, relative, "model_index.json"))
         ),
         None,

@@ -52,9 +52,39 @@ def comfyui_loras_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def comfyui_server(comfyui_dir, comfyui_models_dir, comfyui_loras_dir):
+def comfyui_files_dir(tmp_path_factory):
+    """A ComfyUI-style models folder whose ``diffusion_models``, ``text_encoders`` and ``vae`` the server lists (put
+    ComfyUI's own files there); the server converts them below its ``converted``."""
+    root = tmp_path_factory.mktemp("comfyui-files")
+    for kind in ("diffusion_models", "text_encoders", "vae"):
+        (root / kind).mkdir()
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_comfy_files(comfyui_files_dir, tmp_path_factory):
+    """A tiny FLUX.1 as ComfyUI's files in ``comfyui_files_dir`` (one transformer per weight format) with its diffusers
+    folders, built once for the session: ``{format: (widget values, reference folder)}``."""
+    from parallel_runtime import comfy_files
+
+    comfy_dir = comfy_files.comfy_package_dir()
+    if comfy_dir is None:
+        pytest.skip("needs ComfyUI's tokenizers: set COMFYUI_DIR (.ci/install-comfyui.sh makes one)")
+    from parallel_runtime.testing.tiny_comfy_files import make_tiny_flux_files
+
+    return make_tiny_flux_files(str(comfyui_files_dir), str(tmp_path_factory.mktemp("reference")), comfy_dir)
+
+
+@pytest.fixture(scope="session")
+def comfyui_server(comfyui_dir, comfyui_models_dir, comfyui_loras_dir, comfyui_files_dir):
     """One real ComfyUI server (CPU) with this pack linked in, shared by the session; stopped at the end."""
-    server = ComfyUIServer(comfyui_dir, diffusers_dir=comfyui_models_dir, loras_dir=comfyui_loras_dir)
+    server = ComfyUIServer(
+        comfyui_dir,
+        diffusers_dir=comfyui_models_dir,
+        loras_dir=comfyui_loras_dir,
+        extra_model_paths={kind: comfyui_files_dir / kind for kind in ("diffusion_models", "text_encoders", "vae")},
+        env={"COMFY_PARALLEL_CONVERTED": str(comfyui_files_dir / "converted")},
+    )
     server.start()
     try:
         yield server

@@ -31,6 +31,7 @@ CLIENT = {
     "parallel_runtime.launcher",
     "parallel_runtime.jobs",
     "parallel_runtime.model_folders",
+    "parallel_runtime.comfy_files",
     "parallel_runtime.cli",
     "parallel_runtime.watchdog",
 }

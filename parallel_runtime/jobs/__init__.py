@@ -1,13 +1,14 @@
 """The generation steps as the nodes ask for them: check the widgets, then call the backend.
 
-One module per node's step (encode, transformer, lora, sample, decode, vae_encode) and the widget readers they share.
-Each step checks everything that can be checked without weights first (raising ``InvalidInput`` that names the
-widget and the fix), then runs one op. What travels between steps are plain values: the ``Conditioning``
-(embeddings, on the CPU), a ``TransformerHandle`` (a validated choice; nothing loaded yet), LATENT samples and IMAGE
-tensors in ComfyUI's conventions. The nodes (``parallel_nodes``) are thin wrappers over these functions; the demo
-calls them directly.
+One module per node's step (encode, transformer, lora, sample, decode, vae_encode; comfy_files: a model from
+ComfyUI's files) and the widget readers they share. Each step checks everything that can be checked without weights
+first (raising ``InvalidInput`` that names the widget and the fix), then runs one op. What travels between steps are
+plain values: the ``Conditioning`` (embeddings, on the CPU), a ``TransformerHandle`` (a validated choice; nothing
+loaded yet), LATENT samples and IMAGE tensors in ComfyUI's conventions. The nodes (``parallel_nodes``) are thin
+wrappers over these functions; the demo calls them directly.
 """
 
+from .comfy_files import model_from_comfy_files, validate_comfy_files
 from .decode import decode, decode_device, decode_device_choices, validate_decode
 from .encode import MAX_SEQUENCE_LENGTH, Conditioning, count_prompts, encode_prompt, validate_encode
 from .lora import MAX_STRENGTH, LoraCheck, add_lora, validate_lora
@@ -34,10 +35,12 @@ __all__ = [
     "decode_device",
     "decode_device_choices",
     "encode_prompt",
+    "model_from_comfy_files",
     "plan_transformer",
     "read_latent_image",
     "sample",
     "vae_encode",
+    "validate_comfy_files",
     "validate_decode",
     "validate_encode",
     "validate_lora",

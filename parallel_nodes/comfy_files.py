@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import os
+
+from comfy_api.latest import io
+
+from parallel_runtime import InvalidInput, comfy_files, jobs
+
+from . import comfy
+from .types import CATEGORY
+
+WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae")
+# A model name for a combo input: a plain "COMBO" output type (io.Combo.Output's type is its list of options, which
+# ComfyUI's link check compares with the input's "COMBO" and refuses).
+ModelName = io.Custom("COMBO")
+
+
+class ParallelModelFromComfyFiles(io.ComfyNode):
+    """A model from ComfyUI's own files (diffusion_models, text_encoders, vae) for the other nodes' ``model`` input."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ParallelModelFromComfyFiles",
+            display_name="Model from ComfyUI Files (parallel)",
+            category=CATEGORY,
+            description=(
+                "Assembles a model from the files ComfyUI already has (the transformer in models/diffusion_models, "
+                "the text encoders in models/text_encoders, the VAE in models/vae) for the model input of Encode on "
+                "Balanced GPUs, Load Sharded Transformer and VAE Decode (single GPU): link its output into each. "
+                "FLUX.1 (dev and schnell) for now; bf16 / fp16, fp8 and ComfyUI's scaled fp8 files. The first run "
+                "converts them once into a cached diffusers folder (the transformer is rewritten in diffusers' "
+                "layout; the text encoders are linked, not copied); later runs reuse it. Every strategy then loads "
+                "it as any diffusers folder."
+            ),
+            inputs=[
+                io.Combo.Input(
+                    "diffusion_model",
+                    options=comfy_files.list_files("diffusion_model"),
+                    tooltip=(
+                        "The transformer from models/diffusion_models (or unet): flux1-dev.safetensors, "
+                        "flux1-schnell.safetensors, or their fp8 versions. The family (and dev or schnell) is told "
+                        "from its weights."
+                    ),
+                ),
+                io.Combo.Input(
+                    "text_encoder",
+                    options=comfy_files.list_files("text_encoder"),
+                    tooltip="FLUX.1's CLIP-L from models/text_encoders (or clip): clip_l.safetensors.",
+                ),
+                io.Combo.Input(
+                    "text_encoder_2",
+                    options=comfy_files.list_files("text_encoder_2"),
+                    tooltip=(
+                        "FLUX.1's T5-XXL from models/text_encoders (or clip): t5xxl_fp16.safetensors, or an fp8 one. "
+                        "The two text encoders may be picked in either order."
+                    ),
+                ),
+                io.Combo.Input(
+                    "vae",
+                    options=comfy_files.list_files("vae"),
+                    tooltip="FLUX.1's VAE from models/vae: ae.safetensors.",
+                ),
+            ],
+            outputs=[
+                ModelName.Output(
+                    display_name="model",
+                    tooltip=(
+                        "The model, as the name of its converted diffusers folder: link it into the model input of "
+                        "Encode on Balanced GPUs, Load Sharded Transformer and VAE Decode (single GPU)."
+                    ),
+                )
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, input_types: dict) -> bool | str:
+        """The files' headers (format, family, whether they fit together), before anything is converted."""
+        return comfy.validate(cls, input_types, lambda node: jobs.validate_comfy_files(**node.widgets(*WIDGETS)))
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs) -> object:
+        """The files' sizes and modification times: a file replaced under its name is a new input (a new conversion),
+        not the cached output of the file that was."""
+        found = []
+        for widget in WIDGETS:
+            try:
+                stat = os.stat(comfy_files.resolve(widget, inputs.get(widget) or "", widget))
+            except (InvalidInput, OSError):
+                return None
+            found.append((stat.st_size, stat.st_mtime_ns))
+        return tuple(found)
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        w = comfy.with_defaults(cls, inputs)
+        name, plan = comfy.run(cls, jobs.model_from_comfy_files, **{k: w[k] for k in WIDGETS})
+        comfy.show_text(cls, f"{plan.variant} from ComfyUI's files: {plan.folder}")
+        return io.NodeOutput(name)

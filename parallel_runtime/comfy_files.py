@@ -1,0 +1,711 @@
+"""ComfyUI's own model files (``models/diffusion_models``, ``text_encoders``, ``vae``) as a diffusers pipeline folder.
+
+A one-time conversion, cached: the family's files are checked from their safetensors headers (no tensor read), the
+family is told by the transformer's keys, and a diffusers ``save_pretrained`` folder is written once under the
+conversion root (``converted_root``), named by the files' identities (path, size, modification time), so picking the
+same files again reuses it and a file replaced on disk makes a new one. The folder is then an ordinary model folder:
+every strategy loads it exactly as it loads any other (tensor parallel through diffusers' ``parallel_config``, which
+reads each rank's slices; bench/comfy_files_memory.py measures what a rank holds at its peak).
+
+What the conversion writes:
+
+- the transformer in diffusers' layout, moved one source tensor at a time (its config from the file's shapes; the
+  moves are the family's, ``families/flux_files.py``) into shards of at most ``SHARD_BYTES``, so the conversion never
+  holds more than a shard in memory;
+- the text encoders as they are (ComfyUI keeps CLIP and T5 in transformers' own layout): a symbolic link to the file
+  beside its config, nothing copied — rewritten only when fp8 weights have to be cast or a key prefix dropped;
+- the VAE through diffusers' own converter (``convert_ldm_vae_checkpoint``; it is small);
+- the tokenizers from the ComfyUI installation (``comfy/sd1_tokenizer``: CLIP; ``comfy/text_encoders/t5_tokenizer``:
+  T5), the scheduler and ``model_index.json`` from the family's data. Nothing comes from the internet.
+
+Weights as ComfyUI distributes them: bf16 / fp16 / fp32 are kept, fp8 (``float8_e4m3fn`` / ``float8_e5m2``) is cast
+to the file's own high-precision dtype (bf16 when it has none), ComfyUI's scaled fp8 (``scale_weight`` beside the
+weight, or ``weight_scale`` with ``_quantization_metadata``) is dequantized (weight × scale) on the way. GGUF, NF4
+(bitsandbytes), nunchaku (SVDQuant), GPTQ / AWQ and other integer formats are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+
+from .errors import Cancelled, InvalidInput
+from .families import flux_files
+
+log = logging.getLogger(__name__)
+
+# What a widget lists, per role: ComfyUI's folder names (new name first, its legacy alias second).
+FOLDERS = {
+    "diffusion_model": ("diffusion_models", "unet"),
+    "text_encoder": ("text_encoders", "clip"),
+    "text_encoder_2": ("text_encoders", "clip"),
+    "vae": ("vae",),
+}
+SAFETENSORS = (".safetensors", ".sft")
+# Listed too, so that picking one says why it cannot be used rather than that it does not exist.
+REFUSED_SUFFIXES = {
+    ".gguf": "a GGUF file (ComfyUI-GGUF's quantization), which diffusers' parallel strategies cannot load",
+    ".ckpt": "a pickle (.ckpt), which can run code when read; only safetensors are loaded",
+    ".pt": "a pickle (.pt), which can run code when read; only safetensors are loaded",
+    ".pth": "a pickle (.pth), which can run code when read; only safetensors are loaded",
+    ".bin": "a pickle (.bin), which can run code when read; only safetensors are loaded",
+}
+USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
+SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
+CONVERSION_VERSION = 1  # part of every cache key: a change of what the conversion writes makes new folders
+_FLOAT8 = ("F8_E4M3", "F8_E5M2")
+_FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F64": 8}
+_STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "first_stage_model.", "vae.")
+_TEXT_PREFIXES = ("cond_stage_model.transformer.", "transformer.", "te.", "text_encoders.t5xxl.transformer.")
+
+
+# -- where the files are -----------------------------------------------------------------------------------------
+def _roots(role: str) -> list[str]:
+    """ComfyUI's folders for ``role`` (once ComfyUI has loaded ``folder_paths``), then the same sub-folders of each
+    directory in ``COMFY_PARALLEL_COMFY_MODELS`` (ComfyUI-style ``models`` directories, os.pathsep-separated)."""
+    found: list[str] = []
+    folder_paths = sys.modules.get("folder_paths")
+    for kind in FOLDERS[role]:
+        if folder_paths is not None:
+            try:
+                found += folder_paths.get_folder_paths(kind)
+            except KeyError:
+                pass
+        found += [
+            os.path.join(p, kind) for p in os.environ.get("COMFY_PARALLEL_COMFY_MODELS", "").split(os.pathsep) if p
+        ]
+    return [os.path.abspath(p) for p in dict.fromkeys(found) if os.path.isdir(p)]
+
+
+def list_files(role: str) -> list[str]:
+    """The names (paths below their folder) a widget of ``role`` offers, sorted."""
+    names = set()
+    for root in _roots(role):
+        for here, dirs, files in os.walk(root, followlinks=True):
+            dirs.sort()
+            for file in files:
+                if file.lower().endswith(SAFETENSORS + tuple(REFUSED_SUFFIXES)):
+                    names.add(os.path.relpath(os.path.join(here, file), root).replace(os.sep, "/"))
+    return sorted(names)
+
+
+def converted_root() -> str:
+    """Where conversions are written: ``COMFY_PARALLEL_CONVERTED``, else ComfyUI's models directory's
+    ``parallel_diffusers_converted``, else ``~/.cache/comfyui-parallel-diffusers/converted``."""
+    if os.environ.get("COMFY_PARALLEL_CONVERTED"):
+        return os.path.abspath(os.environ["COMFY_PARALLEL_CONVERTED"])
+    folder_paths = sys.modules.get("folder_paths")
+    if folder_paths is not None and getattr(folder_paths, "models_dir", None):
+        return os.path.join(folder_paths.models_dir, "parallel_diffusers_converted")
+    return os.path.join(os.path.expanduser("~"), ".cache", "comfyui-parallel-diffusers", "converted")
+
+
+def comfy_package_dir() -> str | None:
+    """ComfyUI's ``comfy`` package directory (its tokenizers): the loaded one, else ``COMFYUI_DIR``'s."""
+    comfy = sys.modules.get("comfy")
+    candidates = [os.path.dirname(comfy.__file__)] if comfy is not None and getattr(comfy, "__file__", None) else []
+    folder_paths = sys.modules.get("folder_paths")
+    if folder_paths is not None and getattr(folder_paths, "base_path", None):
+        candidates.append(os.path.join(folder_paths.base_path, "comfy"))
+    if os.environ.get("COMFYUI_DIR"):
+        candidates.append(os.path.join(os.environ["COMFYUI_DIR"], "comfy"))
+    return next((c for c in candidates if os.path.isdir(os.path.join(c, "sd1_tokenizer"))), None)
+
+
+# -- one file, read from its header ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    """A file a widget picked, with what its safetensors header says.
+
+    Args:
+        widget: the input that picked it (errors name it).
+        name: the widget's value.
+        path: the resolved file.
+        size: its size in bytes, and mtime_ns its modification time: with ``path``, its identity.
+        dtypes: each tensor's safetensors dtype, by key (prefix stripped); shapes: each tensor's shape.
+        keys: the file's own key of each stripped key.
+        metadata: the header's ``__metadata__``.
+    """
+
+    widget: str
+    name: str
+    path: str
+    size: int
+    mtime_ns: int
+    dtypes: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    keys: dict[str, str]
+    metadata: dict[str, str]
+
+    @property
+    def identity(self) -> tuple[str, int, int]:
+        return (os.path.realpath(self.path), self.size, self.mtime_ns)
+
+    @property
+    def has_fp8(self) -> bool:
+        return any(d in _FLOAT8 for d in self.dtypes.values())
+
+    @property
+    def scales(self) -> dict[str, str]:
+        """ComfyUI's scaled fp8: the weight key → the key of its scale."""
+        found = {}
+        for key in self.dtypes:
+            for suffix in (".scale_weight", ".weight_scale"):
+                if key.endswith(suffix):
+                    found[key[: -len(suffix)] + ".weight"] = key
+        return found
+
+    @property
+    def stripped_prefix(self) -> bool:
+        return any(k != v for k, v in self.keys.items())
+
+    def high_precision_dtype(self) -> str:
+        """What fp8 weights become: the dtype most of the file's other floating tensors have (bf16 if none)."""
+        scales = set(self.scales.values())
+        counts: dict[str, int] = {}
+        for key, dtype in self.dtypes.items():
+            if dtype in ("F32", "F16", "BF16") and key not in scales:
+                counts[dtype] = counts.get(dtype, 0) + 1
+        return max(counts, key=counts.get) if counts else "BF16"
+
+
+def resolve(role: str, name: str, widget: str) -> str:
+    """The path of file ``name`` of ``role`` (confined to its folders); InvalidInput naming ``widget`` otherwise."""
+    if not name:
+        raise InvalidInput(widget, f"no file selected; put the file in models/{FOLDERS[role][0]} and pick it here")
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or ".." in parts or "" in parts:
+        raise InvalidInput(widget, f"{name!r} is not a file name; pick one from the list")
+    for root in _roots(role):
+        path = os.path.join(root, *parts)
+        if os.path.isfile(path):
+            return path
+    where = ", ".join(_roots(role)) or f"no models/{FOLDERS[role][0]} folder is configured"
+    raise InvalidInput(widget, f"unknown file {name!r}; the files are in: {where}")
+
+
+def _strip(key: str, prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
+def read_file(role: str, name: str, widget: str) -> SourceFile:
+    """``name`` resolved and its header read and checked: safetensors, in a format the conversion takes."""
+    path = resolve(role, name, widget)
+    suffix = os.path.splitext(name)[1].lower()
+    if suffix in REFUSED_SUFFIXES:
+        raise InvalidInput(widget, f"{name!r} is {REFUSED_SUFFIXES[suffix]}; {USE_INSTEAD}")
+    try:
+        header, metadata = _header(path)
+    except (OSError, ValueError) as e:
+        raise InvalidInput(widget, f"{name!r} is not a readable safetensors file ({e}); pick another file") from None
+    prefixes = _STRIP_PREFIXES + (_TEXT_PREFIXES if role.startswith("text_encoder") else ())
+    keys = {_strip(k, prefixes): k for k in header}
+    stat = os.stat(path)
+    file = SourceFile(
+        widget=widget,
+        name=name,
+        path=path,
+        size=stat.st_size,
+        mtime_ns=stat.st_mtime_ns,
+        dtypes={k: header[v][0] for k, v in keys.items()},
+        shapes={k: header[v][1] for k, v in keys.items()},
+        keys=keys,
+        metadata=metadata,
+    )
+    _check_format(file)
+    return file
+
+
+def _header(path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
+    """The safetensors header: each tensor's (dtype, shape), and the metadata. Reads only the header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a safetensors header")
+        length = int.from_bytes(head, "little")
+        if length > 100 << 20 or length + 8 > os.fstat(f.fileno()).st_size:
+            raise ValueError("its header length is not plausible")
+        data = json.loads(f.read(length))
+    if not isinstance(data, dict):
+        raise ValueError("its header is not a JSON object")
+    metadata = data.pop("__metadata__", None) or {}
+    return {k: (v["dtype"], tuple(v["shape"])) for k, v in data.items()}, metadata
+
+
+def _check_format(file: SourceFile) -> None:
+    """Refuse quantizations the conversion cannot undo, by name, with what to use instead."""
+    keys = file.dtypes
+    for marker, what in (
+        ((".absmax", ".quant_map", "quant_state.bitsandbytes"), "NF4 / FP4 (bitsandbytes)"),
+        ((".qweight", ".wscales", ".smooth_factor", ".wtscale"), "nunchaku (SVDQuant, int4)"),
+        ((".qzeros", ".g_idx", ".weight_packed"), "GPTQ / AWQ (int4)"),
+    ):
+        if any(any(m in k for m in marker) for k in keys):
+            raise InvalidInput(
+                file.widget, f"{file.name!r} is quantized as {what}, which is not supported; {USE_INSTEAD}"
+            )
+    meta = file.metadata.get("_quantization_metadata")
+    if meta:
+        try:
+            layers = json.loads(meta).get("layers", {})
+            formats = {str(v.get("format")) for v in layers.values()}
+        except (ValueError, AttributeError):
+            formats = {"unreadable"}
+        unknown = sorted(formats - {"float8_e4m3fn", "float8_e5m2"})
+        if unknown:
+            raise InvalidInput(
+                file.widget,
+                f"{file.name!r} is quantized as {', '.join(unknown)}, which is not supported; {USE_INSTEAD}",
+            )
+    odd = sorted({d for k, d in keys.items() if d not in _FLOATS and not k.endswith("comfy_quant")})
+    if odd:
+        raise InvalidInput(
+            file.widget,
+            f"{file.name!r} holds {', '.join(odd)} tensors (an integer quantization), which is not supported; "
+            f"{USE_INSTEAD}",
+        )
+
+
+# -- a family's files, planned -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FilesPlan:
+    """What the conversion will write, known from the headers alone.
+
+    Args:
+        family: the family adapter's key; variant: what the user has ("FLUX.1-dev", "FLUX.1-schnell").
+        transformer, text_encoders, vae: the files (text_encoders in the pipeline's order).
+        name: the model name the nodes take (the folder's name below ``converted_root``); folder: its path.
+        configs: each component's config.
+        write_bytes: what the conversion writes to disk (links cost nothing).
+    """
+
+    family: str
+    variant: str
+    transformer: SourceFile
+    text_encoders: tuple[SourceFile, ...]
+    vae: SourceFile
+    name: str
+    folder: str
+    configs: dict[str, dict]
+    write_bytes: int
+
+    @property
+    def converted(self) -> bool:
+        return os.path.isfile(os.path.join(self.folder, "model_index.json"))
+
+
+def _family_of(transformer: SourceFile) -> tuple[str, str]:
+    shapes = transformer.shapes
+    if flux_files.is_transformer(shapes):
+        return "flux", "FLUX.1-dev" if "guidance_in.in_layer.weight" in shapes else "FLUX.1-schnell"
+    if "double_stream_modulation_img.lin.weight" in shapes:
+        raise InvalidInput(
+            transformer.widget,
+            f"{transformer.name!r} is a FLUX.2 transformer: ComfyUI's FLUX.2 files are not converted yet; use a "
+            "diffusers folder of FLUX.2-dev in models/diffusers (see the README)",
+        )
+    if "txt_norm.weight" in shapes and "transformer_blocks.0.img_mod.1.weight" in shapes:
+        raise InvalidInput(
+            transformer.widget,
+            f"{transformer.name!r} is a Qwen-Image transformer: ComfyUI's Qwen-Image files are not converted yet; "
+            "use a diffusers folder of Qwen-Image in models/diffusers (see the README)",
+        )
+    if any(k.startswith(("encoder.", "decoder.", "text_model.", "shared.")) for k in shapes):
+        raise InvalidInput(
+            transformer.widget,
+            f"{transformer.name!r} is a VAE or a text encoder, not a diffusion model; pick the transformer file "
+            "(e.g. flux1-dev.safetensors) here",
+        )
+    raise InvalidInput(
+        transformer.widget,
+        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 in Black Forest Labs' layout: "
+        "double_blocks / single_blocks); pick FLUX.1's file from models/diffusion_models, or use a diffusers folder",
+    )
+
+
+def _tensor_bytes(file: SourceFile, key: str, out_dtype: str | None = None) -> int:
+    n = 1
+    for d in file.shapes[key]:
+        n *= d
+    return n * _DTYPE_BYTES.get(out_dtype or file.dtypes[key], 4)
+
+
+def _out_dtype(file: SourceFile, key: str) -> str:
+    return file.high_precision_dtype() if file.dtypes[key] in _FLOAT8 else file.dtypes[key]
+
+
+def _needs_rewrite(file: SourceFile) -> bool:
+    return file.has_fp8 or bool(file.scales) or file.stripped_prefix
+
+
+def plan_files(diffusion_model: str, text_encoder: str, text_encoder_2: str, vae: str) -> FilesPlan:
+    """The widgets' files read (headers only) and checked, the family told by the transformer's keys, and the cache
+    folder named. Raises InvalidInput naming the widget and the fix."""
+    transformer = read_file("diffusion_model", diffusion_model, "diffusion_model")
+    family, variant = _family_of(transformer)
+    encoders = [
+        read_file(role, name, role)
+        for role, name in (("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2))
+    ]
+    clip = [f for f in encoders if flux_files.is_clip(f.shapes)]
+    t5 = [f for f in encoders if flux_files.is_t5(f.shapes)]
+    for f in encoders:
+        if f not in clip and f not in t5:
+            raise InvalidInput(
+                f.widget,
+                f"{f.name!r} is neither CLIP-L nor T5-XXL; FLUX.1 takes clip_l.safetensors and a t5xxl file "
+                "(t5xxl_fp16.safetensors, or an fp8 one) from models/text_encoders",
+            )
+    if len(clip) != 1 or len(t5) != 1:
+        twice = "CLIP" if len(clip) != 1 else "T5"
+        raise InvalidInput(
+            "text_encoder_2",
+            f"both text encoders are {twice} files; FLUX.1 takes one CLIP-L (clip_l.safetensors) and one T5-XXL "
+            "(t5xxl_fp16.safetensors): pick one of each",
+        )
+    vae_file = read_file("vae", vae, "vae")
+    if not flux_files.is_vae(vae_file.shapes):
+        raise InvalidInput("vae", f"{vae!r} is not a VAE in the original layout (FLUX.1's ae.safetensors); pick that")
+    configs = {}
+    for component, file, derive in (
+        ("transformer", transformer, flux_files.transformer_config),
+        ("text_encoder", clip[0], flux_files.clip_config),
+        ("text_encoder_2", t5[0], flux_files.t5_config),
+        ("vae", vae_file, flux_files.vae_config),
+    ):
+        try:
+            configs[component] = derive(file.shapes)
+        except (KeyError, IndexError, ValueError) as e:
+            raise InvalidInput(
+                file.widget, f"{file.name!r} lacks {e} (cut short, or not FLUX.1's); pick FLUX.1's complete file"
+            ) from None
+    if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
+        raise InvalidInput(
+            "vae",
+            f"{vae!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
+            f"{configs['transformer']['in_channels'] // 4}: pick the VAE of this model (FLUX.1: ae.safetensors)",
+        )
+    if configs["text_encoder_2"]["d_model"] != configs["transformer"]["joint_attention_dim"]:
+        raise InvalidInput(t5[0].widget, f"{t5[0].name!r} does not fit this transformer (its width differs)")
+    if configs["text_encoder"]["hidden_size"] != configs["transformer"]["pooled_projection_dim"]:
+        raise InvalidInput(clip[0].widget, f"{clip[0].name!r} does not fit this transformer (its width differs)")
+    try:
+        moves = flux_files.transformer_moves(configs["transformer"], transformer.shapes)
+    except KeyError as e:
+        raise InvalidInput("diffusion_model", f"{diffusion_model!r} lacks {e}; pick FLUX.1's complete file") from None
+    missing = sorted({m.source for m in moves} - set(transformer.shapes))
+    if missing:
+        raise InvalidInput(
+            "diffusion_model",
+            f"{diffusion_model!r} lacks {missing[0]} (cut short, or not FLUX.1); pick FLUX.1's complete file",
+        )
+    files = (transformer, clip[0], t5[0], vae_file)
+    key = hashlib.sha256(json.dumps([CONVERSION_VERSION, [f.identity for f in files]]).encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(transformer.path))[0]
+    name = f"{stem}-{key}"
+    write = sum(_tensor_bytes(transformer, k, _out_dtype(transformer, k)) for k in transformer.shapes)
+    write += sum(
+        sum(_tensor_bytes(f, k, _out_dtype(f, k)) for k in f.shapes) for f in (clip[0], t5[0]) if _needs_rewrite(f)
+    )
+    write += vae_file.size
+    return FilesPlan(
+        family=family,
+        variant=variant,
+        transformer=transformer,
+        text_encoders=(clip[0], t5[0]),
+        vae=vae_file,
+        name=name,
+        folder=os.path.join(converted_root(), name),
+        configs=configs,
+        write_bytes=write,
+    )
+
+
+# -- the conversion ----------------------------------------------------------------------------------------------
+Progress = Callable[[int, int, "str | None"], None]
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 28 else f"{n / (1 << 20):.1f} MiB"
+
+
+def convert(
+    plan: FilesPlan,
+    *,
+    on_progress: Progress | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> str:
+    """Write ``plan``'s diffusers folder (once) and return its model name. The folder appears complete or not at all:
+    it is written beside, then renamed; a failed or cancelled conversion leaves nothing behind."""
+    if plan.converted:
+        return plan.name
+    root = os.path.dirname(plan.folder)
+    os.makedirs(root, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    need = plan.write_bytes + (256 << 20)
+    if free < need:
+        raise InvalidInput(
+            "diffusion_model",
+            f"converting {plan.transformer.name!r} writes {_gib(plan.write_bytes)} to {root}, which has "
+            f"{_gib(free)} free; free some space, or set COMFY_PARALLEL_CONVERTED to a folder on a larger disk",
+        )
+    comfy_dir = comfy_package_dir()
+    if comfy_dir is None:
+        raise InvalidInput(
+            "text_encoder",
+            "the tokenizers come from the ComfyUI installation (comfy/sd1_tokenizer, comfy/text_encoders/"
+            "t5_tokenizer), which was not found; run inside ComfyUI or set COMFYUI_DIR",
+        )
+    log.info("parallel_diffusers: converting %s to %s (%s)", plan.transformer.name, plan.folder, _gib(plan.write_bytes))
+    partial = f"{plan.folder}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        _write_flux(plan, partial, comfy_dir, on_progress, should_cancel)
+        os.rename(partial, plan.folder)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        if plan.converted:  # another process finished the same conversion first
+            return plan.name
+        raise InvalidInput("diffusion_model", f"could not write the converted model to {root}: {e}") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return plan.name
+
+
+def _write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+
+
+class _Steps:
+    """Progress over the whole conversion, and the user's Cancel between tensors."""
+
+    def __init__(self, total: int, on_progress: Progress | None, should_cancel: Callable[[], bool] | None):
+        self.done, self.total = 0, total
+        self.on_progress, self.should_cancel = on_progress, should_cancel
+
+    def __call__(self, text: str, n: int = 1) -> None:
+        if self.should_cancel is not None and self.should_cancel():
+            raise Cancelled("conversion cancelled by the user (nothing was kept)", steps_by_rank=[])
+        self.done = min(self.total, self.done + n)
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.total, text)
+
+
+def _write_flux(
+    plan: FilesPlan,
+    out: str,
+    comfy_dir: str,
+    on_progress: Progress | None,
+    should_cancel: Callable[[], bool] | None,
+) -> None:
+    moves = flux_files.transformer_moves(plan.configs["transformer"], plan.transformer.shapes)
+    sources = list(dict.fromkeys(m.source for m in moves))
+    steps = _Steps(len(sources) + 4, on_progress, should_cancel)
+    _write_json(
+        os.path.join(out, "model_index.json"),
+        {
+            "_class_name": "FluxPipeline",
+            "_diffusers_version": "0.42.1",
+            "feature_extractor": [None, None],
+            "image_encoder": [None, None],
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "CLIPTextModel"],
+            "text_encoder_2": ["transformers", "T5EncoderModel"],
+            "tokenizer": ["transformers", "CLIPTokenizer"],
+            "tokenizer_2": ["transformers", "T5TokenizerFast"],
+            "transformer": ["diffusers", "FluxTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+        },
+    )
+    scheduler = flux_files.SCHEDULER_DEV if plan.variant == "FLUX.1-dev" else flux_files.SCHEDULER_SCHNELL
+    _write_json(os.path.join(out, "scheduler", "scheduler_config.json"), scheduler)
+    _write_tokenizers(out, comfy_dir, plan.configs["text_encoder"]["max_position_embeddings"])
+    clip, t5 = plan.text_encoders
+    for component, file in (("text_encoder", clip), ("text_encoder_2", t5)):
+        _write_json(os.path.join(out, component, "config.json"), plan.configs[component])
+        _write_whole(file, os.path.join(out, component, "model.safetensors"))
+        steps(f"converting {component}")
+    _write_transformer(plan, moves, os.path.join(out, "transformer"), steps)
+    _write_vae(plan, os.path.join(out, "vae"))
+    steps("converting vae")
+    steps("converted")
+
+
+def _write_tokenizers(out: str, comfy_dir: str, clip_length: int) -> None:
+    """CLIP's and T5's tokenizers from ComfyUI's copies, with the lengths FluxPipeline reads from them."""
+    clip_src, t5_src = (
+        os.path.join(comfy_dir, "sd1_tokenizer"),
+        os.path.join(comfy_dir, "text_encoders", "t5_tokenizer"),
+    )
+    for src, dst, files, length in (
+        (
+            clip_src,
+            "tokenizer",
+            ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"),
+            clip_length,
+        ),
+        (t5_src, "tokenizer_2", ("tokenizer.json", "special_tokens_map.json", "tokenizer_config.json"), 512),
+    ):
+        os.makedirs(os.path.join(out, dst), exist_ok=True)
+        for file in files:
+            shutil.copyfile(os.path.join(src, file), os.path.join(out, dst, file))
+        # ComfyUI's CLIP tokenizer says 8192 (it chunks prompts itself); FluxPipeline pads and cuts to this length.
+        path = os.path.join(out, dst, "tokenizer_config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["model_max_length"] = length
+        _write_json(path, config)
+
+
+def _tensors(file: SourceFile, keys: list[str]) -> Iterator[tuple[str, object]]:
+    """``keys`` (stripped) of ``file``, each dequantized or cast as the conversion needs, one at a time."""
+    import torch
+    from safetensors import safe_open
+
+    out_dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[file.high_precision_dtype()])
+    scales = file.scales
+    with safe_open(file.path, framework="pt") as f:
+        for key in keys:
+            tensor = f.get_tensor(file.keys[key])
+            if key in scales:
+                scale = f.get_tensor(file.keys[scales[key]]).to(torch.float32)
+                if scale.ndim == 1 and tensor.ndim > 1 and scale.numel() == tensor.shape[0]:
+                    scale = scale.reshape(-1, *([1] * (tensor.ndim - 1)))  # per output channel
+                tensor = (tensor.to(torch.float32) * scale).to(out_dtype)
+            elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                tensor = tensor.to(out_dtype)
+            yield key, tensor
+
+
+def _skipped(file: SourceFile, key: str) -> bool:
+    """ComfyUI's quantization bookkeeping, which diffusers models do not have."""
+    return key == "scaled_fp8" or key.endswith(
+        (".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant")
+    )
+
+
+def _write_whole(file: SourceFile, path: str) -> None:
+    """A text encoder already in transformers' layout: linked as it is, or rewritten when fp8 weights need casting
+    or a prefix dropping."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if not _needs_rewrite(file):
+        os.symlink(os.path.realpath(file.path), path)
+        return
+    from safetensors.torch import save_file
+
+    keys = [k for k in file.shapes if not _skipped(file, k)]
+    save_file({k: t.contiguous() for k, t in _tensors(file, keys)}, path, metadata={"format": "pt"})
+
+
+def _write_transformer(plan: FilesPlan, moves: list[flux_files.Move], out: str, steps: _Steps) -> None:
+    """The transformer in diffusers' layout, streamed: one source tensor read at a time, written into shards of at most
+    SHARD_BYTES as they fill (diffusers' sharded layout with its index)."""
+
+    _write_json(os.path.join(out, "config.json"), plan.configs["transformer"])
+    by_source = group_moves(moves)
+    shards = _Shards(out)
+    for target, tensor in apply_moves(by_source, _tensors(plan.transformer, list(by_source)), steps):
+        shards.add(target, tensor)
+    shards.close()
+
+
+def group_moves(moves: list[flux_files.Move]) -> dict[str, list[flux_files.Move]]:
+    """The moves by source key, in the order the sources are first needed."""
+    by_source: dict[str, list[flux_files.Move]] = {}
+    for move in moves:
+        by_source.setdefault(move.source, []).append(move)
+    return by_source
+
+
+def apply_moves(
+    by_source: dict[str, list[flux_files.Move]],
+    tensors: Iterator[tuple[str, object]],
+    steps: Callable[[str], None] | None = None,
+) -> Iterator[tuple[str, object]]:
+    """The diffusers tensors made from each (source key, tensor), in turn: a source tensor is let go once its moves
+    are made."""
+    import torch
+
+    for source, tensor in tensors:
+        for move in by_source[source]:
+            part = tensor if move.rows is None else tensor[move.rows[0] : move.rows[1]].clone()
+            if move.swap_halves:
+                shift, scale = part.chunk(2, dim=0)
+                part = torch.cat([scale, shift], dim=0)
+            yield move.target, part.contiguous()
+        if steps is not None:
+            steps("converting transformer")
+
+
+class _Shards:
+    """diffusers' sharded safetensors layout, written as it fills: at most SHARD_BYTES held at a time."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.current: dict[str, object] = {}
+        self.size = 0
+        self.written: list[tuple[str, dict[str, int]]] = []  # (file, {key: bytes})
+
+    def add(self, key: str, tensor: object) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.size + nbytes > SHARD_BYTES:
+            self._flush()
+        self.current[key] = tensor
+        self.size += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        file = f"shard-{len(self.written)}.safetensors"
+        save_file(self.current, os.path.join(self.out, file), metadata={"format": "pt"})
+        self.written.append((file, {k: t.numel() * t.element_size() for k, t in self.current.items()}))
+        self.current, self.size = {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        if len(self.written) == 1:
+            os.rename(
+                os.path.join(self.out, self.written[0][0]),
+                os.path.join(self.out, "diffusion_pytorch_model.safetensors"),
+            )
+            return
+        weight_map, total = {}, 0
+        for i, (file, keys) in enumerate(self.written):
+            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(self.written):05d}.safetensors"
+            os.rename(os.path.join(self.out, file), os.path.join(self.out, name))
+            weight_map.update(dict.fromkeys(keys, name))
+            total += sum(keys.values())
+        _write_json(
+            os.path.join(self.out, "diffusion_pytorch_model.safetensors.index.json"),
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+
+
+def _write_vae(plan: FilesPlan, out: str) -> None:
+    """The VAE through diffusers' own converter of the original layout."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+    from safetensors.torch import save_file
+
+    file = plan.vae
+    keys = [k for k in file.shapes if not _skipped(file, k)]
+    checkpoint = dict(_tensors(file, keys))
+    converted = convert_ldm_vae_checkpoint(checkpoint, plan.configs["vae"])
+    _write_json(os.path.join(out, "config.json"), plan.configs["vae"])
+    save_file(
+        {k: v.contiguous() for k, v in converted.items()},
+        os.path.join(out, "diffusion_pytorch_model.safetensors"),
+        metadata={"format": "pt"},
+    )

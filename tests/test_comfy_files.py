@@ -1,0 +1,357 @@
+"""ComfyUI's own model files (``comfy_files``): FLUX.1's moves against diffusers' converter, the converted folder
+bit for bit against the same model's diffusers folder in every weight format ComfyUI distributes, the cache, refusals
+that name the input, and every strategy on real CPU ranks from the converted model equal to diffusers' one-shot
+pipeline on the diffusers folder.
+
+The tiny files come from ``parallel_runtime.testing.tiny_comfy_files`` (the inverse of the key mapping); the tokenizers
+from the ComfyUI installation (COMFYUI_DIR), as in a real ComfyUI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel_runtime import Cancelled, InvalidInput, comfy_files, default_spec, get_backend, jobs
+from parallel_runtime.families import flux_files
+
+PROMPT = "a photo of a horse in the city"
+STEPS, TOKENS = 2, 32
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_comfy_files, comfyui_files_dir, tmp_path_factory, models_root):
+    """The session's tiny FLUX.1 as ComfyUI's files (every transformer format) with their reference diffusers folders,
+    listed for the module (COMFY_PARALLEL_COMFY_MODELS) and converted below a folder of its own."""
+    base = tmp_path_factory.mktemp("comfy-files")
+    saved = {k: os.environ.get(k) for k in ("COMFY_PARALLEL_COMFY_MODELS", "COMFY_PARALLEL_CONVERTED")}
+    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = str(comfyui_files_dir)
+    os.environ["COMFY_PARALLEL_CONVERTED"] = str(base / "converted")
+    yield base, comfyui_files_dir, tiny_comfy_files
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _bfl_at_flux1_width(guidance: bool = True) -> dict[str, torch.Tensor]:
+    """A BFL-layout state dict with FLUX.1-dev's output widths (3072, 12 288 MLP, 128-wide heads) and narrow inputs:
+    the conversion moves rows, so every row count is the real one while the tensors stay small."""
+    g = torch.Generator().manual_seed(0)
+    inner, mlp, narrow = 3072, 12288, 3
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g)
+
+    sd = {
+        "img_in.weight": t(inner, 64),
+        "img_in.bias": t(inner),
+        "txt_in.weight": t(inner, 4096),
+        "txt_in.bias": t(inner),
+    }
+    for name in ("time_in", "vector_in", *(("guidance_in",) if guidance else ())):
+        sd |= {
+            f"{name}.in_layer.weight": t(inner, 768 if name == "vector_in" else 256),
+            f"{name}.in_layer.bias": t(inner),
+        }
+        sd |= {f"{name}.out_layer.weight": t(inner, narrow), f"{name}.out_layer.bias": t(inner)}
+    for i in range(2):
+        b = f"double_blocks.{i}"
+        for stream in ("img", "txt"):
+            sd |= {f"{b}.{stream}_mod.lin.weight": t(6 * inner, narrow), f"{b}.{stream}_mod.lin.bias": t(6 * inner)}
+            sd |= {f"{b}.{stream}_attn.qkv.weight": t(3 * inner, narrow), f"{b}.{stream}_attn.qkv.bias": t(3 * inner)}
+            sd |= {f"{b}.{stream}_attn.norm.query_norm.scale": t(128), f"{b}.{stream}_attn.norm.key_norm.scale": t(128)}
+            sd |= {f"{b}.{stream}_attn.proj.weight": t(inner, narrow), f"{b}.{stream}_attn.proj.bias": t(inner)}
+            sd |= {f"{b}.{stream}_mlp.0.weight": t(mlp, narrow), f"{b}.{stream}_mlp.0.bias": t(mlp)}
+            sd |= {f"{b}.{stream}_mlp.2.weight": t(inner, narrow), f"{b}.{stream}_mlp.2.bias": t(inner)}
+    for i in range(2):
+        b = f"single_blocks.{i}"
+        sd |= {f"{b}.modulation.lin.weight": t(3 * inner, narrow), f"{b}.modulation.lin.bias": t(3 * inner)}
+        sd |= {f"{b}.linear1.weight": t(3 * inner + mlp, narrow), f"{b}.linear1.bias": t(3 * inner + mlp)}
+        sd |= {f"{b}.linear2.weight": t(inner, narrow), f"{b}.linear2.bias": t(inner)}
+        sd |= {f"{b}.norm.query_norm.scale": t(128), f"{b}.norm.key_norm.scale": t(128)}
+    sd |= {"final_layer.linear.weight": t(64, narrow), "final_layer.linear.bias": t(64)}
+    sd |= {
+        "final_layer.adaLN_modulation.1.weight": t(2 * inner, narrow),
+        "final_layer.adaLN_modulation.1.bias": t(2 * inner),
+    }
+    return sd
+
+
+@pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
+def test_flux1_moves_match_diffusers_converter(guidance):
+    """At FLUX.1's real width, where diffusers' converter works: the same keys, the same tensors."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    sd = _bfl_at_flux1_width(guidance)
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    config = flux_files.transformer_config(shapes)
+    assert config["num_attention_heads"] == 24 and config["attention_head_dim"] == 128
+    assert (config["num_layers"], config["num_single_layers"], config["guidance_embeds"]) == (2, 2, guidance)
+    ours = dict(
+        comfy_files.apply_moves(comfy_files.group_moves(flux_files.transformer_moves(config, shapes)), iter(sd.items()))
+    )
+    theirs = convert_flux_transformer_checkpoint_to_diffusers(dict(sd))
+    assert set(ours) == set(theirs)
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    # And the keys (and row counts: the inputs are narrow here) are FluxTransformer2DModel's, built on the meta device.
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**{k: v for k, v in config.items() if not k.startswith("_")})
+    assert {k: v.shape[0] for k, v in model.state_dict().items()} == {k: v.shape[0] for k, v in ours.items()}
+
+
+def _component_tensors(folder, component):
+    sub = os.path.join(folder, component)
+    files = sorted(f for f in os.listdir(sub) if f.endswith(".safetensors"))
+    out = {}
+    for f in files:
+        out |= {k.removeprefix("text_model."): v for k, v in load_file(os.path.join(sub, f)).items()}
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_scaled"])
+def test_converted_folder_is_the_diffusers_folder(tiny, fmt):
+    """Every tensor of every component, bit for bit and in the same dtype, as the diffusers folder of the same model
+    (fp8 cast back, scaled fp8 dequantized); the text encoders linked, not copied."""
+    base, _, made = tiny
+    names, reference = made[fmt]
+    plan = jobs.validate_comfy_files(**names)
+    assert (plan.family, plan.variant) == ("flux", "FLUX.1-dev")
+    name, _ = jobs.model_from_comfy_files(**names)
+    folder = os.path.join(base, "converted", name)
+    for component in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        ours, theirs = _component_tensors(folder, component), _component_tensors(reference, component)
+        assert set(ours) == set(theirs), component
+        for key, value in theirs.items():
+            assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"
+    for component in ("text_encoder", "text_encoder_2"):
+        assert os.path.islink(os.path.join(folder, component, "model.safetensors"))
+    with open(os.path.join(folder, "transformer", "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(reference, "transformer", "config.json")) as f:
+        expected = json.load(f)
+    assert {k: config[k] for k in config if not k.startswith("_")} == {
+        k: (list(v) if isinstance(v, tuple) else v)
+        for k, v in {**expected, "out_channels": expected["out_channels"] or expected["in_channels"]}.items()
+        if k in config and not k.startswith("_")
+    }
+
+
+def test_conversion_is_cached_keyed_by_the_files(tiny):
+    base, models, made = tiny
+    names, _ = made["bf16"]
+    first, plan = jobs.model_from_comfy_files(**names)
+    stamp = os.stat(os.path.join(plan.folder, "transformer")).st_mtime_ns
+    again, _ = jobs.model_from_comfy_files(**names)
+    assert again == first and os.stat(os.path.join(plan.folder, "transformer")).st_mtime_ns == stamp
+    vae = os.path.join(models, "vae", names["vae"])
+    os.utime(vae, ns=(time.time_ns(), time.time_ns()))  # the same name, a new file as far as anyone can tell
+    changed, _ = jobs.model_from_comfy_files(**names)
+    assert changed != first and os.path.isfile(os.path.join(base, "converted", changed, "model_index.json"))
+    # The nodes' model input resolves it like a diffusers folder.
+    from parallel_runtime import model_folders
+
+    assert model_folders.resolve(changed).family == "flux"
+
+
+def test_cancelled_conversion_leaves_nothing(tiny):
+    _, models, made = tiny
+    names, _ = made["fp8"]
+    vae = os.path.join(models, "vae", names["vae"])
+    os.utime(vae, ns=(1, 1))  # a key no earlier test converted
+    plan = jobs.validate_comfy_files(**names)
+    calls = []
+    with pytest.raises(Cancelled):
+        comfy_files.convert(plan, should_cancel=lambda: len(calls) > 3 or calls.append(1))
+    assert not [p for p in os.listdir(os.path.dirname(plan.folder)) if p.startswith(os.path.basename(plan.folder))]
+
+
+def test_no_disk_space_is_refused_before_writing(tiny, monkeypatch):
+    _, models, made = tiny
+    names, _ = made["fp8_scaled"]
+    os.utime(os.path.join(models, "vae", names["vae"]), ns=(2, 2))
+    plan = jobs.validate_comfy_files(**names)
+    monkeypatch.setattr(comfy_files.shutil, "disk_usage", lambda path: _Usage())
+    with pytest.raises(
+        InvalidInput, match=r"diffusion_model: converting .* writes .* MiB to .* free; .*COMFY_PARALLEL_CONVERTED"
+    ):
+        comfy_files.convert(plan)
+    assert not os.path.exists(plan.folder)
+
+
+class _Usage:
+    total, used, free = 1 << 30, 1 << 30, 1 << 20
+
+
+def _write(path, tensors, metadata=None):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(tensors, path, metadata=metadata)
+
+
+def _refusal_cases(models, names):
+    d = models / "diffusion_models"
+    (d / "flux1-dev-Q4_K_S.gguf").write_bytes(b"GGUF" + bytes(60))
+    (d / "flux1-dev.ckpt").write_bytes(b"\x80\x02")
+    _write(
+        str(d / "nf4.safetensors"),
+        {
+            "double_blocks.0.img_attn.qkv.weight": torch.zeros(2, 2),
+            "double_blocks.0.img_attn.qkv.weight.absmax": torch.zeros(2, 2),
+        },
+    )
+    _write(
+        str(d / "svdq.safetensors"),
+        {"transformer_blocks.0.attn.to_qkv.qweight": torch.zeros(2, 2).to(torch.int8), "x.wscales": torch.zeros(2, 2)},
+    )
+    _write(str(d / "int8.safetensors"), {"double_blocks.0.img_attn.qkv.weight": torch.zeros(2, 2).to(torch.int8)})
+    _write(
+        str(d / "nvfp4.safetensors"),
+        {"a.weight": torch.zeros(2, 2)},
+        {"_quantization_metadata": json.dumps({"layers": {"a": {"format": "nvfp4"}}})},
+    )
+    _write(str(d / "flux2.safetensors"), {"double_stream_modulation_img.lin.weight": torch.zeros(2, 2)})
+    _write(
+        str(d / "qwen.safetensors"),
+        {"txt_norm.weight": torch.zeros(2, 2), "transformer_blocks.0.img_mod.1.weight": torch.zeros(2, 2)},
+    )
+    _write(str(d / "sdxl-unet.safetensors"), {"input_blocks.0.0.weight": torch.zeros(2, 2)})
+    (d / "broken.safetensors").write_bytes(b"\xff" * 20)
+    return [
+        ("diffusion_model", "flux1-dev-Q4_K_S.gguf", r"GGUF .* use the bf16 / fp16 file"),
+        ("diffusion_model", "flux1-dev.ckpt", r"pickle"),
+        ("diffusion_model", "nf4.safetensors", r"NF4 / FP4 \(bitsandbytes\)"),
+        ("diffusion_model", "svdq.safetensors", r"nunchaku"),
+        ("diffusion_model", "int8.safetensors", r"I8 tensors \(an integer quantization\)"),
+        ("diffusion_model", "nvfp4.safetensors", r"quantized as nvfp4"),
+        ("diffusion_model", "flux2.safetensors", r"FLUX.2 transformer: .* use a diffusers folder"),
+        ("diffusion_model", "qwen.safetensors", r"Qwen-Image transformer: .* use a diffusers folder"),
+        ("diffusion_model", "sdxl-unet.safetensors", r"not a transformer this pack recognises"),
+        ("diffusion_model", "broken.safetensors", r"not a readable safetensors file"),
+        ("diffusion_model", names["vae"], r"unknown file"),
+        ("diffusion_model", "../vae/" + names["vae"], r"not a file name"),
+        ("text_encoder_2", names["text_encoder"], r"both text encoders are CLIP"),
+        ("text_encoder", names["vae"], r"unknown file"),
+        ("vae", names["text_encoder"], r"unknown file"),
+    ]
+
+
+def test_refusals_name_the_input(tiny):
+    _, models, made = tiny
+    names, _ = made["bf16"]
+    for widget, value, message in _refusal_cases(models, names):
+        with pytest.raises(InvalidInput, match=message) as e:
+            jobs.validate_comfy_files(**{**names, widget: value})
+        assert e.value.widget == widget and str(e.value).startswith(f"{widget}: "), (widget, value, e.value)
+    # The VAE picked as the diffusion model, by a path it is listed under (models/vae is not a diffusion folder):
+    os.symlink(models / "vae" / names["vae"], models / "diffusion_models" / "ae-linked.safetensors")
+    with pytest.raises(InvalidInput, match=r"diffusion_model: .* is a VAE or a text encoder"):
+        jobs.validate_comfy_files(**{**names, "diffusion_model": "ae-linked.safetensors"})
+    assert "flux1-dev-Q4_K_S.gguf" in comfy_files.list_files("diffusion_model")  # listed, so that picking it says why
+
+
+# -- every strategy on real CPU ranks ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def converted(tiny):
+    """The scaled-fp8 model converted, and diffusers' one-shot pipeline on its reference diffusers folder."""
+    from diffusers import FluxPipeline
+
+    _, _, made = tiny
+    names, reference = made["fp8_scaled"]
+    name, _ = jobs.model_from_comfy_files(**names)
+    pipe = FluxPipeline.from_pretrained(reference, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    cache = {}
+
+    def one_shot(seed, width, height, batch_size=1):
+        key = (seed, width, height, batch_size)
+        if key not in cache:
+            cache[key] = pipe(
+                PROMPT,
+                num_inference_steps=STEPS,
+                guidance_scale=3.5,
+                width=width,
+                height=height,
+                max_sequence_length=TOKENS,
+                num_images_per_prompt=batch_size,
+                output_type="pt",
+                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+            ).images.permute(0, 2, 3, 1)
+        return cache[key]
+
+    return name, one_shot
+
+
+def _generate(spec, model, strategy, *, width=64, height=64, batch_size=1, **strategy_args):
+    positive = jobs.encode_prompt(spec, model=model, prompt=PROMPT, max_sequence_length=TOKENS)
+    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=3,
+        steps=STEPS,
+        guidance_scale=3.5,
+        width=width,
+        height=height,
+        batch_size=batch_size,
+    )
+    return jobs.decode(spec, model=model, samples=latent)
+
+
+def _transformer_on_each_rank(spec) -> list:
+    return [next(m for m in r.resident if m.component == "transformer") for r in get_backend(spec).status().ranks]
+
+
+@pytest.mark.multirank
+def test_tensor_parallel_and_ulysses_on_the_converted_model(converted):
+    """One 2-rank backend: tensor parallel (each rank reads its slice of the converted, sharded transformer) and
+    Ulysses, each image equal to the one-shot pipeline on the diffusers folder within test_strategies' tolerances."""
+    name, one_shot = converted
+    spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
+    image = _generate(spec, name, "tensor_parallel", tp_degree=2)
+    assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
+    sharded = [m.parameter_bytes for m in _transformer_on_each_rank(spec)]
+    image = _generate(spec, name, "context_parallel", ulysses_degree=2)
+    assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
+    full = _transformer_on_each_rank(spec)[0].parameter_bytes
+    print(f"converted model, tensor parallel: parameter share per rank {[round(s / full, 3) for s in sharded]}")
+    assert all(s / full <= 0.75 for s in sharded)
+
+
+# The other strategies: the same folder through the same paths (the default run's test_strategies covers them on its
+# own tiny model); left to `pytest -m slow` for the time they take.
+MORE_STRATEGIES = [
+    ("device_map", "device_map", {}, 1),
+    ("ring", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 1),
+    ("data_parallel", "data_parallel", {}, 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("label, strategy, args, batch", MORE_STRATEGIES, ids=[c[0] for c in MORE_STRATEGIES])
+def test_other_strategies_on_the_converted_model(converted, label, strategy, args, batch):
+    name, one_shot = converted
+    spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
+    image = _generate(spec, name, strategy, batch_size=batch, **args)
+    assert image.shape[0] == batch
+    assert (image - one_shot(3, 64, 64, batch)).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.four_ranks
+def test_tp_cp_on_the_converted_model(converted):
+    """tp_cp (TP 2 × Ring 2) on 4 ranks: the tiny model's 2 heads leave one per TP rank, so Ring splits the tokens."""
+    name, one_shot = converted
+    spec = default_spec(ranks=4, device="cpu", memory_policy="staged")
+    image = _generate(spec, name, "tp_cp", tp_degree=2, ring_degree=2, ulysses_degree=1)
+    assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4

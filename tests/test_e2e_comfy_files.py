@@ -1,0 +1,99 @@
+"""ComfyUI's own files in a real ComfyUI server (COMFYUI_DIR): a tiny FLUX.1 in ``diffusion_models``,
+``text_encoders`` and ``vae`` (ComfyUI's layouts, scaled-fp8 transformer), assembled by ParallelModelFromComfyFiles and
+linked into the other nodes' ``model`` input, run headless over /prompt with tensor parallelism on 2 CPU ranks; the
+PNG equals diffusers' one-shot pipeline on the same model's diffusers folder. A refused file is a 400 naming the node
+and the input, before anything runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from comfyui_host import PromptRejected
+from test_e2e_comfyui import assert_close_uint8, saved_png
+
+pytestmark = pytest.mark.comfyui
+PROMPT = "a photo of a horse in the city"
+
+
+@pytest.fixture(scope="module")
+def files(tiny_comfy_files):
+    return tiny_comfy_files["fp8_scaled"]
+
+
+def reference_uint8(model_dir, seed: int) -> np.ndarray:
+    """diffusers' one-shot pipeline on the diffusers folder, in float32 as the CPU backend runs it (the folder keeps
+    the text encoders in fp16, as ComfyUI's files are), quantised as SaveImage does."""
+    from comfyui_workflows import GUIDANCE, SIZE, STEPS
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(model_dir, dtype=torch.float32)
+    image = pipe(
+        PROMPT,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
+        width=SIZE,
+        height=SIZE,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="pt",
+    ).images[0]
+    return np.clip(255.0 * image.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
+
+
+def workflow(names: dict, seed: int) -> dict:
+    from comfyui_workflows import GUIDANCE, SIZE, STEPS
+
+    files = ["1", 0]
+    return {
+        "1": {"class_type": "ParallelModelFromComfyFiles", "inputs": dict(names)},
+        "2": {"class_type": "EncodeOnBalancedGPUs", "inputs": {"model": files, "prompt": PROMPT}},
+        "3": {
+            "class_type": "LoadShardedTransformer",
+            "inputs": {"model": files, "strategy": "tensor_parallel", "tp_degree": 2},
+        },
+        "4": {
+            "class_type": "ParallelSampler",
+            "inputs": {
+                "transformer": ["3", 0],
+                "positive": ["2", 0],
+                "seed": seed,
+                "steps": STEPS,
+                "guidance_scale": GUIDANCE,
+                "width": SIZE,
+                "height": SIZE,
+                "batch_size": 1,
+            },
+        },
+        "5": {"class_type": "VAEDecodeSingleGPU", "inputs": {"samples": ["4", 0], "model": files, "device": "auto"}},
+        "6": {"class_type": "SaveImage", "inputs": {"images": ["5", 0], "filename_prefix": "e2e_comfy_files"}},
+    }
+
+
+def test_listed_in_the_nodes_combos(comfyui_server, files):
+    names, _ = files
+    inputs = comfyui_server.object_info("ParallelModelFromComfyFiles")["ParallelModelFromComfyFiles"]["input"]
+    for widget, value in names.items():
+        assert value in inputs["required"][widget][1]["options"], widget
+
+
+def test_a_refused_file_is_a_400_naming_the_input(comfyui_server, files, comfyui_files_dir):
+    names, _ = files
+    (comfyui_files_dir / "diffusion_models" / "flux1-dev-Q8_0.gguf").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(PromptRejected) as e:
+        comfyui_server.post_prompt(workflow({**names, "diffusion_model": "flux1-dev-Q8_0.gguf"}, seed=1))
+    assert e.value.status == 400
+    assert set(e.value.node_errors) == {"1"}, e.value.node_errors
+    details = e.value.node_errors["1"]["errors"][0]["details"]
+    assert "diffusion_model: " in details and "GGUF" in details, details
+
+
+@pytest.mark.multirank
+def test_comfyui_files_through_the_nodes_equal_the_diffusers_folder(comfyui_server, files, comfyui_files_dir):
+    names, reference = files
+    prompt_id, _ = comfyui_server.run(workflow(names, seed=5), timeout=600)
+    assert_close_uint8(saved_png(comfyui_server, prompt_id), reference_uint8(reference, seed=5))
+    converted = os.listdir(comfyui_files_dir / "converted")
+    assert len(converted) == 1 and converted[0].startswith("tiny-flux1-dev-fp8_scaled-"), converted
