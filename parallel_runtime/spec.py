@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 
 from .errors import InvalidInput
+from .rendezvous import split_endpoint
 
 DEVICES = ("cpu", "cuda")
 MEMORY_POLICIES = ("staged", "resident")
@@ -15,9 +17,9 @@ MEMORY_POLICIES = ("staged", "resident")
 class BackendSpec:
     """A backend's launch configuration. Two equal specs share one running backend.
 
-    ``ranks`` is the number of ranks on this machine (torchrun's ``--nproc-per-node``); with ``nnodes`` > 1
-    the other machines run the same backend command with their own ``node_rank`` and the shared
-    ``rdzv_endpoint``, and rank 0 (which owns the shared memory) stays on this machine.
+    ``ranks`` is the number of ranks on each machine (torchrun's ``--nproc-per-node``); with ``nnodes`` > 1 this
+    machine is node 0 and listens on ``rdzv_endpoint``, the other machines run ``comfy-parallel join`` with their own
+    node rank (``machines``), and rank 0 (which owns the shared memory) stays on this machine.
     """
 
     ranks: int = 2
@@ -52,12 +54,44 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def default_spec(device: str = "auto", ranks: int = 0, memory_policy: str = "staged") -> BackendSpec:
+def _check_endpoint(nnodes: int, rdzv_endpoint: str) -> None:
+    """``rdzv_endpoint`` of a backend over ``nnodes`` machines: host:port, the host an address of this machine."""
+    if not rdzv_endpoint:
+        raise InvalidInput(
+            "rdzv_endpoint",
+            f"a backend over {nnodes} machines needs host:port: this machine's address that the other machines reach "
+            "and a free port (for example 192.168.1.10:29400; 127.0.0.1:29400 over an SSH tunnel)",
+        )
+    try:
+        host, _ = split_endpoint(rdzv_endpoint)
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind((host, 0))  # only an address of this machine binds
+        finally:
+            probe.close()
+    except ValueError as e:
+        raise InvalidInput("rdzv_endpoint", str(e)) from None
+    except OSError as e:
+        raise InvalidInput(
+            "rdzv_endpoint",
+            f"{rdzv_endpoint}: {host} is not an IPv4 address of this machine ({e}); use the address the other machines "
+            "reach it at (see `ip addr`), or 127.0.0.1 with an SSH tunnel (README: Several machines)",
+        ) from None
+
+
+def default_spec(
+    device: str = "auto", ranks: int = 0, memory_policy: str = "staged", nnodes: int = 1, rdzv_endpoint: str = ""
+) -> BackendSpec:
     """The backend nodes use when no ParallelBackend node is wired in.
 
     ``auto`` means CUDA when a GPU is visible, else CPU; ``ranks`` 0 means one rank per visible GPU, or 2 CPU
-    ranks. ``COMFY_PARALLEL_DEVICE`` and ``COMFY_PARALLEL_RANKS`` override the defaults, not explicit values.
+    ranks. ``COMFY_PARALLEL_DEVICE`` and ``COMFY_PARALLEL_RANKS`` override the defaults, not explicit values. With
+    ``nnodes`` > 1 every machine runs ``ranks`` ranks and this one, node 0, listens on ``rdzv_endpoint``.
     """
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise InvalidInput("nnodes", f"nnodes is the number of machines, 1 or more; got {nnodes!r}")
+    if nnodes > 1:
+        _check_endpoint(nnodes, rdzv_endpoint.strip())
     if device == "auto":
         device = os.environ.get("COMFY_PARALLEL_DEVICE", "auto")
     if not ranks:
@@ -86,4 +120,10 @@ def default_spec(device: str = "auto", ranks: int = 0, memory_policy: str = "sta
         )
     if not ranks:
         ranks = gpus or 2
-    return BackendSpec(ranks=ranks, device=device, memory_policy=memory_policy)
+    return BackendSpec(
+        ranks=ranks,
+        device=device,
+        memory_policy=memory_policy,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint.strip() if nnodes > 1 else None,
+    )

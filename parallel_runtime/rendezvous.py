@@ -1,0 +1,126 @@
+"""What the machines of a backend over several nodes tell each other in torchrun's rendezvous store, before any rank
+starts.
+
+The rendezvous store (a TCP store hosted by node 0's torchrun agent, on the ``rdzv_endpoint`` the user chose) has no
+credentials, so everything in it that matters is sealed (``sealed``) with the cluster secret, which only the ComfyUI
+host and the machines given the join command hold:
+
+    comfy-parallel/beacon                    Beacon  node 0 publishes the backend it is starting
+    comfy-parallel/claim/<rdzv id>/<node>    Claim   a joining machine takes its node rank (one compare-and-set)
+
+A machine without the secret cannot open the beacon, so it never learns the rendezvous id (fresh for every backend)
+and cannot join the rendezvous: it is refused before it touches the group, which goes on undisturbed. The backend's
+token (which seals the ranks' op protocol) travels inside the beacon, never in clear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import socket
+import struct
+from typing import Any, TypeVar
+
+from .sealed import Sealer, Tampered
+from .serial import WireError, from_json, to_json
+
+BEACON_KEY = "comfy-parallel/beacon"
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Beacon:
+    """The backend node 0 is starting, as the joining machines need it.
+
+    Args:
+        rdzv_id: torchrun's rendezvous id for this backend (fresh for each; only holders of the secret learn it).
+        token: the backend's token, which seals the ranks' op headers and outcomes.
+        nnodes: machines in the backend.
+        ranks: ranks on each machine.
+        device: cpu or cuda.
+        memory_policy: staged or resident.
+    """
+
+    rdzv_id: str
+    token: str
+    nnodes: int
+    ranks: int
+    device: str
+    memory_policy: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A joining machine's hold on its node rank in one backend.
+
+    Args:
+        node_rank: the node rank it takes (1..nnodes-1).
+        host: its host name, to name it in errors.
+        pid: its ``comfy-parallel join`` process.
+    """
+
+    node_rank: int
+    host: str
+    pid: int
+
+
+def claim_key(rdzv_id: str, node_rank: int) -> str:
+    return f"comfy-parallel/claim/{rdzv_id}/{node_rank}"
+
+
+def seal(secret: str, key: str, value: Any) -> bytes:
+    """``value`` (a dataclass) sealed with ``secret`` for the store key ``key``."""
+    return Sealer(secret).seal(key, json.dumps(to_json(value)).encode())
+
+
+def unseal(secret: str, key: str, record: bytes, kind: type[T]) -> T:
+    """The ``kind`` sealed at ``key``; Tampered when it was sealed with another secret, or is not a ``kind``."""
+    plain = Sealer(secret).open(key, record)
+    try:
+        return from_json(kind, json.loads(plain))
+    except (ValueError, WireError) as e:
+        raise Tampered(f"{key}: {e}") from None
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` → (host, port); ValueError naming what is wrong."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{endpoint!r} is not host:port (for example 192.168.1.10:29400)")
+    return host.strip("[]"), int(port)
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 ``address`` (``lo`` for 127.0.0.1), or None.
+
+    gloo and NCCL pick an interface of their own unless ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name one; the
+    backend names the one its store listens on, so the collectives travel on the network the user chose.
+    """
+    try:
+        wanted = socket.inet_aton(socket.gethostbyname(address))
+    except OSError:
+        return None
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                # SIOCGIFADDR: the interface's IPv4 address, at bytes 20..24 of the returned ifreq.
+                ifreq = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if ifreq[20:24] == wanted:
+                return name
+    finally:
+        probe.close()
+    return None
+
+
+def route_to(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (what the other machines reach it at)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((socket.gethostbyname(host), port))  # UDP: sends nothing, only picks the route
+        return probe.getsockname()[0]
+    finally:
+        probe.close()

@@ -1,0 +1,298 @@
+"""A backend over several machines, simulated on one over 127.0.0.1: the ComfyUI side's backend is node 0 (this
+process's client), and ``comfy-parallel join`` runs node 1 in a process of its own, as it would on another machine.
+
+Real torchrun agents meeting in torchrun's rendezvous, real ranks, real collectives (gloo), the tiny FLUX.1 through
+the nodes' steps. What is checked: images equal one process; a remote rank never opens shared memory; a wrong secret,
+no secret or a node rank already taken is refused while the group in use goes on; a machine that never joins is
+named, with its command, within the deadline; a machine killed mid-run is named in ``BackendDied`` and the next
+prompt runs once it has joined again; nothing is left on either side.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+
+from parallel_runtime import BackendDied, BackendSpec, BackendStartError, InvalidInput, default_spec, get_backend, jobs
+from parallel_runtime.arena import SHM_DIR
+from parallel_runtime.launcher import SHM_PREFIX
+from parallel_runtime.machines import SECRET_ENV, join_command
+from parallel_runtime.processes import process_alive
+from parallel_runtime.testing.tiny_models import make_tiny_flux
+from parallel_runtime.wire import StatusArgs, StepsArgs
+
+pytestmark = pytest.mark.multirank
+
+MODEL = "tiny-flux"
+PROMPT = "a photo of a horse in the city"
+STEPS, TOKENS = 2, 32
+SECRET = "test-secret-" + os.urandom(8).hex()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Machine:
+    """``comfy-parallel join`` as another machine would run it: its own process (and session), its own secret."""
+
+    def __init__(self, endpoint: str, node_rank: int = 1, secret: str | None = SECRET, *args: str):
+        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+        env["PYTHONPATH"] = ROOT
+        if secret is not None:
+            env[SECRET_ENV] = secret
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "parallel_runtime.cli", "join", endpoint, "--node-rank", str(node_rank), *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def processes(self) -> list[int]:
+        """The join process and everything under it (its torchrun agent and ranks)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    todo += [int(p) for p in f.read().split()]
+            except OSError:
+                pass
+        return found
+
+    def run_dirs(self) -> list[str]:
+        dirs = set()
+        for pid in self.processes():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    for item in f.read().split(b"\0"):
+                        if item.startswith(b"COMFY_PARALLEL_RUN_DIR="):
+                            dirs.add(item.split(b"=", 1)[1].decode())
+            except OSError:
+                pass
+        return sorted(dirs)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """The machine is gone: every process of it at once."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def secret_env():
+    old = os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = SECRET
+    yield SECRET
+    if old is None:
+        del os.environ[SECRET_ENV]
+    else:
+        os.environ[SECRET_ENV] = old
+
+
+@pytest.fixture(scope="module")
+def models_dir(models_root):
+    make_tiny_flux(str(models_root / MODEL))
+    return models_root
+
+
+@pytest.fixture(scope="module")
+def one_shot(models_dir):
+    pipe = FluxPipeline.from_pretrained(models_dir / MODEL)
+    pipe.set_progress_bar_config(disable=True)
+
+    def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
+        return pipe(
+            PROMPT,
+            num_inference_steps=STEPS,
+            guidance_scale=3.5,
+            width=width,
+            height=height,
+            max_sequence_length=TOKENS,
+            num_images_per_prompt=batch_size,
+            output_type="pt",
+            generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        ).images.permute(0, 2, 3, 1)
+
+    return reference
+
+
+def generate(spec: BackendSpec, strategy: str, *, seed=3, width=64, height=64, batch_size=1, **strategy_args):
+    positive = jobs.encode_prompt(spec, model=MODEL, prompt=PROMPT, max_sequence_length=TOKENS)
+    transformer = jobs.plan_transformer(spec, model=MODEL, strategy=strategy, **strategy_args)
+    latent = jobs.sample(
+        transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5, width=width, height=height,
+        batch_size=batch_size,
+    )  # fmt: skip
+    return jobs.decode(spec, model=MODEL, samples=latent)
+
+
+@pytest.fixture(scope="module")
+def cluster(secret_env, models_dir):
+    """Node 0 (this process's backend, 1 rank) and node 1 (``comfy-parallel join``, 1 rank) over 127.0.0.1."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    spec = default_spec(device="cpu", ranks=1, nnodes=2, rdzv_endpoint=endpoint)
+    machine = Machine(endpoint)
+    state = {"machine": machine, "spec": spec, "endpoint": endpoint}
+    get_backend(spec).start()
+    yield state
+    backend = get_backend(spec)
+    agent, pids, run_dir, prefix = backend.agent_pid, backend.worker_pids, backend.run_dir, backend.shm_prefix
+    remote_dirs, remote_pids = state["machine"].run_dirs(), state["machine"].processes()
+    backend.shutdown()
+    state["machine"].stop()
+    # Nothing left on either side: processes, run directories (torchrun's logs live in them), segments.
+    assert [p for p in [agent, *pids.values(), *remote_pids] if process_alive(p)] == []
+    assert [d for d in [run_dir, *remote_dirs] if os.path.exists(d)] == []
+    assert [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)] == []
+
+
+def test_two_machines_context_parallel_matches_one_process(cluster, one_shot):
+    spec = cluster["spec"]
+    status = get_backend(spec).status()
+    assert status.world_size == 2 and [r.rank for r in status.ranks] == [0, 1]
+    remote = get_backend(spec)._group.remote_ranks()
+    assert list(remote) == [1] and remote[1]["node"] == 1  # rank 0 is on node 0, the ComfyUI host
+    for args in ({"ulysses_degree": 2}, {"ring_degree": 2, "ulysses_degree": 1}):
+        image = generate(spec, "context_parallel", **args)
+        assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4, args
+
+
+def _arena_segments_of(pid: int) -> list[str]:
+    """The backend arena segments (``pd-...`` in /dev/shm) ``pid`` maps or holds open. Other files there are not the
+    arena's: a library's POSIX semaphores (``sem.*``) live there too."""
+    paths = []
+    with open(f"/proc/{pid}/maps") as f:
+        paths += [line.split(maxsplit=5)[-1].strip() for line in f if SHM_DIR + "/" in line]
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    names = [os.path.basename(p.split(" (deleted)")[0]) for p in paths if p.startswith(SHM_DIR + "/")]
+    return [n for n in names if n.startswith(SHM_PREFIX + "-")]
+
+
+def test_a_remote_rank_opens_no_shared_memory(cluster):
+    backend = get_backend(cluster["spec"])
+    generate(cluster["spec"], "context_parallel", ulysses_degree=2)  # both arenas have carried tensors
+    remote_pid = backend._group.remote_ranks()[1]["pid"]
+    with open(f"/proc/{remote_pid}/environ", "rb") as f:
+        environ = f.read()
+    assert b"COMFY_PARALLEL_SHM_PREFIX" not in environ and b"COMFY_PARALLEL_NODE_RANK=1" in environ
+    assert _arena_segments_of(remote_pid) == []
+    assert any(
+        name.startswith(backend.shm_prefix) for name in _arena_segments_of(backend.worker_pids[0])
+    )  # rank 0 does
+
+
+def test_the_join_command_is_in_the_status_and_names_the_machine(cluster):
+    view = get_backend(cluster["spec"]).snapshot()
+    assert view["join"] == [join_command(cluster["endpoint"], 1, SECRET)]
+    assert f"comfy-parallel join {cluster['endpoint']} --node-rank 1" in view["join"][0]
+    assert "joining a backend of 2 machines × 1 cpu ranks as node 1" in cluster["machine"].output
+    assert SECRET not in cluster["machine"].output  # never logged
+
+
+@pytest.mark.parametrize(
+    "secret, args, refusal",
+    [
+        ("not-the-secret", (), "holds a different secret"),
+        (None, (), "no secret"),
+        (SECRET, (), "node rank 1 of this backend is already taken"),
+        (SECRET, ("--node-rank", "5"), "--node-rank 5 is not a node of this backend"),
+    ],
+    ids=["wrong secret", "no secret", "node rank taken", "node rank out of range"],
+)
+def test_a_machine_that_may_not_join_is_refused_and_the_group_goes_on(cluster, secret, args, refusal):
+    backend = get_backend(cluster["spec"])
+    pids = dict(backend.worker_pids)
+    node = 1
+    if args:
+        node = int(args[1])
+    intruder = Machine(cluster["endpoint"], node, secret)
+    assert intruder.proc.wait(60) == 2
+    assert "refused: " in intruder.output and refusal in intruder.output, intruder.output
+    if secret:
+        assert secret not in intruder.output
+    assert backend.worker_pids == pids and backend.call(StatusArgs()).result.world_size == 2
+    assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2
+
+
+def test_a_machine_killed_mid_run_is_named_and_the_next_prompt_runs_once_it_rejoined(cluster, one_shot):
+    spec = cluster["spec"]
+    backend = get_backend(spec)
+    remote = backend._group.remote_ranks()[1]
+    threading.Timer(1.5, cluster["machine"].kill).start()
+    with pytest.raises(BackendDied) as failure:
+        backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
+    message = str(failure.value)
+    assert f"rank 1 on node 1 ({remote['host']}, pid {remote['pid']})" in message, message
+    assert failure.value.rank == 1
+    assert not backend.running
+    cluster["machine"] = Machine(cluster["endpoint"])  # the machine is back
+    image = generate(spec, "context_parallel", ulysses_degree=2)
+    assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
+
+
+def test_a_machine_that_never_joins_is_named_with_its_command(secret_env, monkeypatch):
+    monkeypatch.setenv("COMFY_PARALLEL_JOIN_S", "4")
+    from parallel_runtime import Backend
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    backend = Backend(default_spec(device="cpu", ranks=1, nnodes=3, rdzv_endpoint=endpoint))
+    started = time.monotonic()
+    with pytest.raises(BackendStartError) as failure:
+        backend.start()
+    assert time.monotonic() - started < 60
+    message = str(failure.value)
+    for node in (1, 2):
+        assert f"node {node} of 3 did not join within 4 s" in message, message
+        assert f"comfy-parallel join {endpoint} --node-rank {node}" in message
+    assert SECRET not in message  # errors are logged: the command names where to find the secret instead
+    assert not backend.running
+
+
+@pytest.mark.parametrize(
+    "widgets, widget, hint",
+    [
+        ({"nnodes": 2, "rdzv_endpoint": ""}, "rdzv_endpoint", "needs host:port"),
+        ({"nnodes": 2, "rdzv_endpoint": "127.0.0.1"}, "rdzv_endpoint", "is not host:port"),
+        ({"nnodes": 2, "rdzv_endpoint": "192.0.2.77:29400"}, "rdzv_endpoint", "is not an IPv4 address of this machine"),
+        ({"nnodes": 0}, "nnodes", "the number of machines"),
+    ],
+)
+def test_multi_machine_widgets_name_the_widget_and_the_fix(widgets, widget, hint):
+    with pytest.raises(InvalidInput) as error:
+        default_spec(device="cpu", ranks=1, **widgets)
+    assert error.value.widget == widget and hint in str(error.value)
