@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from . import launcher, machines
+from . import launcher, machines, rendezvous
 from .arena import Arena, ArenaReader
 from .errors import (
     BackendDied,
@@ -148,8 +148,8 @@ class Backend:
         group = launcher.launch(self.spec)
         self._group, self._aborted = group, None
         # Over several machines the ranks start only once every machine has joined the rendezvous.
-        join_by = t0 + machines.join_deadline() if self.spec.nnodes > 1 else None
-        deadline = t0 + self.startup_timeout + (machines.join_deadline() if join_by else 0.0)
+        join_by = t0 + rendezvous.join_deadline() if self.spec.nnodes > 1 else None
+        deadline = t0 + self.startup_timeout + (rendezvous.join_deadline() if join_by else 0.0)
         try:
             while not os.path.exists(group.run_dir.socket):
                 if group.proc.poll() is not None:
@@ -198,9 +198,9 @@ class Backend:
         """Which machines did not join in time, and the command to run on each (without the secret: errors are
         logged)."""
         spec, group = self.spec, self._group
-        joined = machines.claims(spec.rdzv_endpoint, group.rdzv_id, spec.nnodes, machines.cluster_secret())
+        joined = machines.claims(spec.rdzv_endpoint, group.rdzv_id, spec.nnodes, rendezvous.cluster_secret())
         missing = [k for k in range(1, spec.nnodes) if k not in joined]
-        waited = f"within {machines.join_deadline():.0f} s (COMFY_PARALLEL_JOIN_S)"
+        waited = f"within {rendezvous.join_deadline():.0f} s (COMFY_PARALLEL_JOIN_S)"
         if not missing:
             return (
                 f"the parallel backend over {spec.nnodes} machines did not start: every machine claimed its node "
@@ -311,11 +311,16 @@ class Backend:
         remote = group.remote_ranks()
         if not remote:
             return None
-        try:  # the failure's moment: when rank 0 left, or now
-            failed_at = os.path.getmtime(group.run_dir.rank_traceback(0))
-        except OSError:
-            failed_at = time.time()
-        ages = {r: age for r, age in group.run_dir.heartbeat_ages(failed_at).items() if r in remote}
+        # Rank 0 relays the remote heartbeats, so they mean something only while it ran: measure them at its own last
+        # heartbeat (or when it left the group), never after it died.
+        run_dir = group.run_dir
+        moments = [time.time()]
+        for path in (run_dir.rank_heartbeat(0), run_dir.rank_traceback(0)):
+            try:
+                moments.append(os.path.getmtime(path))
+            except OSError:
+                pass
+        ages = {r: age for r, age in run_dir.heartbeat_ages(min(moments)).items() if r in remote}
         silent = [r for r, age in ages.items() if age > REMOTE_SILENT_S]
         if not silent:
             return None

@@ -10,7 +10,7 @@ torchrun runs as ``python -m parallel_runtime.worker.agent``: the same agent, wi
 
 Over several machines (``spec.nnodes`` > 1) this machine is node 0: its agent hosts the rendezvous store on the host
 of ``spec.rdzv_endpoint`` (and binds nothing else), under a fresh rendezvous id that only the beacon, sealed with the
-cluster secret (``machines``), tells the joining machines.
+cluster secret (``rendezvous``), tells the joining machines.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from . import machines
+from . import rendezvous
 from .arena import SHM_DIR, remove_segments
 from .processes import process_alive
 from .rendezvous import BEACON_KEY, Beacon, seal, split_endpoint
@@ -130,13 +130,13 @@ def torchrun_command(spec: BackendSpec, run_dir: RunDir, rdzv_id: str | None = N
         cmd += ["--standalone", "--local-addr", LOOPBACK]
     else:
         host = split_endpoint(spec.rdzv_endpoint)[0]
-        cmd += machines.rendezvous_arguments(spec.rdzv_endpoint, spec.nnodes, rdzv_id, host=True, local_addr=host)
+        cmd += rendezvous.rendezvous_arguments(spec.rdzv_endpoint, spec.nnodes, rdzv_id, host=True, local_addr=host)
     return [*cmd, "-m", "parallel_runtime.worker"]
 
 
 def _environment(spec: BackendSpec, run_dir: RunDir, shm_prefix: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.pop(machines.SECRET_ENV, None)  # the ranks seal with the token; the cluster secret stays with the client
+    env.pop(rendezvous.SECRET_ENV, None)  # the ranks seal with the token; the cluster secret stays with the client
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(
         {
@@ -157,7 +157,7 @@ def _environment(spec: BackendSpec, run_dir: RunDir, shm_prefix: str) -> dict[st
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     else:
-        env.update(machines.node_environment(split_endpoint(spec.rdzv_endpoint)[0], node_rank=0))
+        env.update(rendezvous.node_environment(split_endpoint(spec.rdzv_endpoint)[0], node_rank=0))
     # The ranks wait on torchrun's store with short timeouts by design; c10d would log a warning for each.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if spec.device == "cpu":
@@ -208,12 +208,12 @@ def launch_joined(beacon: Beacon, rdzv_endpoint: str, node_rank: int, address: s
     spec = BackendSpec(ranks=beacon.ranks, device=beacon.device, memory_policy=beacon.memory_policy)
     env = _environment(spec, run_dir, shm_prefix="")
     del env["COMFY_PARALLEL_SHM_PREFIX"]
-    for name in machines.IFNAMES:  # not loopback: the interface that reaches node 0, or the user's choice
+    for name in rendezvous.IFNAMES:  # not loopback: the interface that reaches node 0, or the user's choice
         env.pop(name, None)
-    env.update(machines.node_environment(address, node_rank))
+    env.update(rendezvous.node_environment(address, node_rank))
     cmd = torchrun_command(spec, run_dir)
     at = cmd.index("--standalone")
-    cmd[at : at + 3] = machines.rendezvous_arguments(
+    cmd[at : at + 3] = rendezvous.rendezvous_arguments(
         rdzv_endpoint, beacon.nnodes, beacon.rdzv_id, host=False, local_addr=address
     )
     proc = _popen(cmd, env, run_dir)
@@ -239,7 +239,7 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
         beacon = Beacon(rdzv_id, token, spec.nnodes, spec.ranks, spec.device, spec.memory_policy)
         fd = os.open(run_dir.beacon, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(seal(machines.cluster_secret(), BEACON_KEY, beacon))
+            f.write(seal(rendezvous.cluster_secret(), BEACON_KEY, beacon))
     proc = _popen(torchrun_command(spec, run_dir, rdzv_id), _environment(spec, run_dir, shm_prefix), run_dir)
     return LaunchedGroup(spec=spec, proc=proc, run_dir=run_dir, token=token, shm_prefix=shm_prefix, rdzv_id=rdzv_id)
 

@@ -16,7 +16,6 @@ command line, which other users of that machine could read.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -24,44 +23,23 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from . import launcher
 from .processes import children
-from .rendezvous import BEACON_KEY, Beacon, Claim, claim_key, interface_of, seal, split_endpoint, unseal
+from .rendezvous import (
+    BEACON_KEY,
+    SECRET_ENV,
+    Beacon,
+    Claim,
+    claim_key,
+    cluster_secret,
+    route_to,
+    seal,
+    split_endpoint,
+    unseal,
+)
 from .sealed import Tampered
 
-SECRET_ENV = "COMFY_PARALLEL_SECRET"
-IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-# How long the ComfyUI host waits for every machine to join a backend it starts (COMFY_PARALLEL_JOIN_S).
-JOIN_S = 120.0
 POLL_S = 1.0  # how often a joining machine looks for the next backend
-
-
-def join_deadline() -> float:
-    return float(os.environ.get("COMFY_PARALLEL_JOIN_S") or JOIN_S)
-
-
-def secret_file() -> str:
-    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return os.path.join(config, "comfyui-parallel-diffusers", "secret")
-
-
-def cluster_secret() -> str:
-    """The secret a machine proves to join this host's backends: ``COMFY_PARALLEL_SECRET``, else the host's own,
-    made once and kept (0600) in ``secret_file()`` so that joined machines stay valid across ComfyUI restarts."""
-    if os.environ.get(SECRET_ENV):
-        return os.environ[SECRET_ENV]
-    path = secret_file()
-    try:
-        with open(path) as f:
-            if secret := f.read().strip():
-                return secret
-    except FileNotFoundError:
-        pass
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    secret = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret)
-    return secret
 
 
 def join_command(rdzv_endpoint: str, node_rank: int, secret: str | None = None) -> str:
@@ -74,39 +52,6 @@ def join_command(rdzv_endpoint: str, node_rank: int, secret: str | None = None) 
 def join_commands(rdzv_endpoint: str, nnodes: int, with_secret: bool = True) -> list[str]:
     secret = cluster_secret() if with_secret else None
     return [join_command(rdzv_endpoint, k, secret) for k in range(1, nnodes)]
-
-
-def rendezvous_arguments(rdzv_endpoint: str, nnodes: int, rdzv_id: str, *, host: bool, local_addr: str) -> list[str]:
-    """torchrun's arguments for one machine of a backend: node 0 (``host``) hosts the rendezvous store."""
-    # The rendezvous gives up a little after the host's own deadline, so no agent outlives it for long.
-    timeout = int(join_deadline() + 30)
-    return [
-        "--nnodes",
-        str(nnodes),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        rdzv_endpoint,
-        "--rdzv-id",
-        rdzv_id,
-        "--rdzv-conf",
-        f"is_host={int(host)},join_timeout={timeout}",
-        "--local-addr",
-        local_addr,
-    ]
-
-
-def node_environment(address: str, node_rank: int) -> dict[str, str]:
-    """The environment of one machine's agent and ranks: bind to ``address`` and run the collectives on the
-    interface that holds it (unless the user named one in ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``)."""
-    env = {"COMFY_PARALLEL_BIND": address, "COMFY_PARALLEL_NODE_RANK": str(node_rank)}
-    interface = interface_of(address)
-    for name in IFNAMES:
-        if os.environ.get(name):
-            env[name] = os.environ[name]
-        elif interface is not None:
-            env[name] = interface
-    return env
 
 
 def _store(rdzv_endpoint: str, timeout_s: float):  # a TCPStore (torch.distributed is imported lazily)
@@ -188,9 +133,6 @@ def join(
 ) -> int:
     """Serve node ``node_rank`` of every backend the ComfyUI host at ``rdzv_endpoint`` starts, until SIGINT/SIGTERM
     (or after one backend with ``once``). Returns the exit status: 0, or 2 when this machine was refused."""
-    from . import launcher
-    from .rendezvous import route_to
-
     host, port = split_endpoint(rdzv_endpoint)
     address = address or route_to(host, port)
     stopping: list[int] = []
@@ -223,10 +165,10 @@ def join(
             )
             group = launcher.launch_joined(beacon, rdzv_endpoint, node_rank, address)
             try:
-                code = _serve(group, rdzv_endpoint, secret, stopping)
+                _serve(group, rdzv_endpoint, secret, stopping)
             finally:
                 launcher.terminate(group)
-            say(f"the backend ended (torchrun's agent exited with {code}); node {node_rank} left it")
+            say(f"the backend ended; node {node_rank} left it" + ("" if stopping else " and waits for the next one"))
             if once:
                 return 0
         return 0
@@ -235,21 +177,24 @@ def join(
             signal.signal(sig, handler)
 
 
-def _serve(group, rdzv_endpoint: str, secret: str, stopping: list[int]) -> int | None:  # noqa: ANN001
+def _serve(group: launcher.LaunchedGroup, rdzv_endpoint: str, secret: str, stopping: list[int]) -> None:
     """Wait for this machine's part of one backend to end. Until its ranks start (the rendezvous), a beacon that
-    changed means node 0 gave up on that backend and started another: leave it for the next."""
+    changed means node 0 gave up on that backend and started another: leave it for the next. Once they have ended,
+    torchrun's agent may still wait for node 0's in its exit barrier: that is the end too."""
     next_look = time.monotonic() + 2.0
+    started = False
     while group.proc.poll() is None and not stopping:
         time.sleep(0.2)
-        if not children(group.proc.pid) and time.monotonic() > next_look:
+        ranks = children(group.proc.pid)
+        started = started or bool(ranks)
+        if (started and not ranks) or (not ranks and time.monotonic() > next_look):
             next_look = time.monotonic() + 2.0
             try:
                 beacon = _read_beacon(rdzv_endpoint, secret)
             except JoinRefused:
-                return None
+                return
             if beacon is None or beacon.rdzv_id != group.rdzv_id:
-                return None
-    return group.proc.poll()
+                return
 
 
 def main_join(rdzv_endpoint: str, node_rank: int, address: str | None, secret_path: str | None, once: bool) -> int:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import os
+import secrets
 import socket
 import struct
 from typing import Any, TypeVar
@@ -26,6 +28,10 @@ from .sealed import Sealer, Tampered
 from .serial import WireError, from_json, to_json
 
 BEACON_KEY = "comfy-parallel/beacon"
+SECRET_ENV = "COMFY_PARALLEL_SECRET"
+IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# How long the ComfyUI host waits for every machine to join a backend it starts (COMFY_PARALLEL_JOIN_S).
+JOIN_S = 120.0
 T = TypeVar("T")
 
 
@@ -124,3 +130,65 @@ def route_to(host: str, port: int) -> str:
         return probe.getsockname()[0]
     finally:
         probe.close()
+
+
+def join_deadline() -> float:
+    return float(os.environ.get("COMFY_PARALLEL_JOIN_S") or JOIN_S)
+
+
+def secret_file() -> str:
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(config, "comfyui-parallel-diffusers", "secret")
+
+
+def cluster_secret() -> str:
+    """The secret a machine proves to join this host's backends: ``COMFY_PARALLEL_SECRET``, else the host's own,
+    made once and kept (0600) in ``secret_file()`` so that joined machines stay valid across ComfyUI restarts."""
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    path = secret_file()
+    try:
+        with open(path) as f:
+            if secret := f.read().strip():
+                return secret
+    except FileNotFoundError:
+        pass
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    secret = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return secret
+
+
+def rendezvous_arguments(rdzv_endpoint: str, nnodes: int, rdzv_id: str, *, host: bool, local_addr: str) -> list[str]:
+    """torchrun's arguments for one machine of a backend: node 0 (``host``) hosts the rendezvous store."""
+    # The rendezvous gives up a little after the host's own deadline, so no agent outlives it for long.
+    timeout = int(join_deadline() + 30)
+    return [
+        "--nnodes",
+        str(nnodes),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        f"is_host={int(host)},join_timeout={timeout}",
+        "--local-addr",
+        local_addr,
+    ]
+
+
+def node_environment(address: str, node_rank: int) -> dict[str, str]:
+    """The environment of one machine's agent and ranks: bind to ``address`` and run the collectives on the
+    interface that holds it (unless the user named one in ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``)."""
+    env = {"COMFY_PARALLEL_BIND": address, "COMFY_PARALLEL_NODE_RANK": str(node_rank)}
+    interface = interface_of(address)
+    for name in IFNAMES:
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+        elif interface is not None:
+            env[name] = interface
+    return env
