@@ -1,4 +1,4 @@
-"""Several machines: the cluster secret, the command that joins a machine, and what that command runs.
+"""Several machines: the command that joins a machine, and what that command runs (``comfy-parallel join``).
 
 The ComfyUI host is node 0: rank 0 and the shared memory stay there, and its torchrun agent hosts the rendezvous
 store on ``rdzv_endpoint``. Every other machine runs ``comfy-parallel join <rdzv_endpoint> --node-rank <k>`` with the
@@ -8,9 +8,9 @@ for that backend's rendezvous, and when that backend ends (shut down, a rank die
 restart needs nobody at the other machine.
 
 The secret never travels in clear and is never logged: the ComfyUI host keeps it in ``COMFY_PARALLEL_SECRET`` or in a
-0600 file of its own (``secret_file``), shows it only in the join command (the Parallel Backend node's text, the
-status JSON, the Parallel tab), and the joining machine reads it from its environment (or a file), never from its
-command line, which other users of that machine could read.
+0600 file of its own (``rendezvous.cluster_secret``), shows it only in the join command (the Parallel Backend node's
+text, the status JSON, the Parallel tab), and the joining machine reads it from its environment (or a file), never
+from its command line, which other users of that machine could read.
 """
 
 from __future__ import annotations

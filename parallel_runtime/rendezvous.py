@@ -11,6 +11,10 @@ host and the machines given the join command hold:
 A machine without the secret cannot open the beacon, so it never learns the rendezvous id (fresh for every backend)
 and cannot join the rendezvous: it is refused before it touches the group, which goes on undisturbed. The backend's
 token (which seals the ranks' op protocol) travels inside the beacon, never in clear.
+
+Also here, because node 0's launcher and a joining machine (``machines``) both need them: the cluster secret
+(``cluster_secret``), torchrun's rendezvous arguments for one machine, and the environment that keeps its sockets on
+the chosen interface.
 """
 
 from __future__ import annotations

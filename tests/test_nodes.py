@@ -168,14 +168,20 @@ def cluster(secret_env, models_dir):
     get_backend(spec).start()
     yield state
     backend = get_backend(spec)
-    agent, pids, run_dir, prefix = backend.agent_pid, backend.worker_pids, backend.run_dir, backend.shm_prefix
     remote_dirs, remote_pids = state["machine"].run_dirs(), state["machine"].processes()
+    local = [backend.agent_pid, *backend.worker_pids.values()] if backend.running else []
+    run_dir, prefix = backend.run_dir, backend.shm_prefix
     backend.shutdown()
     state["machine"].stop()
-    # Nothing left on either side: processes, run directories (torchrun's logs live in them), segments.
-    assert [p for p in [agent, *pids.values(), *remote_pids] if process_alive(p)] == []
-    assert [d for d in [run_dir, *remote_dirs] if os.path.exists(d)] == []
-    assert [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)] == []
+    assert_nothing_left(local + remote_pids, [d for d in [run_dir, *remote_dirs] if d], prefix)
+
+
+def assert_nothing_left(pids: list[int], run_dirs: list[str], prefix: str | None) -> None:
+    """Nothing of a backend left on either side: processes, run directories (torchrun's logs live in them), arena
+    segments."""
+    assert [p for p in pids if process_alive(p)] == []
+    assert [d for d in run_dirs if os.path.exists(d)] == []
+    assert prefix is None or [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)] == []
 
 
 def test_two_machines_context_parallel_matches_one_process(cluster, one_shot):
@@ -313,3 +319,69 @@ def test_multi_machine_widgets_name_the_widget_and_the_fix(widgets, widget, hint
     with pytest.raises(InvalidInput) as error:
         default_spec(device="cpu", ranks=1, **widgets)
     assert error.value.widget == widget and hint in str(error.value)
+
+
+@pytest.mark.slow
+def test_two_machines_of_two_ranks_match_one_process(secret_env, one_shot):
+    """2 machines × 2 ranks: every strategy whose collectives cross the machines (Ulysses 4, Unified ring 2 ×
+    Ulysses 2, tensor parallel 4, data parallel over a batch of 4) against one process."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    spec = default_spec(device="cpu", ranks=2, nnodes=2, rdzv_endpoint=endpoint)
+    machine = Machine(endpoint)
+    backend = get_backend(spec)
+    try:
+        backend.start()
+        assert sorted(backend._group.remote_ranks()) == [2, 3]  # ranks 0 and 1 on node 0, the ComfyUI host
+        reference = one_shot(3, 64, 64)
+        for strategy, args in [
+            ("context_parallel", {"ulysses_degree": 4}),
+            ("context_parallel", {"ring_degree": 2, "ulysses_degree": 2}),
+            ("tensor_parallel", {"tp_degree": 4}),
+        ]:
+            image = generate(spec, strategy, **args)
+            assert (image - reference).abs().max() <= 1e-4, (strategy, args)
+        images = generate(spec, "data_parallel", batch_size=4)
+        batch = one_shot(3, 64, 64, batch_size=4)
+        for i in range(4):  # one image per rank, each from its own seed; see test_strategies for the tolerance
+            assert (images[i] - batch[i]).abs().max() <= 1e-5, i
+        local = [backend.agent_pid, *backend.worker_pids.values()]
+        run_dir, prefix = backend.run_dir, backend.shm_prefix
+        remote_pids, remote_dirs = machine.processes(), machine.run_dirs()
+    finally:
+        backend.shutdown()
+        machine.stop()
+    assert_nothing_left(local + remote_pids, [run_dir, *remote_dirs], prefix)
+
+
+@pytest.mark.slow
+def test_a_stopped_machine_is_named_within_the_heartbeat_deadline(secret_env, models_dir):
+    """A network partition, played by stopping every process of the joined machine: not a hang, but BackendDied
+    naming the machine once its heartbeat is older than the deadline; once it runs again it serves the next
+    backend."""
+    from parallel_runtime.watchdog import Deadlines
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    spec = default_spec(device="cpu", ranks=1, nnodes=2, rdzv_endpoint=endpoint)
+    machine = Machine(endpoint)
+    backend = get_backend(spec)
+    try:
+        backend.deadlines = Deadlines(load_s=60, stall_floor_s=30, heartbeat_s=6, stopped_s=2, cancel_s=4)
+        backend.start()
+        remote = backend._group.remote_ranks()[1]
+        stopped = machine.processes()
+        threading.Timer(1.0, lambda: [os.kill(p, signal.SIGSTOP) for p in stopped]).start()
+        started = time.monotonic()
+        with pytest.raises(BackendDied) as failure:
+            backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
+        assert time.monotonic() - started < 30
+        assert f"rank 1 on node 1 ({remote['host']}, pid {remote['pid']})" in str(failure.value)
+        assert "no heartbeat for" in str(failure.value)
+        print("died after", time.monotonic() - started, flush=True)
+        for p in stopped:
+            os.kill(p, signal.SIGCONT)
+        t = time.monotonic()
+        assert backend.call(StatusArgs()).result.world_size == 2
+        print("rejoined after", time.monotonic() - t, machine.output, flush=True)
+    finally:
+        backend.shutdown()
+        machine.stop()
