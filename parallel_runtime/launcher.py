@@ -109,7 +109,9 @@ def sweep_stale() -> list[str]:
     return removed
 
 
-def torchrun_command(spec: BackendSpec, run_dir: RunDir, rdzv_id: str | None = None) -> list[str]:
+def torchrun_command(spec: BackendSpec, run_dir: RunDir, rendezvous_args: list[str] | None = None) -> list[str]:
+    """torchrun's command for this machine's ranks: standalone on loopback, or (``rendezvous_args``) one machine of a
+    backend over several."""
     # torchrun's own logs go into the run directory, which teardown removes: by default it leaves a torchelastic_*
     # directory in /tmp behind for every launch.
     cmd = [
@@ -125,12 +127,11 @@ def torchrun_command(spec: BackendSpec, run_dir: RunDir, rdzv_id: str | None = N
         "--log-dir",
         run_dir.torchelastic,
     ]
-    if spec.nnodes == 1:
+    if rendezvous_args is None:
         # The address the ranks are told to reach the agent's store at (MASTER_ADDR): the one it listens on.
         cmd += ["--standalone", "--local-addr", LOOPBACK]
     else:
-        host = split_endpoint(spec.rdzv_endpoint)[0]
-        cmd += rendezvous.rendezvous_arguments(spec.rdzv_endpoint, spec.nnodes, rdzv_id, host=True, local_addr=host)
+        cmd += rendezvous_args
     return [*cmd, "-m", "parallel_runtime.worker"]
 
 
@@ -211,12 +212,8 @@ def launch_joined(beacon: Beacon, rdzv_endpoint: str, node_rank: int, address: s
     for name in rendezvous.IFNAMES:  # not loopback: the interface that reaches node 0, or the user's choice
         env.pop(name, None)
     env.update(rendezvous.node_environment(address, node_rank))
-    cmd = torchrun_command(spec, run_dir)
-    at = cmd.index("--standalone")
-    cmd[at : at + 3] = rendezvous.rendezvous_arguments(
-        rdzv_endpoint, beacon.nnodes, beacon.rdzv_id, host=False, local_addr=address
-    )
-    proc = _popen(cmd, env, run_dir)
+    args = rendezvous.rendezvous_arguments(rdzv_endpoint, beacon.nnodes, beacon.rdzv_id, host=False, local_addr=address)
+    proc = _popen(torchrun_command(spec, run_dir, args), env, run_dir)
     return LaunchedGroup(
         spec=spec,
         proc=proc,
@@ -233,14 +230,16 @@ def launch(spec: BackendSpec) -> LaunchedGroup:
     token = secrets.token_hex(32)
     run_dir = _new_run_dir(token)
     shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
-    rdzv_id = None
+    rdzv_id, args = None, None
     if spec.nnodes > 1:
         rdzv_id = secrets.token_hex(16)
+        host = split_endpoint(spec.rdzv_endpoint)[0]
+        args = rendezvous.rendezvous_arguments(spec.rdzv_endpoint, spec.nnodes, rdzv_id, host=True, local_addr=host)
         beacon = Beacon(rdzv_id, token, spec.nnodes, spec.ranks, spec.device, spec.memory_policy)
         fd = os.open(run_dir.beacon, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(seal(rendezvous.cluster_secret(), BEACON_KEY, beacon))
-    proc = _popen(torchrun_command(spec, run_dir, rdzv_id), _environment(spec, run_dir, shm_prefix), run_dir)
+    proc = _popen(torchrun_command(spec, run_dir, args), _environment(spec, run_dir, shm_prefix), run_dir)
     return LaunchedGroup(spec=spec, proc=proc, run_dir=run_dir, token=token, shm_prefix=shm_prefix, rdzv_id=rdzv_id)
 
 

@@ -27,7 +27,7 @@ from parallel_runtime.arena import SHM_DIR
 from parallel_runtime.launcher import SHM_PREFIX
 from parallel_runtime.machines import join_command
 from parallel_runtime.processes import process_alive
-from parallel_runtime.rendezvous import SECRET_ENV
+from parallel_runtime.rendezvous import SECRET_ENV, cluster_secret, interface_of
 from parallel_runtime.testing.tiny_models import make_tiny_flux
 from parallel_runtime.wire import StatusArgs, StepsArgs
 
@@ -217,10 +217,27 @@ def test_a_remote_rank_opens_no_shared_memory(cluster):
     with open(f"/proc/{remote_pid}/environ", "rb") as f:
         environ = f.read()
     assert b"COMFY_PARALLEL_SHM_PREFIX" not in environ and b"COMFY_PARALLEL_NODE_RANK=1" in environ
+    # The collectives' sockets stay on the interface that holds rdzv_endpoint's address (loopback here), on both sides.
+    assert b"GLOO_SOCKET_IFNAME=lo\0" in environ and b"NCCL_SOCKET_IFNAME=lo\0" in environ
     assert _arena_segments_of(remote_pid) == []
     assert any(
         name.startswith(backend.shm_prefix) for name in _arena_segments_of(backend.worker_pids[0])
     )  # rank 0 does
+
+
+def test_both_machines_listen_only_on_the_chosen_address(cluster):
+    """Every socket either machine's agent or ranks listen on is bound to rdzv_endpoint's host, none to every
+    interface (0.0.0.0)."""
+    psutil = pytest.importorskip("psutil")
+    backend = get_backend(cluster["spec"])
+    pids = [backend.agent_pid, *backend.worker_pids.values(), *cluster["machine"].processes()]
+    listening = [
+        (pid, c.laddr.ip)
+        for pid in pids
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening and all(ip == "127.0.0.1" for _, ip in listening), listening
 
 
 def test_the_join_command_is_in_the_status_and_names_the_machine(cluster):
@@ -376,12 +393,42 @@ def test_a_stopped_machine_is_named_within_the_heartbeat_deadline(secret_env, mo
         assert time.monotonic() - started < 30
         assert f"rank 1 on node 1 ({remote['host']}, pid {remote['pid']})" in str(failure.value)
         assert "no heartbeat for" in str(failure.value)
-        print("died after", time.monotonic() - started, flush=True)
         for p in stopped:
             os.kill(p, signal.SIGCONT)
-        t = time.monotonic()
         assert backend.call(StatusArgs()).result.world_size == 2
-        print("rejoined after", time.monotonic() - t, machine.output, flush=True)
     finally:
         backend.shutdown()
         machine.stop()
+
+
+def test_the_interface_of_an_address():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None  # TEST-NET-1: no interface of this machine holds it
+
+
+def test_the_cluster_secret_is_made_once_and_kept_private(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    first = cluster_secret()
+    path = tmp_path / "comfyui-parallel-diffusers" / "secret"
+    assert len(first) == 64 and path.read_text() == first
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert cluster_secret() == first  # joined machines stay valid across ComfyUI restarts
+    monkeypatch.setenv(SECRET_ENV, "from-the-environment")
+    assert cluster_secret() == "from-the-environment"
+
+
+def test_the_backend_node_shows_the_join_command_and_checks_the_endpoint(nodes, secret_env):
+    (spec,) = (
+        nodes["ParallelBackend"]
+        .execute(ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+        .args
+    )
+    assert (spec.nnodes, spec.rdzv_endpoint, spec.world_size) == (2, "127.0.0.1:29400", 2)
+    with pytest.raises(InvalidInput) as error:
+        nodes["ParallelBackend"].execute(
+            ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="192.0.2.77:29400"
+        )
+    assert error.value.widget == "rdzv_endpoint"
+    (spec,) = nodes["ParallelBackend"].execute(ranks=1, device="cpu", memory_policy="staged").args
+    assert spec.nnodes == 1 and spec.rdzv_endpoint is None  # a workflow saved before these widgets

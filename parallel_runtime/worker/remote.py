@@ -56,13 +56,13 @@ def node_rank() -> int:
     return int(os.environ.get("COMFY_PARALLEL_NODE_RANK", "0"))
 
 
-def _connection() -> dist.TCPStore:
+def _connection(timeout_s: float = 30.0) -> dist.TCPStore:
     """A connection of its own to the ranks' store (torchrun's agent on node 0 hosts it)."""
     return dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
-        timeout=timedelta(seconds=30),
+        timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
 
@@ -125,7 +125,7 @@ def leave(rank: int, sealer: Sealer, text: str) -> None:
     """A remote rank leaving the group: tell rank 0 why (best effort: the store may be gone already)."""
     key = f"comfy-parallel/traceback/{rank}"
     try:
-        _connection().set(key, sealer.seal(key, text.encode()))
+        _connection(timeout_s=3.0).set(key, sealer.seal(key, text.encode()))
     except (RuntimeError, dist.DistError):
         pass
 
