@@ -21,8 +21,9 @@ import time
 import pytest
 import torch
 from diffusers import FluxPipeline
+from test_strategies import MODEL, PROMPT, STEPS, TOKENS, generate
 
-from parallel_runtime import BackendDied, BackendSpec, BackendStartError, InvalidInput, default_spec, get_backend, jobs
+from parallel_runtime import BackendDied, BackendStartError, InvalidInput, default_spec, get_backend
 from parallel_runtime.arena import SHM_DIR
 from parallel_runtime.launcher import SHM_PREFIX
 from parallel_runtime.machines import join_command
@@ -33,9 +34,6 @@ from parallel_runtime.wire import StatusArgs, StepsArgs
 
 pytestmark = pytest.mark.multirank
 
-MODEL = "tiny-flux"
-PROMPT = "a photo of a horse in the city"
-STEPS, TOKENS = 2, 32
 SECRET = "test-secret-" + os.urandom(8).hex()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,34 +126,20 @@ def models_dir(models_root):
 
 
 @pytest.fixture(scope="module")
-def one_shot(models_dir):
+def one_process(models_dir):
+    """The one-shot diffusers pipeline in this process: the reference every strategy must match (as in
+    test_strategies, on this module's model folder)."""
     pipe = FluxPipeline.from_pretrained(models_dir / MODEL)
     pipe.set_progress_bar_config(disable=True)
 
     def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
+        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)]
         return pipe(
-            PROMPT,
-            num_inference_steps=STEPS,
-            guidance_scale=3.5,
-            width=width,
-            height=height,
-            max_sequence_length=TOKENS,
-            num_images_per_prompt=batch_size,
-            output_type="pt",
-            generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-        ).images.permute(0, 2, 3, 1)
+            PROMPT, num_inference_steps=STEPS, guidance_scale=3.5, width=width, height=height,
+            max_sequence_length=TOKENS, num_images_per_prompt=batch_size, output_type="pt", generator=generators,
+        ).images.permute(0, 2, 3, 1)  # fmt: skip
 
     return reference
-
-
-def generate(spec: BackendSpec, strategy: str, *, seed=3, width=64, height=64, batch_size=1, **strategy_args):
-    positive = jobs.encode_prompt(spec, model=MODEL, prompt=PROMPT, max_sequence_length=TOKENS)
-    transformer = jobs.plan_transformer(spec, model=MODEL, strategy=strategy, **strategy_args)
-    latent = jobs.sample(
-        transformer, positive, seed=seed, steps=STEPS, guidance_scale=3.5, width=width, height=height,
-        batch_size=batch_size,
-    )  # fmt: skip
-    return jobs.decode(spec, model=MODEL, samples=latent)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +168,7 @@ def assert_nothing_left(pids: list[int], run_dirs: list[str], prefix: str | None
     assert prefix is None or [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)] == []
 
 
-def test_two_machines_context_parallel_matches_one_process(cluster, one_shot):
+def test_two_machines_context_parallel_matches_one_process(cluster, one_process):
     spec = cluster["spec"]
     status = get_backend(spec).status()
     assert status.world_size == 2 and [r.rank for r in status.ranks] == [0, 1]
@@ -192,7 +176,7 @@ def test_two_machines_context_parallel_matches_one_process(cluster, one_shot):
     assert list(remote) == [1] and remote[1]["node"] == 1  # rank 0 is on node 0, the ComfyUI host
     for args in ({"ulysses_degree": 2}, {"ring_degree": 2, "ulysses_degree": 1}):
         image = generate(spec, "context_parallel", **args)
-        assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4, args
+        assert (image - one_process(3, 64, 64)).abs().max() <= 1e-4, args
 
 
 def _arena_segments_of(pid: int) -> list[str]:
@@ -271,6 +255,7 @@ def test_a_machine_that_may_not_join_is_refused_and_the_group_goes_on(cluster):
     assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2
 
 
+@pytest.mark.slow  # a second restart of the group: over the default suite's budget
 def test_rank_0_killed_is_named_and_the_joined_machine_rejoins_by_itself(cluster):
     """A failure on the ComfyUI host: rank 0 is named (not the machine whose heartbeats it relayed), the remote ranks
     leave, and the same ``comfy-parallel join`` serves the next backend without anyone touching that machine."""
@@ -339,7 +324,7 @@ def test_multi_machine_widgets_name_the_widget_and_the_fix(widgets, widget, hint
 
 
 @pytest.mark.slow
-def test_two_machines_of_two_ranks_match_one_process(secret_env, one_shot):
+def test_two_machines_of_two_ranks_match_one_process(secret_env, one_process):
     """2 machines × 2 ranks: every strategy whose collectives cross the machines (Ulysses 4, Unified ring 2 ×
     Ulysses 2, tensor parallel 4, data parallel over a batch of 4) against one process."""
     endpoint = f"127.0.0.1:{free_port()}"
@@ -349,7 +334,7 @@ def test_two_machines_of_two_ranks_match_one_process(secret_env, one_shot):
     try:
         backend.start()
         assert sorted(backend._group.remote_ranks()) == [2, 3]  # ranks 0 and 1 on node 0, the ComfyUI host
-        reference = one_shot(3, 64, 64)
+        reference = one_process(3, 64, 64)
         for strategy, args in [
             ("context_parallel", {"ulysses_degree": 4}),
             ("context_parallel", {"ring_degree": 2, "ulysses_degree": 2}),
@@ -358,7 +343,7 @@ def test_two_machines_of_two_ranks_match_one_process(secret_env, one_shot):
             image = generate(spec, strategy, **args)
             assert (image - reference).abs().max() <= 1e-4, (strategy, args)
         images = generate(spec, "data_parallel", batch_size=4)
-        batch = one_shot(3, 64, 64, batch_size=4)
+        batch = one_process(3, 64, 64, batch_size=4)
         for i in range(4):  # one image per rank, each from its own seed; see test_strategies for the tolerance
             assert (images[i] - batch[i]).abs().max() <= 1e-5, i
         local = [backend.agent_pid, *backend.worker_pids.values()]
