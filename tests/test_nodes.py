@@ -23,7 +23,15 @@ import torch
 from diffusers import FluxPipeline
 from test_strategies import MODEL, PROMPT, STEPS, TOKENS, generate
 
-from parallel_runtime import BackendDied, BackendStartError, InvalidInput, default_spec, get_backend
+from parallel_runtime import (
+    BackendDied,
+    BackendSpec,
+    BackendStartError,
+    InvalidInput,
+    default_spec,
+    get_backend,
+    launcher,
+)
 from parallel_runtime.arena import SHM_DIR
 from parallel_runtime.launcher import SHM_PREFIX
 from parallel_runtime.machines import join_command
@@ -278,6 +286,7 @@ def test_a_machine_killed_mid_run_is_named_and_the_next_prompt_runs_once_it_rejo
     spec = cluster["spec"]
     backend = get_backend(spec)
     remote = backend._group.remote_ranks()[1]
+    dead_dirs = cluster["machine"].run_dirs()
     threading.Timer(1.5, cluster["machine"].kill).start()
     with pytest.raises(BackendDied) as failure:
         backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
@@ -288,6 +297,8 @@ def test_a_machine_killed_mid_run_is_named_and_the_next_prompt_runs_once_it_rejo
     cluster["machine"] = Machine(cluster["endpoint"])  # the machine is back
     status = backend.status()
     assert status.world_size == 2 and list(backend._group.remote_ranks()) == [1]
+    # What the killed machine could not clean up, the next launch there swept away.
+    assert dead_dirs and not any(os.path.exists(d) for d in dead_dirs)
 
 
 def test_a_machine_that_never_joins_is_named_with_its_command(secret_env, monkeypatch):
@@ -296,10 +307,19 @@ def test_a_machine_that_never_joins_is_named_with_its_command(secret_env, monkey
 
     endpoint = f"127.0.0.1:{free_port()}"
     backend = Backend(default_spec(device="cpu", ranks=1, nnodes=3, rdzv_endpoint=endpoint))
+    launched, launch = [], launcher.launch
+
+    def launch_and_keep(spec: BackendSpec) -> launcher.LaunchedGroup:
+        launched.append(launch(spec))
+        return launched[-1]
+
+    monkeypatch.setattr(launcher, "launch", launch_and_keep)
     started = time.monotonic()
     with pytest.raises(BackendStartError) as failure:
         backend.start()
     assert time.monotonic() - started < 60
+    (group,) = launched  # nothing of it is left: its torchrun agent (which hosted the rendezvous), its run directory
+    assert not process_alive(group.proc.pid) and not os.path.exists(group.run_dir.path)
     message = str(failure.value)
     for node in (1, 2):
         assert f"node {node} of 3 did not join within 4 s" in message, message
