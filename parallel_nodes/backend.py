@@ -3,6 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec
+from parallel_runtime.machines import join_commands
 from parallel_runtime.spec import MEMORY_POLICIES
 
 from . import comfy
@@ -68,6 +69,27 @@ class ParallelBackend(io.ComfyNode):
                         "stay loaded."
                     ),
                 ),
+                io.Int.Input(
+                    "nnodes",
+                    default=1,
+                    min=1,
+                    max=64,
+                    optional=True,
+                    tooltip=(
+                        "Machines the backend spans, each with `ranks` ranks. This one is node 0 (rank 0 and the "
+                        "shared memory stay here); the node's text shows the command to run on each of the others."
+                    ),
+                ),
+                io.String.Input(
+                    "rdzv_endpoint",
+                    default="",
+                    optional=True,
+                    tooltip=(
+                        "With nnodes > 1: host:port of this machine that the others reach (for example "
+                        "192.168.1.10:29400). The backend listens only on that address, and its collectives use the "
+                        "interface that holds it. Use a trusted network, a VPN or an SSH tunnel (README)."
+                    ),
+                ),
             ],
             outputs=[
                 Backend.Output(
@@ -88,12 +110,17 @@ class ParallelBackend(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
-        return io.NodeOutput(
-            default_spec(
-                device=w["device"],
-                ranks=w["ranks"],
-                memory_policy=w["memory_policy"],
-                gpus=w["gpus"],
-                free_comfyui_vram=w["free_comfyui_vram"],
-            )
+        spec = default_spec(
+            device=w["device"],
+            ranks=w["ranks"],
+            memory_policy=w["memory_policy"],
+            gpus=w["gpus"],
+            free_comfyui_vram=w["free_comfyui_vram"],
+            nnodes=w["nnodes"],
+            rdzv_endpoint=w["rdzv_endpoint"],
         )
+        if spec.nnodes > 1:
+            # The commands carry the cluster secret: shown on the node, never written to the log.
+            commands = join_commands(spec.rdzv_endpoint, spec.nnodes)
+            comfy.show_text(cls, "On each other machine run:\n" + "\n".join(commands), logged=False)
+        return io.NodeOutput(spec)

@@ -1,4 +1,4 @@
-"""``comfy-parallel``: check a backend, build tiny offline models, run the demo."""
+"""``comfy-parallel``: check a backend, build tiny offline models, run the demo, join another machine's backend."""
 
 from __future__ import annotations
 
@@ -250,7 +250,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("family", help="one of: " + ", ".join(f"{a.key} ({a.name})" for a in REGISTRY))
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser(
+        "join",
+        help="serve as node K of the backends a ComfyUI host starts (the command its Parallel Backend node shows)",
+        description="Runs this machine's ranks of every backend the ComfyUI host at RDZV_ENDPOINT starts, until "
+        "interrupted. The secret comes from COMFY_PARALLEL_SECRET (or --secret-file), never the command line.",
+    )
+    p.add_argument("rdzv_endpoint", help="host:port of the ComfyUI host (its Parallel Backend node's rdzv_endpoint)")
+    p.add_argument("--node-rank", type=int, required=True, help="this machine's node rank, 1..nnodes-1")
+    p.add_argument("--address", help="this machine's address the others reach (default: the one routed to the host)")
+    p.add_argument("--secret-file", help="read the secret from this file instead of COMFY_PARALLEL_SECRET")
+    p.add_argument("--once", action="store_true", help="leave after one backend instead of waiting for the next")
     args = parser.parse_args(argv)
+
+    if args.command == "join":
+        from .machines import main_join
+
+        return main_join(args.rdzv_endpoint, args.node_rank, args.address, args.secret_file, args.once)
 
     if args.command == "make-tiny-model":
         if args.family not in {a.key for a in REGISTRY}:

@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from . import launcher
+from . import launcher, machines, rendezvous
 from .arena import Arena, ArenaReader
 from .errors import (
     BackendDied,
@@ -34,7 +34,7 @@ from .errors import (
     ParallelRuntimeError,
     Refused,
 )
-from .processes import memory_cgroup, oom_kills, process_alive
+from .processes import children, memory_cgroup, oom_kills, process_alive
 from .protocol import (
     BadFrame,
     Bye,
@@ -64,6 +64,8 @@ POLL_S = 0.05  # how quickly a cancel or a progress event is noticed
 HEALTH_S = 0.5  # how often the ranks' processes are looked at while waiting
 # How long a dying group may take to finish dying before we stop waiting for its own account of it.
 DEATH_REPORT_S = 3.0
+# A rank on another machine whose heartbeat (relayed every second) is this old when the group fails went first.
+REMOTE_SILENT_S = 2.5
 
 ProgressFn = Callable[[int, int, "str | None"], None]
 R = TypeVar("R")
@@ -146,11 +148,16 @@ class Backend:
         t0 = time.monotonic()
         group = launcher.launch(self.spec, collective_timeout_s=self.deadlines.collective_s)
         self._group, self._aborted = group, None
-        deadline = t0 + self.startup_timeout
+        # Over several machines the ranks start only once every machine has joined the rendezvous.
+        join_by = t0 + rendezvous.join_deadline() if self.spec.nnodes > 1 else None
+        deadline = t0 + self.startup_timeout + (rendezvous.join_deadline() if join_by else 0.0)
         try:
             while not os.path.exists(group.run_dir.socket):
                 if group.proc.poll() is not None:
                     raise BackendStartError(self._start_failure("exited during start-up"))
+                # torchrun's agent starts the ranks once the rendezvous is complete
+                if join_by is not None and time.monotonic() > join_by and not children(group.proc.pid):
+                    raise BackendStartError(self._missing_nodes())
                 if time.monotonic() > deadline:
                     raise BackendStartError(self._start_failure(f"did not come up within {self.startup_timeout:.0f} s"))
                 time.sleep(POLL_S)
@@ -186,6 +193,26 @@ class Backend:
         return (
             f"the parallel backend ({self.spec.ranks} {self.spec.device} ranks) {what}.\n"
             f"--- torchrun ---\n{g.log_tail()}\n{tails}"
+        )
+
+    def _missing_nodes(self) -> str:
+        """Which machines did not join in time, and the command to run on each (without the secret: errors are
+        logged)."""
+        spec, group = self.spec, self._group
+        joined = machines.claims(spec.rdzv_endpoint, group.rdzv_id, spec.nnodes, rendezvous.cluster_secret())
+        missing = [k for k in range(1, spec.nnodes) if k not in joined]
+        waited = f"within {rendezvous.join_deadline():.0f} s (COMFY_PARALLEL_JOIN_S)"
+        if not missing:
+            return (
+                f"the parallel backend over {spec.nnodes} machines did not start: every machine claimed its node "
+                f"({', '.join(f'node {k}: {c.host}' for k, c in sorted(joined.items()))}) but the rendezvous did not "
+                f"complete {waited}; check that each machine reaches {spec.rdzv_endpoint} and the others (firewall, "
+                "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).\n--- torchrun ---\n" + group.log_tail()
+            )
+        return "the parallel backend did not start: " + "; ".join(
+            f"node {k} of {spec.nnodes} did not join {waited}: on that machine run `"
+            f"{machines.join_command(spec.rdzv_endpoint, k)}` (it must reach this machine at {spec.rdzv_endpoint})"
+            for k in missing
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -261,7 +288,7 @@ class Backend:
             rank = dead[0]
         if rank is None:
             return None, "a rank", None
-        who = f"rank {rank} (pid {self._pids.get(rank)})"
+        who = group.describe(rank)
         if any(
             (oom_kills(cgroup) or 0) > before
             for cgroup, before in self._memory.get(rank, {}).items()
@@ -278,6 +305,34 @@ class Backend:
             )
         return rank, who, None
 
+    def _silent_machine(self) -> tuple[int, str, str] | None:
+        """A rank on another machine that stopped beating before the group failed (its machine, its network or its
+        ``comfy-parallel join`` went away): the cause, whatever rank 0 then reported. None when there is none."""
+        group = self._group
+        remote = group.remote_ranks()
+        if not remote:
+            return None
+        # Rank 0 relays the remote heartbeats, so they mean something only while it ran: measure them at its own last
+        # heartbeat (or when it left the group), never after it died.
+        run_dir = group.run_dir
+        moments = [time.time()]
+        for path in (run_dir.rank_heartbeat(0), run_dir.rank_traceback(0)):
+            try:
+                moments.append(os.path.getmtime(path))
+            except OSError:
+                pass
+        ages = {r: age for r, age in run_dir.heartbeat_ages(min(moments)).items() if r in remote}
+        silent = [r for r, age in ages.items() if age > REMOTE_SILENT_S]
+        if not silent:
+            return None
+        rank = max(silent, key=ages.get)
+        return (
+            rank,
+            group.describe(rank),
+            f"stopped answering: its heartbeat stopped {ages[rank]:.0f} s before the group failed (its machine, the "
+            f"network, or `comfy-parallel join` there went away)",
+        )
+
     def _die(
         self, reason: str, rank: int | None = None, tb: str = "", who: str | None = None, now: bool = False
     ) -> BackendDied:
@@ -289,7 +344,10 @@ class Backend:
         if now:
             launcher.kill(group)
         launcher.wait_exit(group, 0.0 if now else DEATH_REPORT_S)  # let torchrun write its account of the failure
-        if who is None:
+        silent = self._silent_machine() if who is None else None
+        if silent is not None:
+            rank, who, reason = silent
+        elif who is None:
             found, who, cause = self._died()
             reason = cause or reason
             rank = found if rank is None else rank
@@ -484,6 +542,8 @@ class Backend:
             "spec": dataclasses.asdict(self.spec),
             "last_error": _last_error,
         }
+        if self.spec.nnodes > 1:  # what to run on the other machines (the secret included: this view is the user's)
+            view["join"] = machines.join_commands(self.spec.rdzv_endpoint, self.spec.nnodes)
         if not self._lock.acquire(blocking=False):
             return {**view, "busy": True, **(to_json(self._last_status) if self._last_status else {})}
         try:

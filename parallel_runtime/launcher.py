@@ -7,6 +7,10 @@ included) is removed.
 
 torchrun runs as ``python -m parallel_runtime.worker.agent``: the same agent, with its TCP stores bound to one address
 (loopback on one machine) instead of every interface, and the collectives' sockets on that interface too.
+
+Over several machines (``spec.nnodes`` > 1) this machine is node 0: its agent hosts the rendezvous store on the host
+of ``spec.rdzv_endpoint`` (and binds nothing else), under a fresh rendezvous id that only the beacon, sealed with the
+cluster secret (``rendezvous``), tells the joining machines.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import sys
 import tempfile
 import time
 
+from . import rendezvous
 from .arena import SHM_DIR, remove_segments
 from .processes import process_alive
+from .rendezvous import BEACON_KEY, Beacon, seal, split_endpoint
 from .rundir import RunDir
 from .spec import BackendSpec, visible_gpu_uuids
 
@@ -43,6 +49,18 @@ class LaunchedGroup:
     shm_prefix: str
     # Every rank pid seen so far: teardown must reach them even once their pid files are gone.
     known_pids: dict[int, int] = dataclasses.field(default_factory=dict)
+    rdzv_id: str | None = None  # over several machines: this backend's rendezvous id (never shown)
+
+    def remote_ranks(self) -> dict[int, dict]:
+        """Rank → {node, host, pid} for the ranks on other machines (rank 0 writes them once they proved the secret)."""
+        return self.run_dir.remote_ranks()
+
+    def describe(self, rank: int) -> str:
+        """A rank in words: its pid, and for a rank on another machine, that machine."""
+        remote = self.remote_ranks().get(rank)
+        if remote is not None:
+            return f"rank {rank} on node {remote['node']} ({remote['host']}, pid {remote['pid']})"
+        return f"rank {rank} (pid {self.known_pids.get(rank) or self.run_dir.rank_pids().get(rank)})"
 
     def worker_pids(self) -> dict[int, int]:
         """Rank → pid for the ranks of this machine that have started."""
@@ -91,7 +109,9 @@ def sweep_stale() -> list[str]:
     return removed
 
 
-def torchrun_command(spec: BackendSpec, run_dir: RunDir) -> list[str]:
+def torchrun_command(spec: BackendSpec, run_dir: RunDir, rendezvous_args: list[str] | None = None) -> list[str]:
+    """torchrun's command for this machine's ranks: standalone on loopback, or (``rendezvous_args``) one machine of a
+    backend over several."""
     # torchrun's own logs go into the run directory, which teardown removes: by default it leaves a torchelastic_*
     # directory in /tmp behind for every launch.
     cmd = [
@@ -107,20 +127,11 @@ def torchrun_command(spec: BackendSpec, run_dir: RunDir) -> list[str]:
         "--log-dir",
         run_dir.torchelastic,
     ]
-    if spec.nnodes == 1:
+    if rendezvous_args is None:
         # The address the ranks are told to reach the agent's store at (MASTER_ADDR): the one it listens on.
         cmd += ["--standalone", "--local-addr", LOOPBACK]
     else:
-        cmd += [
-            "--nnodes",
-            str(spec.nnodes),
-            "--node-rank",
-            str(spec.node_rank),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            spec.rdzv_endpoint,
-        ]
+        cmd += rendezvous_args
     return [*cmd, "-m", "parallel_runtime.worker"]
 
 
@@ -147,6 +158,7 @@ def _environment(
     spec: BackendSpec, run_dir: RunDir, shm_prefix: str, collective_timeout_s: float | None = None
 ) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop(rendezvous.SECRET_ENV, None)  # the ranks seal with the token; the cluster secret stays with the client
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(
         {
@@ -168,6 +180,8 @@ def _environment(
         # reachable from another machine.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    else:
+        env.update(rendezvous.node_environment(split_endpoint(spec.rdzv_endpoint)[0], node_rank=0))
     # c10d's warnings stay in the rank logs (the ranks wait on torchrun's store without timeouts that expire while
     # idle, so polling leaves none there), and so do NCCL's own: without NCCL_DEBUG it prints nothing at all, and a
     # broken link then looks like a hang with an empty log.
@@ -190,23 +204,22 @@ def _environment(
     return env
 
 
-def launch(spec: BackendSpec, collective_timeout_s: float | None = None) -> LaunchedGroup:
-    """Start the group in a fresh private run directory. Returns at once; the ranks come up on their own.
-    ``collective_timeout_s`` bounds each collective of the ranks (torch's process-group timeout)."""
-    sweep_stale()
+def _new_run_dir(token: str) -> RunDir:
     run_dir = RunDir(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))  # mode 0700
     with open(run_dir.client_pid, "w") as f:
         f.write(str(os.getpid()))
-    token = secrets.token_hex(32)
     fd = os.open(run_dir.token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
-    shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+    return run_dir
+
+
+def _popen(cmd: list[str], env: dict[str, str], run_dir: RunDir) -> subprocess.Popen:
     log = open(run_dir.launcher_log, "ab")
     try:
-        proc = subprocess.Popen(
-            torchrun_command(spec, run_dir),
-            env=_environment(spec, run_dir, shm_prefix, collective_timeout_s),
+        return subprocess.Popen(
+            cmd,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -215,7 +228,51 @@ def launch(spec: BackendSpec, collective_timeout_s: float | None = None) -> Laun
         )
     finally:
         log.close()
-    return LaunchedGroup(spec=spec, proc=proc, run_dir=run_dir, token=token, shm_prefix=shm_prefix)
+
+
+def launch_joined(beacon: Beacon, rdzv_endpoint: str, node_rank: int, address: str) -> LaunchedGroup:
+    """Start this machine's part (node ``node_rank``) of the backend ``beacon`` describes, for ``comfy-parallel
+    join``: its agent joins node 0's rendezvous from ``address``. Its ranks get no shared-memory prefix: only rank 0,
+    on node 0, has an arena."""
+    sweep_stale()
+    run_dir = _new_run_dir(beacon.token)
+    spec = BackendSpec(ranks=beacon.ranks, device=beacon.device, memory_policy=beacon.memory_policy)
+    env = _environment(spec, run_dir, shm_prefix="")
+    del env["COMFY_PARALLEL_SHM_PREFIX"]
+    for name in rendezvous.IFNAMES:  # not loopback: the interface that reaches node 0, or the user's choice
+        env.pop(name, None)
+    env.update(rendezvous.node_environment(address, node_rank))
+    args = rendezvous.rendezvous_arguments(rdzv_endpoint, beacon.nnodes, beacon.rdzv_id, host=False, local_addr=address)
+    proc = _popen(torchrun_command(spec, run_dir, args), env, run_dir)
+    return LaunchedGroup(
+        spec=spec,
+        proc=proc,
+        run_dir=run_dir,
+        token=beacon.token,
+        shm_prefix=f"{SHM_PREFIX}-{os.getpid()}-none-",  # names nothing: teardown removes no segment
+        rdzv_id=beacon.rdzv_id,
+    )
+
+
+def launch(spec: BackendSpec, collective_timeout_s: float | None = None) -> LaunchedGroup:
+    """Start the group in a fresh private run directory. Returns at once; the ranks come up on their own.
+    ``collective_timeout_s`` bounds each collective of the ranks (torch's process-group timeout)."""
+    sweep_stale()
+    token = secrets.token_hex(32)
+    run_dir = _new_run_dir(token)
+    shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+    rdzv_id, args = None, None
+    if spec.nnodes > 1:
+        rdzv_id = secrets.token_hex(16)
+        host = split_endpoint(spec.rdzv_endpoint)[0]
+        args = rendezvous.rendezvous_arguments(spec.rdzv_endpoint, spec.nnodes, rdzv_id, host=True, local_addr=host)
+        beacon = Beacon(rdzv_id, token, spec.nnodes, spec.ranks, spec.device, spec.memory_policy)
+        fd = os.open(run_dir.beacon, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(seal(rendezvous.cluster_secret(), BEACON_KEY, beacon))
+    env = _environment(spec, run_dir, shm_prefix, collective_timeout_s)
+    proc = _popen(torchrun_command(spec, run_dir, args), env, run_dir)
+    return LaunchedGroup(spec=spec, proc=proc, run_dir=run_dir, token=token, shm_prefix=shm_prefix, rdzv_id=rdzv_id)
 
 
 def _signal_all(group: LaunchedGroup, sig: int) -> None:

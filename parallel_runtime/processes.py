@@ -47,3 +47,12 @@ def oom_kills(cgroup: str | None) -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def children(pid: int) -> list[int]:
+    """``pid``'s child processes (empty when it has none or is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []

@@ -6,11 +6,15 @@ ranks.
     torchelastic/       torchrun's own logs              rank<N>.log         a rank's stdout and stderr
     rank<N>.pid         a rank's pid                     rank<N>.traceback   why a rank left the group
     rank<N>.heartbeat   renewed every second by the rank (its modification time is the heartbeat)
+    beacon              over several machines: the backend's sealed beacon, which node 0's agent publishes
+    rank<N>.node        a rank on another machine: {node, host, pid} (JSON); rank 0 renews its heartbeat file and
+                        copies its traceback here from the store
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 
@@ -54,6 +58,13 @@ class RunDir:
     def rank_heartbeat(self, rank: int) -> str:
         return self._at(f"rank{rank}.heartbeat")
 
+    @property
+    def beacon(self) -> str:
+        return self._at("beacon")
+
+    def rank_node(self, rank: int) -> str:
+        return self._at(f"rank{rank}.node")
+
     def _ranks_with(self, suffix: str) -> dict[int, str]:
         found = {}
         for path in glob.glob(self._at(f"rank*.{suffix}")):
@@ -72,6 +83,17 @@ class RunDir:
             except (OSError, ValueError):
                 pass
         return pids
+
+    def remote_ranks(self) -> dict[int, dict]:
+        """Rank → {node, host, pid} for the ranks on other machines."""
+        found = {}
+        for rank, path in self._ranks_with("node").items():
+            try:
+                with open(path) as f:
+                    found[rank] = json.load(f)
+            except (OSError, ValueError):
+                pass
+        return found
 
     def heartbeat_ages(self, now: float) -> dict[int, float]:
         """Rank → seconds since its last heartbeat (wall clock: the file's modification time)."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 
 from .errors import InvalidInput
+from .rendezvous import split_endpoint
 
 DEVICES = ("cpu", "cuda")
 MEMORY_POLICIES = ("staged", "resident")
@@ -15,9 +17,9 @@ MEMORY_POLICIES = ("staged", "resident")
 class BackendSpec:
     """A backend's launch configuration. Two equal specs share one running backend.
 
-    ``ranks`` is the number of ranks on this machine (torchrun's ``--nproc-per-node``); with ``nnodes`` > 1
-    the other machines run the same backend command with their own ``node_rank`` and the shared
-    ``rdzv_endpoint``, and rank 0 (which owns the shared memory) stays on this machine.
+    ``ranks`` is the number of ranks on each machine (torchrun's ``--nproc-per-node``); with ``nnodes`` > 1 this
+    machine is node 0 and listens on ``rdzv_endpoint``, the other machines run ``comfy-parallel join`` with their own
+    node rank (``machines``), and rank 0 (which owns the shared memory) stays on this machine.
 
     ``gpus`` are the GPUs the ranks use, as nvidia-smi numbers them (PCI bus order), whatever this process sees:
     ComfyUI's ``--cuda-device`` narrows its own ``CUDA_VISIBLE_DEVICES`` to one GPU, which must not narrow the
@@ -109,16 +111,52 @@ def parse_gpus(text: str, widget: str = "gpus") -> tuple[int, ...] | None:
     return gpus
 
 
+def _check_endpoint(nnodes: int, rdzv_endpoint: str) -> None:
+    """``rdzv_endpoint`` of a backend over ``nnodes`` machines: host:port, the host an address of this machine."""
+    if not rdzv_endpoint:
+        raise InvalidInput(
+            "rdzv_endpoint",
+            f"a backend over {nnodes} machines needs host:port: this machine's address that the other machines reach "
+            "and a free port (for example 192.168.1.10:29400; 127.0.0.1:29400 over an SSH tunnel)",
+        )
+    try:
+        host, _ = split_endpoint(rdzv_endpoint)
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind((host, 0))  # only an address of this machine binds
+        finally:
+            probe.close()
+    except ValueError as e:
+        raise InvalidInput("rdzv_endpoint", str(e)) from None
+    except OSError as e:
+        raise InvalidInput(
+            "rdzv_endpoint",
+            f"{rdzv_endpoint}: {host} is not an IPv4 address of this machine ({e}); use the address the other machines "
+            "reach it at (see `ip addr`), or 127.0.0.1 with an SSH tunnel (README: Several machines)",
+        ) from None
+
+
 def default_spec(
-    device: str = "auto", ranks: int = 0, memory_policy: str = "staged", gpus: str = "", free_comfyui_vram: bool = True
+    device: str = "auto",
+    ranks: int = 0,
+    memory_policy: str = "staged",
+    gpus: str = "",
+    free_comfyui_vram: bool = True,
+    nnodes: int = 1,
+    rdzv_endpoint: str = "",
 ) -> BackendSpec:
     """The backend nodes use when no ParallelBackend node is wired in.
 
     ``auto`` means CUDA when a GPU is visible (or ``gpus`` lists some), else CPU; ``ranks`` 0 means one rank per GPU,
     or 2 CPU ranks. ``gpus`` (nvidia-smi's numbers, e.g. ``"0,1"``) gives the backend its own GPUs; empty: the GPUs
     this process sees. ``COMFY_PARALLEL_DEVICE``, ``COMFY_PARALLEL_RANKS`` and ``COMFY_PARALLEL_VISIBLE_DEVICES``
-    override the defaults, not explicit values (the last only for a cuda backend).
+    override the defaults, not explicit values (the last only for a cuda backend). With ``nnodes`` > 1 every machine
+    runs ``ranks`` ranks and this one, node 0, listens on ``rdzv_endpoint``.
     """
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise InvalidInput("nnodes", f"nnodes is the number of machines, 1 or more; got {nnodes!r}")
+    if nnodes > 1:
+        _check_endpoint(nnodes, rdzv_endpoint.strip())
     if device == "auto":
         device = os.environ.get("COMFY_PARALLEL_DEVICE", "auto")
     if not ranks:
@@ -154,5 +192,11 @@ def default_spec(
     if not ranks:
         ranks = gpu_count or 2
     return BackendSpec(
-        ranks=ranks, device=device, memory_policy=memory_policy, gpus=chosen, free_comfyui_vram=free_comfyui_vram
+        ranks=ranks,
+        device=device,
+        memory_policy=memory_policy,
+        gpus=chosen,
+        free_comfyui_vram=free_comfyui_vram,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint.strip() if nnodes > 1 else None,
     )

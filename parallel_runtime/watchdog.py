@@ -133,8 +133,7 @@ class Watchdog:
                 self._stopped_since.pop(pid, None)
         for rank, age in sorted(self.group.run_dir.heartbeat_ages(time.time()).items()):
             if age > self.deadlines.heartbeat_s:
-                pid = self.group.worker_pids().get(rank)
-                return Hang(rank, f"rank {rank} (pid {pid})", f"stopped responding: no heartbeat for {age:.0f} s")
+                return Hang(rank, self.group.describe(rank), f"stopped responding: no heartbeat for {age:.0f} s")
         if self.cancel_asked_at is not None:
             allowed = max(self.deadlines.cancel_s, 3 * self.slowest_step)
             if now - self.cancel_asked_at > allowed:

@@ -24,6 +24,7 @@ SHARED = {
     "parallel_runtime.spec",
     "parallel_runtime.families",
     "parallel_runtime.rundir",
+    "parallel_runtime.rendezvous",
 }
 CLIENT = {
     "parallel_runtime",
@@ -34,6 +35,7 @@ CLIENT = {
     "parallel_runtime.comfy_files",
     "parallel_runtime.cli",
     "parallel_runtime.watchdog",
+    "parallel_runtime.machines",
 }
 LAYERS = {
     "shared": SHARED,

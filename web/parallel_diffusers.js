@@ -102,10 +102,20 @@ function render(root, status) {
     body.push(el("p", { className: "pd-summary",
       textContent: `${status.world_size} ranks on ${status.device} · ${spec.memory_policy} memory policy${startup}` }));
     const ranks = status.ranks || [];
-    body.push(table("Ranks", ["rank", "device", "memory", "pid"],
-      ranks.map((r) => [r.rank, device(r), memory(r), r.pid])));
+    const hosts = new Set(ranks.map((r) => r.hostname));
+    body.push(hosts.size > 1 || status.join
+      ? table("Ranks", ["rank", "host", "device", "memory", "pid"],
+        ranks.map((r) => [r.rank, r.hostname, device(r), memory(r), r.pid]))
+      : table("Ranks", ["rank", "device", "memory", "pid"],
+        ranks.map((r) => [r.rank, device(r), memory(r), r.pid])));
     body.push(el("h4", { textContent: "Resident models" }));
     body.push(residentList(ranks));
+  }
+  if (status.join && status.join.length) {  // a backend over several machines: what to run on the others
+    body.push(el("h4", { textContent: "Other machines" }));
+    body.push(el("p", { className: "pd-note",
+      textContent: "Run on each (it stays up and joins every backend this host starts; keep the secret private):" }));
+    for (const command of status.join) body.push(el("pre", { className: "pd-command", textContent: command }));
   }
   if (status.last_error) {
     const e = status.last_error;
@@ -153,6 +163,8 @@ const STYLE = `
 .pd-panel ul.pd-models { list-style: none; margin: 0; padding: 0; }
 .pd-panel ul.pd-models li { padding: 4px 0; border-bottom: 1px solid var(--border-color, #444); overflow-wrap: anywhere; }
 .pd-panel .pd-error { white-space: pre-wrap; color: var(--error-text, #f66); max-height: 14em; overflow: auto; }
+.pd-panel .pd-command { white-space: pre-wrap; overflow-wrap: anywhere; font-size: 12px; margin: 4px 0;
+  padding: 4px 6px; background: var(--comfy-input-bg, #333); border-radius: 4px; user-select: all; }
 .pd-panel .pd-buttons { display: flex; gap: 8px; margin-top: 14px; }
 .pd-panel button { padding: 4px 10px; border-radius: 4px; cursor: pointer; color: var(--input-text, #ddd);
   background: var(--comfy-input-bg, #333); border: 1px solid var(--border-color, #555); }

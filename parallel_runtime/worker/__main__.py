@@ -60,14 +60,16 @@ def main() -> None:
     with open(run_dir.rank_pid(rank_id), "w") as f:
         f.write(str(os.getpid()))
     heartbeat = Heartbeat(run_dir.rank_heartbeat(rank_id))
-    shm_prefix = os.environ["COMFY_PARALLEL_SHM_PREFIX"]
+    # Only the ComfyUI host's ranks have one: a machine that joined (``comfy-parallel join``) has no arena.
+    shm_prefix = os.environ.get("COMFY_PARALLEL_SHM_PREFIX")
 
     def clean_up_for_the_dead_client() -> None:
         # Whichever rank of the client's machine notices first cleans up: torchrun's agent stops the others as
-        # soon as one exits, possibly before they get to it. Both steps are safe to repeat.
-        if os.environ.get("GROUP_RANK", "0") == "0":
+        # soon as one exits, possibly before they get to it. Both steps are safe to repeat. On a machine that
+        # joined, the client is ``comfy-parallel join``: its run directory goes too.
+        if shm_prefix:
             remove_segments(shm_prefix)
-            shutil.rmtree(run_dir.path, ignore_errors=True)
+        shutil.rmtree(run_dir.path, ignore_errors=True)
 
     _watch_for_orphaning(int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), clean_up=clean_up_for_the_dead_client)
     me = Rank()

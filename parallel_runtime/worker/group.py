@@ -113,6 +113,18 @@ class Group:
         self.world_size = world_size
         self._sealer = Sealer(secret)
 
+    @property
+    def sealer(self) -> Sealer:
+        return self._sealer
+
+    def put(self, key: str, value: Any) -> None:
+        """A sealed record of the ranks' own at ``key`` (beside the op protocol's: ``remote``'s hellos)."""
+        self._put(key, value)
+
+    def get(self, key: str, kind: type) -> Any:
+        """The ``kind`` sealed at ``key``; Tampered when it does not open."""
+        return self._get(key, kind)
+
     def _put(self, key: str, value: Any) -> None:
         self.store.set(key, self._seal(key, value))
 

@@ -24,6 +24,7 @@ from .diagnostics import device_label, flush, memory_of  # and registers its ops
 from .group import SHUTDOWN_OP, Group, OpHeader, Outcome, OutcomeStatus, broadcast_tensors
 from .models import ResidentModels
 from .ops import OpCancelled, OpContext, WidgetError, get_op
+from .remote import beat, check_in, introduce, leave, node_rank
 
 log = logging.getLogger("parallel_runtime.worker")
 
@@ -80,6 +81,14 @@ class Rank:
         with open(self.run_dir.token) as f:
             secret = f.read().strip()
         self.group = Group(dist.distributed_c10d._get_default_store(), self.rank, self.world_size, secret)
+        self.node = node_rank()
+        if self.rank == 0 and self.node != 0:
+            raise RuntimeError(f"rank 0 started on node {self.node}: it must run on the ComfyUI host (node 0)")
+        introduce(self.group)
+        if self.rank == 0:
+            check_in(self.group, self.run_dir)
+        elif self.node != 0:
+            beat(self.rank)
         # What the start-up imported lives as long as the rank: out of the collector's sight.
         flush(self.device, freeze=True)
         log.info(
@@ -144,8 +153,11 @@ class Rank:
 
     def die(self, outcome: Outcome) -> None:
         """Leave the group for good: record why, and exit so that torchrun tears the rest down."""
+        text = outcome.traceback or outcome.message or "rank left the group"
         with open(self.run_dir.rank_traceback(self.rank), "w") as f:
-            f.write(outcome.traceback or outcome.message or "rank left the group")
+            f.write(text)
+        if self.node != 0:
+            leave(self.rank, self.group.sealer, text)
         log.error("rank %d leaves the group: the others are stuck in a collective it left", self.rank)
         sys.stdout.flush()
         sys.stderr.flush()

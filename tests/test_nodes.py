@@ -1,0 +1,439 @@
+"""A backend over several machines, simulated on one over 127.0.0.1: the ComfyUI side's backend is node 0 (this
+process's client), and ``comfy-parallel join`` runs node 1 in a process of its own, as it would on another machine.
+
+Real torchrun agents meeting in torchrun's rendezvous, real ranks, real collectives (gloo), the tiny FLUX.1 through
+the nodes' steps. What is checked: images equal one process; a remote rank never opens shared memory; a wrong secret,
+no secret or a node rank already taken is refused while the group in use goes on; a machine that never joins is
+named, with its command, within the deadline; a machine killed mid-run is named in ``BackendDied`` and the next
+prompt runs once it has joined again; nothing is left on either side.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+from test_strategies import MODEL, PROMPT, STEPS, TOKENS, generate
+
+from parallel_runtime import (
+    BackendDied,
+    BackendSpec,
+    BackendStartError,
+    InvalidInput,
+    default_spec,
+    get_backend,
+    launcher,
+)
+from parallel_runtime.arena import SHM_DIR
+from parallel_runtime.launcher import SHM_PREFIX
+from parallel_runtime.machines import join_command
+from parallel_runtime.processes import process_alive
+from parallel_runtime.rendezvous import SECRET_ENV, cluster_secret, interface_of
+from parallel_runtime.testing.tiny_models import make_tiny_flux
+from parallel_runtime.wire import StatusArgs, StepsArgs
+
+pytestmark = pytest.mark.multirank
+
+SECRET = "test-secret-" + os.urandom(8).hex()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Machine:
+    """``comfy-parallel join`` as another machine would run it: its own process (and session), its own secret."""
+
+    def __init__(self, endpoint: str, node_rank: int = 1, secret: str | None = SECRET, *args: str):
+        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+        env["PYTHONPATH"] = ROOT
+        if secret is not None:
+            env[SECRET_ENV] = secret
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "parallel_runtime.cli", "join", endpoint, "--node-rank", str(node_rank), *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def processes(self) -> list[int]:
+        """The join process and everything under it (its torchrun agent and ranks)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    todo += [int(p) for p in f.read().split()]
+            except OSError:
+                pass
+        return found
+
+    def run_dirs(self) -> list[str]:
+        dirs = set()
+        for pid in self.processes():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    for item in f.read().split(b"\0"):
+                        if item.startswith(b"COMFY_PARALLEL_RUN_DIR="):
+                            dirs.add(item.split(b"=", 1)[1].decode())
+            except OSError:
+                pass
+        return sorted(dirs)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """The machine is gone: every process of it at once."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def secret_env():
+    old = os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = SECRET
+    yield SECRET
+    if old is None:
+        del os.environ[SECRET_ENV]
+    else:
+        os.environ[SECRET_ENV] = old
+
+
+@pytest.fixture(scope="module")
+def models_dir(models_root):
+    make_tiny_flux(str(models_root / MODEL))
+    return models_root
+
+
+@pytest.fixture(scope="module")
+def one_process(models_dir):
+    """The one-shot diffusers pipeline in this process: the reference every strategy must match (as in
+    test_strategies, on this module's model folder)."""
+    pipe = FluxPipeline.from_pretrained(models_dir / MODEL)
+    pipe.set_progress_bar_config(disable=True)
+
+    def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
+        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)]
+        return pipe(
+            PROMPT, num_inference_steps=STEPS, guidance_scale=3.5, width=width, height=height,
+            max_sequence_length=TOKENS, num_images_per_prompt=batch_size, output_type="pt", generator=generators,
+        ).images.permute(0, 2, 3, 1)  # fmt: skip
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def cluster(secret_env, models_dir):
+    """Node 0 (this process's backend, 1 rank) and node 1 (``comfy-parallel join``, 1 rank) over 127.0.0.1."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    spec = default_spec(device="cpu", ranks=1, nnodes=2, rdzv_endpoint=endpoint)
+    machine = Machine(endpoint)
+    state = {"machine": machine, "spec": spec, "endpoint": endpoint}
+    get_backend(spec).start()
+    yield state
+    backend = get_backend(spec)
+    remote_dirs, remote_pids = state["machine"].run_dirs(), state["machine"].processes()
+    local = [backend.agent_pid, *backend.worker_pids.values()] if backend.running else []
+    run_dir, prefix = backend.run_dir, backend.shm_prefix
+    backend.shutdown()
+    state["machine"].stop()
+    assert_nothing_left(local + remote_pids, [d for d in [run_dir, *remote_dirs] if d], prefix)
+
+
+def assert_nothing_left(pids: list[int], run_dirs: list[str], prefix: str | None) -> None:
+    """Nothing of a backend left on either side: processes, run directories (torchrun's logs live in them), arena
+    segments."""
+    assert [p for p in pids if process_alive(p)] == []
+    assert [d for d in run_dirs if os.path.exists(d)] == []
+    assert prefix is None or [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)] == []
+
+
+def test_two_machines_context_parallel_matches_one_process(cluster, one_process):
+    spec = cluster["spec"]
+    status = get_backend(spec).status()
+    assert status.world_size == 2 and [r.rank for r in status.ranks] == [0, 1]
+    remote = get_backend(spec)._group.remote_ranks()
+    assert list(remote) == [1] and remote[1]["node"] == 1  # rank 0 is on node 0, the ComfyUI host
+    for args in ({"ulysses_degree": 2}, {"ring_degree": 2, "ulysses_degree": 1}):
+        image = generate(spec, "context_parallel", **args)
+        assert (image - one_process(3, 64, 64)).abs().max() <= 1e-4, args
+
+
+def _arena_segments_of(pid: int) -> list[str]:
+    """The backend arena segments (``pd-...`` in /dev/shm) ``pid`` maps or holds open. Other files there are not the
+    arena's: a library's POSIX semaphores (``sem.*``) live there too."""
+    paths = []
+    with open(f"/proc/{pid}/maps") as f:
+        paths += [line.split(maxsplit=5)[-1].strip() for line in f if SHM_DIR + "/" in line]
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    names = [os.path.basename(p.split(" (deleted)")[0]) for p in paths if p.startswith(SHM_DIR + "/")]
+    return [n for n in names if n.startswith(SHM_PREFIX + "-")]
+
+
+def test_a_remote_rank_opens_no_shared_memory(cluster):
+    backend = get_backend(cluster["spec"])
+    generate(cluster["spec"], "context_parallel", ulysses_degree=2)  # both arenas have carried tensors
+    remote_pid = backend._group.remote_ranks()[1]["pid"]
+    with open(f"/proc/{remote_pid}/environ", "rb") as f:
+        environ = f.read()
+    assert b"COMFY_PARALLEL_SHM_PREFIX" not in environ and b"COMFY_PARALLEL_NODE_RANK=1" in environ
+    # The collectives' sockets stay on the interface that holds rdzv_endpoint's address (loopback here), on both sides.
+    assert b"GLOO_SOCKET_IFNAME=lo\0" in environ and b"NCCL_SOCKET_IFNAME=lo\0" in environ
+    assert _arena_segments_of(remote_pid) == []
+    assert any(
+        name.startswith(backend.shm_prefix) for name in _arena_segments_of(backend.worker_pids[0])
+    )  # rank 0 does
+
+
+def test_both_machines_listen_only_on_the_chosen_address(cluster):
+    """Every socket either machine's agent or ranks listen on is bound to rdzv_endpoint's host, none to every
+    interface (0.0.0.0)."""
+    psutil = pytest.importorskip("psutil")
+    backend = get_backend(cluster["spec"])
+    pids = [backend.agent_pid, *backend.worker_pids.values(), *cluster["machine"].processes()]
+    listening = [
+        (pid, c.laddr.ip)
+        for pid in pids
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening and all(ip == "127.0.0.1" for _, ip in listening), listening
+
+
+def test_the_join_command_is_in_the_status_and_names_the_machine(cluster):
+    view = get_backend(cluster["spec"]).snapshot()
+    assert view["join"] == [join_command(cluster["endpoint"], 1, SECRET)]
+    assert f"comfy-parallel join {cluster['endpoint']} --node-rank 1" in view["join"][0]
+    assert "joining a backend of 2 machines × 1 cpu ranks as node 1" in cluster["machine"].output
+    assert SECRET not in cluster["machine"].output  # never logged
+
+
+REFUSALS = {  # (secret, node rank) → what the refused machine is told
+    "wrong secret": ("not-the-secret", 1, "holds a different secret"),
+    "no secret": (None, 1, "refused: no secret"),
+    "node rank taken": (SECRET, 1, "node rank 1 of this backend is already taken"),
+    "node rank out of range": (SECRET, 5, "--node-rank 5 is not a node of this backend"),
+}
+
+
+def test_a_machine_that_may_not_join_is_refused_and_the_group_goes_on(cluster):
+    """Four machines that may not take part, at once, while the group is in use: each is refused with the reason,
+    none touches the group (same ranks, still answering), and no secret reaches their output."""
+    backend = get_backend(cluster["spec"])
+    pids = dict(backend.worker_pids)
+    intruders = {case: Machine(cluster["endpoint"], node, secret) for case, (secret, node, _) in REFUSALS.items()}
+    assert backend.call(StepsArgs(steps=20, seconds_per_step=0.05)).result.completed == 20
+    for case, intruder in intruders.items():
+        assert intruder.proc.wait(90) == 2, (case, intruder.output)
+        assert "refused: " in intruder.output and REFUSALS[case][2] in intruder.output, (case, intruder.output)
+        assert SECRET not in intruder.output
+    assert backend.worker_pids == pids and backend.call(StatusArgs()).result.world_size == 2
+    assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2
+
+
+@pytest.mark.slow  # a second restart of the group: over the default suite's budget
+def test_rank_0_killed_is_named_and_the_joined_machine_rejoins_by_itself(cluster):
+    """A failure on the ComfyUI host: rank 0 is named (not the machine whose heartbeats it relayed), the remote ranks
+    leave, and the same ``comfy-parallel join`` serves the next backend without anyone touching that machine."""
+    backend = get_backend(cluster["spec"])
+    remote_pid = backend._group.remote_ranks()[1]["pid"]
+    threading.Timer(1.5, os.kill, (backend.worker_pids[0], signal.SIGKILL)).start()
+    with pytest.raises(BackendDied) as failure:
+        backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
+    assert failure.value.rank == 0 and "rank 0 (pid" in str(failure.value), str(failure.value)
+    deadline = time.monotonic() + 30
+    while process_alive(remote_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not process_alive(remote_pid)
+    assert backend.call(StatusArgs()).result.world_size == 2  # a fresh backend: node 1 joined it by itself
+    assert cluster["machine"].proc.poll() is None
+    assert cluster["machine"].output.count("joining a backend") == 2
+
+
+def test_a_machine_killed_mid_run_is_named_and_the_next_prompt_runs_once_it_rejoined(cluster):
+    spec = cluster["spec"]
+    backend = get_backend(spec)
+    remote = backend._group.remote_ranks()[1]
+    dead_dirs = cluster["machine"].run_dirs()
+    threading.Timer(1.5, cluster["machine"].kill).start()
+    with pytest.raises(BackendDied) as failure:
+        backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
+    message = str(failure.value)
+    assert f"rank 1 on node 1 ({remote['host']}, pid {remote['pid']})" in message, message
+    assert failure.value.rank == 1
+    assert not backend.running
+    cluster["machine"] = Machine(cluster["endpoint"])  # the machine is back
+    status = backend.status()
+    assert status.world_size == 2 and list(backend._group.remote_ranks()) == [1]
+    # What the killed machine could not clean up, the next launch there swept away.
+    assert dead_dirs and not any(os.path.exists(d) for d in dead_dirs)
+
+
+def test_a_machine_that_never_joins_is_named_with_its_command(secret_env, monkeypatch):
+    monkeypatch.setenv("COMFY_PARALLEL_JOIN_S", "4")
+    from parallel_runtime import Backend
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    backend = Backend(default_spec(device="cpu", ranks=1, nnodes=3, rdzv_endpoint=endpoint))
+    launched, launch = [], launcher.launch
+
+    def launch_and_keep(spec: BackendSpec) -> launcher.LaunchedGroup:
+        launched.append(launch(spec))
+        return launched[-1]
+
+    monkeypatch.setattr(launcher, "launch", launch_and_keep)
+    started = time.monotonic()
+    with pytest.raises(BackendStartError) as failure:
+        backend.start()
+    assert time.monotonic() - started < 60
+    (group,) = launched  # nothing of it is left: its torchrun agent (which hosted the rendezvous), its run directory
+    assert not process_alive(group.proc.pid) and not os.path.exists(group.run_dir.path)
+    message = str(failure.value)
+    for node in (1, 2):
+        assert f"node {node} of 3 did not join within 4 s" in message, message
+        assert f"comfy-parallel join {endpoint} --node-rank {node}" in message
+    assert SECRET not in message  # errors are logged: the command names where to find the secret instead
+    assert not backend.running
+
+
+@pytest.mark.parametrize(
+    "widgets, widget, hint",
+    [
+        ({"nnodes": 2, "rdzv_endpoint": ""}, "rdzv_endpoint", "needs host:port"),
+        ({"nnodes": 2, "rdzv_endpoint": "127.0.0.1"}, "rdzv_endpoint", "is not host:port"),
+        ({"nnodes": 2, "rdzv_endpoint": "192.0.2.77:29400"}, "rdzv_endpoint", "is not an IPv4 address of this machine"),
+        ({"nnodes": 0}, "nnodes", "the number of machines"),
+    ],
+)
+def test_multi_machine_widgets_name_the_widget_and_the_fix(widgets, widget, hint):
+    with pytest.raises(InvalidInput) as error:
+        default_spec(device="cpu", ranks=1, **widgets)
+    assert error.value.widget == widget and hint in str(error.value)
+
+
+@pytest.mark.slow
+def test_two_machines_of_two_ranks_match_one_process(secret_env, one_process):
+    """2 machines × 2 ranks: every strategy whose collectives cross the machines (Ulysses 4, Unified ring 2 ×
+    Ulysses 2, tensor parallel 4, data parallel over a batch of 4) against one process."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    spec = default_spec(device="cpu", ranks=2, nnodes=2, rdzv_endpoint=endpoint)
+    machine = Machine(endpoint)
+    backend = get_backend(spec)
+    try:
+        backend.start()
+        assert sorted(backend._group.remote_ranks()) == [2, 3]  # ranks 0 and 1 on node 0, the ComfyUI host
+        reference = one_process(3, 64, 64)
+        for strategy, args in [
+            ("context_parallel", {"ulysses_degree": 4}),
+            ("context_parallel", {"ring_degree": 2, "ulysses_degree": 2}),
+            ("tensor_parallel", {"tp_degree": 4}),
+        ]:
+            image = generate(spec, strategy, **args)
+            assert (image - reference).abs().max() <= 1e-4, (strategy, args)
+        images = generate(spec, "data_parallel", batch_size=4)
+        batch = one_process(3, 64, 64, batch_size=4)
+        for i in range(4):  # one image per rank, each from its own seed; see test_strategies for the tolerance
+            assert (images[i] - batch[i]).abs().max() <= 1e-5, i
+        local = [backend.agent_pid, *backend.worker_pids.values()]
+        run_dir, prefix = backend.run_dir, backend.shm_prefix
+        remote_pids, remote_dirs = machine.processes(), machine.run_dirs()
+    finally:
+        backend.shutdown()
+        machine.stop()
+    assert_nothing_left(local + remote_pids, [run_dir, *remote_dirs], prefix)
+
+
+@pytest.mark.slow
+def test_a_stopped_machine_is_named_within_the_heartbeat_deadline(secret_env, models_dir):
+    """A network partition, played by stopping every process of the joined machine: not a hang, but BackendDied
+    naming the machine once its heartbeat is older than the deadline; once it runs again it serves the next
+    backend."""
+    from parallel_runtime.watchdog import Deadlines
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    spec = default_spec(device="cpu", ranks=1, nnodes=2, rdzv_endpoint=endpoint)
+    machine = Machine(endpoint)
+    backend = get_backend(spec)
+    try:
+        backend.deadlines = Deadlines(load_s=60, stall_floor_s=30, heartbeat_s=6, stopped_s=2, cancel_s=4)
+        backend.start()
+        remote = backend._group.remote_ranks()[1]
+        stopped = machine.processes()
+        threading.Timer(1.0, lambda: [os.kill(p, signal.SIGSTOP) for p in stopped]).start()
+        started = time.monotonic()
+        with pytest.raises(BackendDied) as failure:
+            backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
+        assert time.monotonic() - started < 30
+        assert f"rank 1 on node 1 ({remote['host']}, pid {remote['pid']})" in str(failure.value)
+        assert "no heartbeat for" in str(failure.value)
+        for p in stopped:
+            os.kill(p, signal.SIGCONT)
+        assert backend.call(StatusArgs()).result.world_size == 2
+    finally:
+        backend.shutdown()
+        machine.stop()
+
+
+def test_the_interface_of_an_address():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None  # TEST-NET-1: no interface of this machine holds it
+
+
+def test_the_cluster_secret_is_made_once_and_kept_private(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    first = cluster_secret()
+    path = tmp_path / "comfyui-parallel-diffusers" / "secret"
+    assert len(first) == 64 and path.read_text() == first
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert cluster_secret() == first  # joined machines stay valid across ComfyUI restarts
+    monkeypatch.setenv(SECRET_ENV, "from-the-environment")
+    assert cluster_secret() == "from-the-environment"
+
+
+def test_the_backend_node_shows_the_join_command_and_checks_the_endpoint(nodes, secret_env):
+    (spec,) = (
+        nodes["ParallelBackend"]
+        .execute(ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+        .args
+    )
+    assert (spec.nnodes, spec.rdzv_endpoint, spec.world_size) == (2, "127.0.0.1:29400", 2)
+    with pytest.raises(InvalidInput) as error:
+        nodes["ParallelBackend"].execute(
+            ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="192.0.2.77:29400"
+        )
+    assert error.value.widget == "rdzv_endpoint"
+    (spec,) = nodes["ParallelBackend"].execute(ranks=1, device="cpu", memory_policy="staged").args
+    assert spec.nnodes == 1 and spec.rdzv_endpoint is None  # a workflow saved before these widgets
