@@ -10,6 +10,7 @@ import torch
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter
+from ..strategy import Strategy
 from ..wire import DenoiseArgs, Sampling
 from .encode import Conditioning
 from .transformer import TransformerHandle
@@ -80,6 +81,12 @@ def validate_sample(
             "positive",
             f"has no negative prompt for true CFG; re-encode it with "
             f"{handle.spec.model.name}, or set true_cfg_scale to 1",
+        )
+    if plan.kind is Strategy.CFG_PARALLEL and not (family.true_cfg and true_cfg_scale > 1):
+        raise InvalidInput(
+            "true_cfg_scale",
+            f"{true_cfg_scale} turns true CFG off, so cfg_parallel's second half of the ranks has no pass to run; "
+            "raise true_cfg_scale above 1, or use context_parallel on LoadShardedTransformer",
         )
     world = plan.ranks
     prompts = len(conditioning.prompts) if conditioning is not None else prompts

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from .. import families, model_folders
+from ..errors import InvalidInput
 from ..spec import BackendSpec
-from ..strategy import StrategyPlan, TransformerFacts
+from ..strategy import Strategy, StrategyPlan, TransformerFacts
 from ..wire import TransformerSpec
 from .widgets import parse_max_memory, resolve_dtype
 
@@ -59,6 +60,12 @@ def plan_transformer(
         attention_backend=attention_backend,
         tp_degree=tp_degree,
     )
+    if plan.kind is Strategy.CFG_PARALLEL and not families.family(ref.family).true_cfg:
+        raise InvalidInput(
+            "strategy",
+            f"{families.family(ref.family).name} has no true CFG (one transformer pass per step), so cfg_parallel "
+            "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
+        )
     return TransformerHandle(
         backend=spec,
         spec=TransformerSpec(model=ref, dtype=resolve_dtype(dtype, spec), plan=plan, max_memory=budget),

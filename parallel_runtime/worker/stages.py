@@ -86,6 +86,8 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         load = functools.partial(
             strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
         )
+    if plan.cfg_degree > 1 and not ((sampling.true_cfg_scale or 1) > 1 and "negative_prompt_embeds" in tensors):
+        raise OpError("true_cfg_scale: cfg_parallel needs true CFG (true_cfg_scale > 1 and a negative prompt)")
     text_tokens = max(tensors[name].shape[1] for name in ("prompt_embeds", "negative_prompt_embeds") if name in tensors)
     refused = None
     try:
