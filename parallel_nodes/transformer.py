@@ -19,7 +19,10 @@ STRATEGY_TOOLTIP = (
     "tp_cp (experimental upstream): tensor parallel inside groups of tp_degree GPUs, context parallel across the "
     "groups (e.g. 8 GPUs: tp_degree 2 × ulysses_degree 4); for a model that needs TP to fit, made faster still.\n"
     "data_parallel: a full replica per rank, each rank makes whole images of the batch (consecutive seeds); more "
-    "images per minute, not one image faster."
+    "images per minute, not one image faster.\n"
+    "cfg_parallel: true CFG (Qwen-Image, true_cfg_scale > 1): the conditional pass on half of the ranks, the "
+    "unconditional one on the other half, one exchange per step; ring_degree × ulysses_degree split each half "
+    "(e.g. 4 GPUs: CFG 2 × ulysses_degree 2)."
 )
 
 
@@ -64,7 +67,8 @@ class LoadShardedTransformer(io.ComfyNode):
                     optional=True,
                     tooltip=(
                         "context_parallel: ranks on the Ulysses axis (all-to-all over heads; fastest on NVLink). 0: "
-                        "every rank the ring does not use. Both > 1: Unified attention on a 2-D mesh."
+                        "every rank the ring does not use. Both > 1: Unified attention on a 2-D mesh. Under "
+                        "cfg_parallel both degrees split each half of the ranks (0: the whole half)."
                     ),
                 ),
                 io.Boolean.Input(
