@@ -112,5 +112,12 @@ class ParallelSampler(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
-        samples = comfy.run(cls, jobs.sample, w.pop("transformer"), w.pop("positive"), **w)
+        samples = comfy.run(
+            cls,
+            jobs.sample,
+            w.pop("transformer"),
+            w.pop("positive"),
+            on_cache_report=lambda report: comfy.show_text(cls, report.describe()),
+            **w,
+        )
         return io.NodeOutput({"samples": samples})

@@ -4,6 +4,7 @@ from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
 from parallel_runtime.strategy import ATTENTION_BACKENDS, Strategy
+from parallel_runtime.wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode
 
 from . import comfy
 from .types import CATEGORY, Transformer, backend_input, dtype_input, max_memory_input, model_input
@@ -105,6 +106,33 @@ class LoadShardedTransformer(io.ComfyNode):
                 max_memory_input(),
                 dtype_input(),
                 backend_input(),
+                io.Combo.Input(
+                    "cache",
+                    options=[m.value for m in CacheMode],
+                    default=CacheMode.OFF.value,
+                    optional=True,
+                    tooltip=(
+                        "Reuse work between denoising steps (diffusers' enable_cache), on every strategy; the "
+                        "ranks that share a pass always take the same decision. off: every block of every step.\n"
+                        "first_block_cache: after the first block, skip the rest of a step while the first block's "
+                        "output changes less than cache_threshold.\n"
+                        "taylorseer: predict the attention layers' outputs from earlier steps, recomputing every "
+                        "5th step after the 3rd.\n"
+                        "Faster, not identical: ParallelSampler's text says how many passes the cache stood in for."
+                    ),
+                ),
+                io.Float.Input(
+                    "cache_threshold",
+                    default=FIRST_BLOCK_CACHE_THRESHOLD,
+                    min=0.001,
+                    max=1.0,
+                    step=0.005,
+                    optional=True,
+                    tooltip=(
+                        "first_block_cache: the relative change of the first block's output below which a step "
+                        "reuses the previous step's other blocks; higher skips more and strays further."
+                    ),
+                ),
             ],
             outputs=[
                 Transformer.Output(

@@ -46,6 +46,10 @@ ADDED_AFTER_0_1_0 = {
     "ParallelLoraLoader": (["transformer", "lora_name", "strength"], [], ["PD_TRANSFORMER"]),
 }
 CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
+# Inputs appended to nodes after 0.1.0, in order, after the contract's optional inputs.
+INPUTS_ADDED_AFTER_0_1_0 = {
+    "LoadShardedTransformer": ["cache", "cache_threshold"],
+}
 
 
 def test_saved_workflows_keep_their_inputs(nodes):
@@ -56,6 +60,8 @@ def test_saved_workflows_keep_their_inputs(nodes):
         assert list(types.get("required", {})) == required, f"{node_id}: a new input must be optional, and last"
         assert list(types.get("optional", {}))[: len(optional)] == optional, node_id
         assert list(nodes[node_id].RETURN_TYPES) == outputs, node_id
+        added = INPUTS_ADDED_AFTER_0_1_0.get(node_id, [])
+        assert list(types.get("optional", {}))[len(optional) : len(optional) + len(added)] == added, node_id
 
 
 def test_every_input_and_output_has_a_tooltip(nodes):
@@ -81,6 +87,8 @@ def test_an_input_left_out_takes_the_schema_default(nodes):
         "max_memory": "",
         "dtype": "auto",
         "backend": None,
+        "cache": "off",
+        "cache_threshold": 0.05,
     }
 
 

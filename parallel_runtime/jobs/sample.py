@@ -11,7 +11,7 @@ from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter
 from ..strategy import Strategy
-from ..wire import DenoiseArgs, Sampling
+from ..wire import CacheReport, DenoiseArgs, Sampling
 from .encode import Conditioning
 from .transformer import TransformerHandle
 from .widgets import check_finite
@@ -150,12 +150,14 @@ def sample(
     true_cfg_scale: float = 4.0,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    on_cache_report: Callable[[CacheReport], None] | None = None,
 ) -> torch.Tensor:
     """Denoise on the backend; ComfyUI LATENT samples in the family's layout (FLUX.1 ``[B, 16, H/8, W/8]``, FLUX.2
     ``[B, 128, H/16, W/16]``, Qwen-Image ``[B, 16, 1, H/8, W/8]``). ``true_cfg_scale`` reaches only families with
     true CFG (Qwen-Image; 1 turns it off); ``guidance_scale`` is the distilled guidance of FLUX.1 / FLUX.2.
     ``batch_size`` images are made of each of the conditioning's prompts, prompt by prompt; image i of the whole
-    batch uses ``seed + i`` (modulo 2^64), as diffusers' pipelines do with a list of generators."""
+    batch uses ``seed + i`` (modulo 2^64), as diffusers' pipelines do with a list of generators. With the
+    transformer's step cache on, ``on_cache_report`` gets what it skipped (rank 0's passes)."""
     validate_sample(
         handle,
         conditioning,
@@ -182,4 +184,6 @@ def sample(
         on_progress=on_progress,
         should_cancel=should_cancel,
     )
+    if on_cache_report is not None and result.result.cache is not None:
+        on_cache_report(result.result.cache)
     return result.tensors["samples"]

@@ -9,8 +9,8 @@ from .. import families, model_folders
 from ..errors import InvalidInput
 from ..spec import BackendSpec
 from ..strategy import Strategy, StrategyPlan, TransformerFacts
-from ..wire import TransformerSpec
-from .widgets import parse_max_memory, resolve_dtype
+from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, StepCache, TransformerSpec
+from .widgets import check_finite, parse_max_memory, resolve_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +44,13 @@ def plan_transformer(
     anything: bool = False,
     attention_backend: str = "auto",
     tp_degree: int = 0,
+    cache: str = "off",
+    cache_threshold: float = FIRST_BLOCK_CACHE_THRESHOLD,
 ) -> TransformerHandle:
     """The transformer handle LoadShardedTransformer's widgets describe, checked against the model's config and the
-    backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree). Loads nothing."""
+    backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree), and the step cache. Loads
+    nothing."""
+    step_cache = _step_cache(cache, cache_threshold)
     ref = model_folders.resolve(model)
     budget = parse_max_memory(max_memory)
     config = model_folders.read_config(ref, "transformer")
@@ -68,6 +72,19 @@ def plan_transformer(
         )
     return TransformerHandle(
         backend=spec,
-        spec=TransformerSpec(model=ref, dtype=resolve_dtype(dtype, spec), plan=plan, max_memory=budget),
+        spec=TransformerSpec(
+            model=ref, dtype=resolve_dtype(dtype, spec), plan=plan, max_memory=budget, cache=step_cache
+        ),
         config=config,
     )
+
+
+def _step_cache(cache: str, threshold: float) -> StepCache:
+    try:
+        mode = CacheMode(cache)
+    except ValueError:
+        raise InvalidInput(
+            "cache", f"unknown cache {cache!r}; choose one of {', '.join(m.value for m in CacheMode)}"
+        ) from None
+    check_finite("cache_threshold", threshold)
+    return StepCache(mode, float(threshold)) if mode is CacheMode.FIRST_BLOCK_CACHE else StepCache(mode)

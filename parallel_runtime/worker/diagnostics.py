@@ -62,6 +62,7 @@ def status(ctx: OpContext, args: StatusArgs, tensors: dict) -> OpResult:
         resident=models.describe(),
         load_counts=models.load_counts(),
         torch=torch.__version__,
+        last_cache=ctx.state.get("last_cache"),
     ), {}
 
 

@@ -20,7 +20,7 @@ import torch
 from ..arena import DTYPES
 from ..families import Placement, family
 from ..wire import DecodeArgs, DecodeResult, DenoiseArgs, DenoiseResult, EncodeArgs, EncodeResult, FreeArgs, FreeResult
-from . import lora, memory, strategies
+from . import lora, memory, step_cache, strategies
 from .models import ModelKey, ResidentModels
 from .ops import OpContext, OpError, OpResult, WidgetError, op
 
@@ -107,19 +107,21 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     batch_size = sampling.batch_size
     start, count = strategies.share(batch_size, ctx.rank, ctx.world_size) if plan.splits_batch else (0, batch_size)
     mine = dataclasses.replace(sampling, seed=(sampling.seed + start) % 2**64, batch_size=count)
-    samples = adapter.denoise(
-        spec.model.path,
-        transformer,
-        strategies.slice_batch(tensors, batch_size, start, count),
-        mine,
-        on_step=_on_step(ctx),
-    )
+    with step_cache.step_cache(transformer, spec.cache, step_cache.agreement_group(plan, transformer)) as record:
+        samples = adapter.denoise(
+            spec.model.path,
+            transformer,
+            strategies.slice_batch(tensors, batch_size, start, count),
+            mine,
+            on_step=_on_step(ctx),
+        )
+    cache = ctx.state["last_cache"] = record.report() if record is not None else None
     if plan.splits_batch:
         samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:
         return None, {}
     ctx.progress(sampling.steps, sampling.steps, "denoised")
-    return DenoiseResult(tuple(samples.shape)), {"samples": samples}
+    return DenoiseResult(tuple(samples.shape), cache=cache), {"samples": samples}
 
 
 @op(DecodeArgs, spmd=True)
