@@ -239,17 +239,20 @@ class DenoiseArgs(OpArgs):
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
     shape: tuple[int, ...]
+    tiles_per_rank: tuple[int, ...] = ()  # decode_over_ranks: diffusers' tiles each rank decoded
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeArgs(OpArgs):
-    """Decode LATENT samples with the model's VAE on one device ("cpu", "cuda:0", ...)."""
+    """Decode LATENT samples with the model's VAE on one device ("cpu", "cuda:0", ...), or tiled over every rank's
+    own device (``over_ranks``)."""
 
     op: ClassVar[str] = "decode"
     result: ClassVar[type] = DecodeResult
     model: ModelRef
     device: str
     dtype: Dtype
+    over_ranks: bool = False  # diffusers' tiled decode, the tiles shared over the ranks (each on its own device)
 
 
 # -- housekeeping ------------------------------------------------------------------------------------------------

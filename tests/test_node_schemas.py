@@ -49,6 +49,7 @@ CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
 # Inputs appended to nodes after 0.1.0, in order, after the contract's optional inputs.
 INPUTS_ADDED_AFTER_0_1_0 = {
     "LoadShardedTransformer": ["cache", "cache_threshold"],
+    "VAEDecodeSingleGPU": ["decode_over_ranks"],
 }
 
 

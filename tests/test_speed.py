@@ -185,3 +185,38 @@ def test_bad_cache_widgets_are_refused_by_name(models_dir, widget, args, hint):
     with pytest.raises(InvalidInput, match=hint) as info:
         jobs.plan_transformer(backend(), model=FLUX, strategy="context_parallel", **args)
     assert info.value.widget == widget
+
+
+# -- VAE decode over the ranks ----------------------------------------------------------------------------------------
+# Latents whose images need several of diffusers' tiles: the tiny FLUX.1 VAE tiles at its sample_size (64 px, a
+# quarter overlapping), Qwen-Image's at 256 px (192 px apart).
+TILED = [
+    ("flux", FLUX, (1, 16, 16, 12), (3, 3)),  # 128×96: 3 × 2 tiles
+    ("qwenimage", QWEN, (1, 16, 1, 40, 40), (2, 2)),  # 320×320: 2 × 2 tiles
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key, model, shape, tiles", TILED, ids=[t[0] for t in TILED])
+def test_decode_over_ranks_equals_diffusers_tiled_decode(models_dir, key, model, shape, tiles):
+    from parallel_runtime.families import family
+
+    samples = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    shown = []
+    image = jobs.decode(backend(), model=model, samples=samples, decode_over_ranks=True, on_tiles=shown.append)
+    adapter = family(key)
+    vae = adapter.load_vae(str(models_dir / model), torch.float32, "cpu")
+    plain = adapter.decode(vae, samples)
+    vae.enable_tiling()
+    tiled = adapter.decode(vae, samples)
+    diff = (image - tiled).abs().max().item()
+    print(f"{key}: tiles per rank {shown}; max |diff| vs diffusers' tiled decode {diff:.3g}")
+    assert shown == [tiles]
+    assert diff <= 1e-5
+    assert (tiled - plain).abs().max() > 1e-3  # the tiles were blended: a plain decode would not pass
+
+
+def test_decode_over_ranks_needs_device_auto(models_dir):
+    with pytest.raises(InvalidInput, match="set device to auto") as info:
+        jobs.validate_decode(model=FLUX, device="cpu", decode_over_ranks=True)
+    assert info.value.widget == "device"

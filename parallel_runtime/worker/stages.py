@@ -20,7 +20,7 @@ import torch
 from ..arena import DTYPES
 from ..families import Placement, family
 from ..wire import DecodeArgs, DecodeResult, DenoiseArgs, DenoiseResult, EncodeArgs, EncodeResult, FreeArgs, FreeResult
-from . import lora, memory, step_cache, strategies
+from . import lora, memory, step_cache, strategies, vae_tiles
 from .models import ModelKey, ResidentModels
 from .ops import OpContext, OpError, OpResult, WidgetError, op
 
@@ -126,6 +126,8 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
 
 @op(DecodeArgs, spmd=True)
 def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
+    if args.over_ranks:
+        return _decode_over_ranks(ctx, args, tensors)
     key = ModelKey(args.model.name, "vae", args.device, args.dtype.value)
     if ctx.rank != 0:
         _models(ctx).make_room(key)
@@ -144,6 +146,22 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     images = adapter.decode(vae, tensors["samples"])
     ctx.progress(1, 1, "decoded")
     return DecodeResult(tuple(images.shape)), {"images": images}
+
+
+def _decode_over_ranks(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
+    """Every rank loads the VAE on its own device and decodes its share of diffusers' tiles (see vae_tiles.py)."""
+    adapter, dtype = family(args.model.family), DTYPES[args.dtype.value]
+    key = ModelKey(args.model.name, "vae", str(ctx.device), args.dtype.value)
+    ctx.progress(0, 1, "loading VAE")
+    vae = _models(ctx).get(key, lambda: adapter.load_vae(args.model.path, dtype, str(ctx.device)))
+    ctx.progress(0, 1, "decoding tiles over the ranks")
+    images, tiles = vae_tiles.decode_over_ranks(
+        vae, lambda: adapter.decode(vae, tensors["samples"]), ctx.rank, ctx.world_size
+    )
+    if ctx.rank != 0:
+        return None, {}
+    ctx.progress(1, 1, "decoded")
+    return DecodeResult(tuple(images.shape), tiles_per_rank=tiles), {"images": images}
 
 
 @op(FreeArgs, spmd=True)
