@@ -3,6 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
+from parallel_runtime.wire import DecodeResult
 
 from . import comfy
 from .types import CATEGORY, backend_input, dtype_input, model_input
@@ -61,7 +62,11 @@ class VAEDecodeSingleGPU(io.ComfyNode):
         spec = w.pop("backend") or default_spec()
         samples = w.pop("samples")["samples"]
 
-        def show_tiles(tiles: tuple[int, ...]) -> None:
-            comfy.show_text(cls, f"decoded {sum(tiles)} tiles over the ranks ({', '.join(map(str, tiles))} per rank)")
+        def show_tiles(result: DecodeResult) -> None:
+            tiles = result.tiles_per_rank
+            if tiles:
+                comfy.show_text(
+                    cls, f"decoded {sum(tiles)} tiles over the ranks ({', '.join(map(str, tiles))} per rank)"
+                )
 
-        return io.NodeOutput(comfy.run(cls, jobs.decode, spec, samples=samples, on_tiles=show_tiles, **w))
+        return io.NodeOutput(comfy.run(cls, jobs.decode, spec, samples=samples, on_result=show_tiles, **w))

@@ -240,6 +240,7 @@ class DenoiseArgs(OpArgs):
 class DecodeResult:
     shape: tuple[int, ...]
     tiles_per_rank: tuple[int, ...] = ()  # decode_over_ranks: diffusers' tiles each rank decoded
+    peak_bytes_per_rank: tuple[int, ...] = ()  # CUDA: each decoding rank's peak device memory during the decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +308,8 @@ class RankStatus:
     resident: tuple[ResidentModel, ...]
     load_counts: dict[str, int]
     torch: str
-    last_cache: CacheReport | None = None  # this rank's, from its last denoise with a step cache on
+    last_cache: CacheReport | None = None  # this rank's, from its last denoise (None: the step cache was off)
+    last_passes: int | None = None  # transformer passes this rank ran in its last denoise
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,6 +107,8 @@ def test_cfg_parallel_on_two_ranks_equals_one_process(models_dir, one_process):
         next(m for m in r.resident if m.component == "transformer") for r in get_backend(backend()).status().ranks
     ]
     assert [m.parallelism for m in transformers] == [{"cfg_degree": 2}] * 2
+    # One transformer pass per step on each rank, where one process runs two.
+    assert [r.last_passes for r in get_backend(backend()).status().ranks] == [STEPS, STEPS]
 
 
 def _decisions() -> list:
@@ -203,15 +205,15 @@ def test_decode_over_ranks_equals_diffusers_tiled_decode(models_dir, key, model,
 
     samples = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     shown = []
-    image = jobs.decode(backend(), model=model, samples=samples, decode_over_ranks=True, on_tiles=shown.append)
+    image = jobs.decode(backend(), model=model, samples=samples, decode_over_ranks=True, on_result=shown.append)
     adapter = family(key)
     vae = adapter.load_vae(str(models_dir / model), torch.float32, "cpu")
     plain = adapter.decode(vae, samples)
     vae.enable_tiling()
     tiled = adapter.decode(vae, samples)
     diff = (image - tiled).abs().max().item()
-    print(f"{key}: tiles per rank {shown}; max |diff| vs diffusers' tiled decode {diff:.3g}")
-    assert shown == [tiles]
+    print(f"{key}: tiles per rank {shown[0].tiles_per_rank}; max |diff| vs diffusers' tiled decode {diff:.3g}")
+    assert [r.tiles_per_rank for r in shown] == [tiles]
     assert diff <= 1e-5
     assert (tiled - plain).abs().max() > 1e-3  # the tiles were blended: a plain decode would not pass
 

@@ -10,7 +10,7 @@ from .. import families, model_folders
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..spec import BackendSpec, cuda_device_count
-from ..wire import DecodeArgs, ModelRef
+from ..wire import DecodeArgs, DecodeResult, ModelRef
 from .widgets import resolve_dtype
 
 
@@ -44,11 +44,11 @@ def decode(
     decode_over_ranks: bool = False,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
-    on_tiles: Callable[[tuple[int, ...]], None] | None = None,
+    on_result: Callable[[DecodeResult], None] | None = None,
 ) -> torch.Tensor:
     """Decode LATENT samples with the model's VAE on one device; IMAGE ``[B, H, W, 3]`` float32 in 0..1. With
     ``decode_over_ranks``, diffusers' tiled decode (``enable_tiling()``) with its tiles shared over the backend's ranks,
-    each on its own device; ``on_tiles`` gets how many tiles each rank decoded."""
+    each on its own device. ``on_result`` gets the backend's answer (tiles per rank, peak memory per rank on CUDA)."""
     ref = validate_decode(model=model, device=device, decode_over_ranks=decode_over_ranks)
     if device == "auto":
         device = "cuda:0" if spec.device == "cuda" else "cpu"
@@ -67,6 +67,6 @@ def decode(
     result = get_backend(spec).call(
         args, {"samples": samples.float()}, on_progress=on_progress, should_cancel=should_cancel
     )
-    if on_tiles is not None and result.result.tiles_per_rank:
-        on_tiles(result.result.tiles_per_rank)
+    if on_result is not None:
+        on_result(result.result)
     return result.tensors["images"]

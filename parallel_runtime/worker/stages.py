@@ -107,7 +107,11 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     batch_size = sampling.batch_size
     start, count = strategies.share(batch_size, ctx.rank, ctx.world_size) if plan.splits_batch else (0, batch_size)
     mine = dataclasses.replace(sampling, seed=(sampling.seed + start) % 2**64, batch_size=count)
-    with step_cache.step_cache(transformer, spec.cache, step_cache.agreement_group(plan, transformer)) as record:
+    group = step_cache.agreement_group(plan, transformer)
+    with (
+        step_cache.count_passes(transformer) as passes,
+        step_cache.step_cache(transformer, spec.cache, group) as record,
+    ):
         samples = adapter.denoise(
             spec.model.path,
             transformer,
@@ -116,6 +120,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             on_step=_on_step(ctx),
         )
     cache = ctx.state["last_cache"] = record.report() if record is not None else None
+    ctx.state["last_passes"] = passes[0]
     if plan.splits_batch:
         samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:
@@ -143,9 +148,11 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     ctx.progress(0, 1, "loading VAE")
     vae = _models(ctx).get(key, lambda: adapter.load_vae(args.model.path, DTYPES[args.dtype.value], args.device))
     ctx.progress(0, 1, "decoding")
+    vae_tiles.reset_peak(vae.device)
     images = adapter.decode(vae, tensors["samples"])
     ctx.progress(1, 1, "decoded")
-    return DecodeResult(tuple(images.shape)), {"images": images}
+    peaks = (vae_tiles.peak_bytes(vae.device),) if vae.device.type == "cuda" else ()
+    return DecodeResult(tuple(images.shape), peak_bytes_per_rank=peaks), {"images": images}
 
 
 def _decode_over_ranks(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
@@ -155,13 +162,13 @@ def _decode_over_ranks(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpRes
     ctx.progress(0, 1, "loading VAE")
     vae = _models(ctx).get(key, lambda: adapter.load_vae(args.model.path, dtype, str(ctx.device)))
     ctx.progress(0, 1, "decoding tiles over the ranks")
-    images, tiles = vae_tiles.decode_over_ranks(
+    images, tiles, peaks = vae_tiles.decode_over_ranks(
         vae, lambda: adapter.decode(vae, tensors["samples"]), ctx.rank, ctx.world_size
     )
     if ctx.rank != 0:
         return None, {}
     ctx.progress(1, 1, "decoded")
-    return DecodeResult(tuple(images.shape), tiles_per_rank=tiles), {"images": images}
+    return DecodeResult(tuple(images.shape), tiles_per_rank=tiles, peak_bytes_per_rank=peaks), {"images": images}
 
 
 @op(FreeArgs, spmd=True)

@@ -37,6 +37,27 @@ def agreement_group(plan: StrategyPlan, transformer: torch.nn.Module) -> dist.Pr
     return None
 
 
+@contextlib.contextmanager
+def count_passes(transformer: torch.nn.Module) -> Iterator[list[int]]:
+    """Counts the passes that run on this rank inside the ``with`` block (``[count]``): calls of the first transformer
+    block, which every pass runs, cached or not, and which a pass another rank runs (cfg_parallel) never reaches."""
+    first = next(
+        children[0]
+        for name, children in transformer.named_children()
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(children, torch.nn.ModuleList) and len(children)
+    )
+    count = [0]
+
+    def counted(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        count[0] += 1
+
+    handle = first.register_forward_pre_hook(counted, with_kwargs=True)
+    try:
+        yield count
+    finally:
+        handle.remove()
+
+
 class _Record:
     def __init__(self, mode: CacheMode, blocks: int) -> None:
         self.mode, self.blocks, self.passes = mode, blocks, []

@@ -47,12 +47,24 @@ def _decode_with(vae: torch.nn.Module, decode: Callable[[], torch.Tensor], stand
         vae.decoder, vae.use_tiling = decoder, tiling
 
 
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int:
+    """The device memory this rank's tensors held at most since ``reset_peak`` (CUDA; 0 elsewhere)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
 def decode_over_ranks(
     vae: torch.nn.Module, decode: Callable[[], torch.Tensor], rank: int, world_size: int
-) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+) -> tuple[torch.Tensor | None, tuple[int, ...], tuple[int, ...]]:
     """``decode()`` (the family's decode of the whole batch with ``vae``) as diffusers' tiled decode, its tiles shared
-    over the ranks (collective). Rank 0 gets the images and how many tiles each rank decoded; the others get None."""
+    over the ranks (collective). Rank 0 gets the images, how many tiles each rank decoded and each rank's peak device
+    memory during the decode (CUDA; empty elsewhere); the others get None for the images."""
     real = vae.decoder
+    reset_peak(vae.device)
     mine: list[torch.Tensor] = []
     shapes: list[tuple[int, ...]] = []
 
@@ -80,8 +92,11 @@ def decode_over_ranks(
         flat[: sizes[rank]] = torch.cat([t.reshape(-1).to("cpu", vae.dtype) for t in mine])
     gathered = [torch.empty_like(flat) for _ in range(world_size)] if rank == 0 else None
     dist.gather(flat, gathered, dst=0)
+    peak = torch.tensor([peak_bytes(vae.device)], dtype=torch.int64)
+    peaks = [torch.empty_like(peak) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(peak, peaks, dst=0)
     if rank != 0:
-        return None, tiles_per_rank
+        return None, tiles_per_rank, ()
     offsets = [0] * world_size
     decoded: list[torch.Tensor] = []
     for call, shape in enumerate(shapes):
@@ -92,4 +107,8 @@ def decode_over_ranks(
     def replay(call: int, tile: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         return decoded[call].to(tile.device)
 
-    return _decode_with(vae, decode, _TileDecoder(real, replay)), tiles_per_rank
+    images = _decode_with(vae, decode, _TileDecoder(real, replay))
+    if vae.device.type != "cuda":
+        return images, tiles_per_rank, ()
+    # Rank 0's peak counts the join too: every decoded tile and the blended image at once.
+    return images, tiles_per_rank, (peak_bytes(vae.device), *(int(p) for p in peaks[1:]))
