@@ -122,6 +122,14 @@ CASES = [
     ("ring_first_block", FLUX, {"strategy": "context_parallel", "ring_degree": 2}, "first_block_cache", None),
     ("tp_first_block", FLUX, {"strategy": "tensor_parallel"}, "first_block_cache", FirstBlockCacheConfig),
     ("ulysses_taylorseer", FLUX, {"strategy": "context_parallel"}, "taylorseer", TaylorSeerCacheConfig),
+    # Qwen-Image's _cp_plan splits at the first block's input, where the cache's hook sits; true CFG: two passes a step.
+    (
+        "qwenimage_ulysses_first_block",
+        QWEN,
+        {"strategy": "context_parallel"},
+        "first_block_cache",
+        FirstBlockCacheConfig,
+    ),
 ]
 
 
@@ -135,9 +143,13 @@ def test_every_rank_takes_the_same_decision_at_every_step(
     ranks = _decisions()
     assert all(r is not None and r.mode is CacheMode(cache) for r in ranks)
     print(f"{name}: {ranks[0].describe()}; passes per rank {[r.passes for r in ranks]}")
-    assert len(ranks[0].passes) == STEPS
-    for step in range(STEPS):  # per step, every rank's own decision
-        assert len({r.passes[step] for r in ranks}) == 1, f"step {step}: {[r.passes[step] for r in ranks]}"
+    passes = STEPS * (2 if model == QWEN else 1)
+    assert (
+        len(ranks[0].passes) == passes
+        and [r.last_passes for r in get_backend(backend()).status().ranks] == [passes] * 2
+    )
+    for step in range(passes):  # per pass, every rank's own decision
+        assert len({r.passes[step] for r in ranks}) == 1, f"pass {step}: {[r.passes[step] for r in ranks]}"
     assert not all(ranks[0].passes) and any(ranks[0].passes[1:])  # it skipped, and it did not skip everything
     assert reports == [ranks[0]]  # what ParallelSampler's text shows
     uncached = one_process(model)
@@ -168,11 +180,13 @@ def test_cfg_parallel_halves_decide_for_their_own_pass(models_dir, one_process):
 
 
 @pytest.mark.multirank
-def test_cache_off_changes_nothing(models_dir, one_process):
+@pytest.mark.parametrize("model", [FLUX, QWEN])
+def test_cache_off_changes_nothing(models_dir, one_process, model):
+    """On the resident context-parallel transformer the cached runs above used: their hooks left nothing behind."""
     reports = []
-    image = generate(FLUX, reports, strategy="context_parallel")
+    image = generate(model, reports, strategy="context_parallel")
     assert reports == [] and _decisions() == [None, None]
-    assert (image - one_process(FLUX)).abs().max() <= 1e-4
+    assert (image - one_process(model)).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize(

@@ -19,11 +19,14 @@ import torch
 import torch.distributed as dist
 from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+from diffusers.hooks.context_parallel import _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
 
 from ..strategy import Strategy, StrategyPlan
 from ..wire import CacheMode, CacheReport, StepCache
+
+_CP_INPUT_HOOK = _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format("")  # the prefix of every split hook's name
 
 
 def agreement_group(plan: StrategyPlan, transformer: torch.nn.Module) -> dist.ProcessGroup | None:
@@ -41,12 +44,7 @@ def agreement_group(plan: StrategyPlan, transformer: torch.nn.Module) -> dist.Pr
 def count_passes(transformer: torch.nn.Module) -> Iterator[list[int]]:
     """Counts the passes that run on this rank inside the ``with`` block (``[count]``): calls of the first transformer
     block, which every pass runs, cached or not, and which a pass another rank runs (cfg_parallel) never reaches."""
-    first = next(
-        children[0]
-        for name, children in transformer.named_children()
-        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(children, torch.nn.ModuleList) and len(children)
-    )
-    count = [0]
+    first, count = _blocks(transformer)[0], [0]
 
     def counted(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         count[0] += 1
@@ -76,7 +74,8 @@ def step_cache(
         yield None
         return
     if cache.mode is CacheMode.FIRST_BLOCK_CACHE:
-        transformer.enable_cache(FirstBlockCacheConfig(threshold=cache.threshold))
+        with _splits_outside(transformer):
+            transformer.enable_cache(FirstBlockCacheConfig(threshold=cache.threshold))
     else:
         # Factors in the model's dtype: diffusers' default bfloat16 would round a float32 model's predictions.
         transformer.enable_cache(TaylorSeerCacheConfig(taylor_factors_dtype=transformer.dtype))
@@ -84,6 +83,43 @@ def step_cache(
         yield _instrument(transformer, cache, group)
     finally:
         transformer.disable_cache()
+
+
+def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, as diffusers' caches find them."""
+    return [
+        block
+        for name, children in transformer.named_children()
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(children, torch.nn.ModuleList)
+        for block in children
+    ]
+
+
+@contextlib.contextmanager
+def _splits_outside(transformer: torch.nn.Module) -> Iterator[None]:
+    """Hooks registered inside the block keep context parallelism's split hooks outermost on the blocks.
+
+    Where the model's ``_cp_plan`` splits the sequence at a block's input rather than at the model's (Qwen-Image:
+    ``transformer_blocks.0``), a cache hook registered after the split would wrap it and see the whole sequence going
+    in but this rank's slice coming out. So the split hooks come off the blocks first and go back on after (their
+    order kept): the cache sees this rank's slice both ways. (Taking a hook out from under one that replaces the
+    forward, as FirstBlockCache's do, would unhook that one in diffusers' ``remove_hook``; the split hooks only wrap
+    it, so they can come off and, later, the cache's hooks from under them.)"""
+    taken = []
+    for block in _blocks(transformer):
+        registry = getattr(block, "_diffusers_hook", None)
+        if registry is None:
+            continue
+        splits = [(name, registry.hooks[name]) for name in registry._hook_order if name.startswith(_CP_INPUT_HOOK)]
+        for name, _ in reversed(splits):
+            registry.remove_hook(name, recurse=False)
+        taken.append((registry, splits))
+    try:
+        yield
+    finally:
+        for registry, splits in taken:
+            for name, hook in splits:
+                registry.register_hook(hook, name)
 
 
 def _hooks(transformer: torch.nn.Module, name: str) -> list:
@@ -111,12 +147,7 @@ def _instrument(transformer: torch.nn.Module, cache: StepCache, group: dist.Proc
 
         first._measure_should_compute = recorded
         return record
-    blocks = sum(
-        len(children)
-        for name, children in transformer.named_children()
-        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(children, torch.nn.ModuleList)
-    )
-    record = _Record(cache.mode, blocks)
+    record = _Record(cache.mode, len(_blocks(transformer)))
     (head,) = _hooks(transformer, _FBC_LEADER_BLOCK_HOOK)
 
     def agreed(residual: torch.Tensor) -> bool:
