@@ -302,6 +302,9 @@ class StrategyPlan:
         if ring_degree < 1:
             raise InvalidInput("ring_degree", f"{ring_degree} is not a degree; use 1 (no ring) or more")
         ulysses = ulysses_degree or max(1, cp_ranks // ring_degree)
+        if kind is Strategy.CFG_PARALLEL and ring_degree * ulysses == 1:
+            # Each half is one rank: nothing splits the tokens, so anything and attention_backend go unused.
+            return cls(kind, ranks, transformer)
         return cls(
             kind,
             ranks,

@@ -101,7 +101,6 @@ def test_cfg_parallel_with_context_parallel_inside_each_half(models_dir, one_pro
         ("strategy", 3, QWEN, {}, "needs an even number of ranks; the backend has 3"),
         ("ulysses_degree", 4, QWEN, {"ulysses_degree": 4}, "make the product 2"),
         ("ulysses_degree", 4, QWEN, {"ring_degree": 2, "ulysses_degree": 2}, "= 4; make the product 2"),
-        ("strategy", 2, QWEN, {"anything": True}, "does not split the tokens"),
         ("strategy", 2, FLUX, {}, "FLUX.1 has no true CFG.*use context_parallel"),
     ],
 )
@@ -109,6 +108,19 @@ def test_cfg_parallel_widgets_are_refused_by_name(models_dir, widget, ranks, mod
     with pytest.raises(InvalidInput, match=hint) as info:
         jobs.plan_transformer(backend(ranks), model=model, strategy="cfg_parallel", **args)
     assert info.value.widget == widget
+
+
+def test_context_parallel_widgets_are_unused_when_each_half_is_one_rank(models_dir):
+    """2 ranks: each half is one rank, so a workflow made for 4 (anything on) still runs, without the split."""
+    plan = jobs.plan_transformer(backend(2), model=QWEN, strategy="cfg_parallel", anything=True).plan
+    assert (plan.cp_degree, plan.anything, plan.splits_tokens, plan.describe()) == (1, False, False, "cfg2")
+    plan = jobs.plan_transformer(backend(4), model=QWEN, strategy="cfg_parallel", anything=True).plan
+    assert (plan.ulysses_degree, plan.anything, plan.splits_tokens, plan.describe()) == (
+        2,
+        True,
+        True,
+        "cfg2xcp:ring1xulysses2+anything:auto",
+    )
 
 
 def test_cfg_parallel_needs_true_cfg_at_the_sampler(models_dir):
