@@ -206,6 +206,20 @@ EXAMPLES = [
         tips="`batch_size` images of each prompt (seed + i for image i). Qwen-Image uses true CFG against the "
         "negative prompt: `true_cfg_scale` 1 turns it off and halves the work.",
     ),
+    Example(
+        "qwenimage_cfg_parallel",
+        "Qwen-Image",
+        "Qwen-Image, CFG parallel (true CFG's two passes on two halves of the GPUs)",
+        "True CFG runs the transformer twice per step, with the prompt and with the negative prompt. Here half of "
+        "the GPUs run the first pass and half the second, combined each step with one exchange: every GPU runs one "
+        "pass per step instead of two, and the image is the one-GPU image.",
+        encode={"prompt": FOX, "negative_prompt": "blurry, low quality", "max_sequence_length": 1024},
+        transformer={"strategy": "cfg_parallel", "ring_degree": 1, "ulysses_degree": 0, "anything": True},
+        sampler={"steps": 50, "true_cfg_scale": 4.0},
+        tips="Needs an even number of GPUs and `true_cfg_scale` > 1. `ring_degree` × `ulysses_degree` split each "
+        "half's tokens (4 GPUs: CFG 2 × Ulysses 2; `ulysses_degree` 0 fills the half); `anything` lets prompts of "
+        "any length split. `cache` (first_block_cache, taylorseer) skips work between steps on top.",
+    ),
 ]
 
 

@@ -186,7 +186,14 @@ class ParallelSampler(io.ComfyNode):
         w = comfy.with_defaults(cls, inputs)
         comfy.make_room(cls, w["transformer"].backend)
         handle = w.pop("transformer")
-        samples = comfy.run(cls, jobs.sample, handle, w.pop("positive"), **w)
+        samples = comfy.run(
+            cls,
+            jobs.sample,
+            handle,
+            w.pop("positive"),
+            on_cache_report=lambda report: comfy.show_text(cls, report.describe()),
+            **w,
+        )
         if w["latent_image"] is not None:
             downscale = handle.family.latent.downscale
             steps = img2img_steps(w["steps"], w["denoise"])

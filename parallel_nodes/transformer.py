@@ -4,6 +4,7 @@ from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
 from parallel_runtime.strategy import ATTENTION_BACKENDS, Strategy
+from parallel_runtime.wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode
 
 from . import comfy
 from .types import CATEGORY, Transformer, backend_input, dtype_input, max_memory_input, model_input
@@ -19,7 +20,10 @@ STRATEGY_TOOLTIP = (
     "tp_cp (experimental upstream): tensor parallel inside groups of tp_degree GPUs, context parallel across the "
     "groups (e.g. 8 GPUs: tp_degree 2 × ulysses_degree 4); for a model that needs TP to fit, made faster still.\n"
     "data_parallel: a full replica per rank, each rank makes whole images of the batch (consecutive seeds); more "
-    "images per minute, not one image faster."
+    "images per minute, not one image faster.\n"
+    "cfg_parallel: true CFG (Qwen-Image, true_cfg_scale > 1): the conditional pass on half of the ranks, the "
+    "unconditional one on the other half, one exchange per step; ring_degree × ulysses_degree split each half "
+    "(e.g. 4 GPUs: CFG 2 × ulysses_degree 2)."
 )
 
 
@@ -64,7 +68,8 @@ class LoadShardedTransformer(io.ComfyNode):
                     optional=True,
                     tooltip=(
                         "context_parallel: ranks on the Ulysses axis (all-to-all over heads; fastest on NVLink). 0: "
-                        "every rank the ring does not use. Both > 1: Unified attention on a 2-D mesh."
+                        "every rank the ring does not use. Both > 1: Unified attention on a 2-D mesh. Under "
+                        "cfg_parallel both degrees split each half of the ranks (0: the whole half)."
                     ),
                 ),
                 io.Boolean.Input(
@@ -101,6 +106,33 @@ class LoadShardedTransformer(io.ComfyNode):
                 max_memory_input(),
                 dtype_input(),
                 backend_input(),
+                io.Combo.Input(
+                    "cache",
+                    options=[m.value for m in CacheMode],
+                    default=CacheMode.OFF.value,
+                    optional=True,
+                    tooltip=(
+                        "Reuse work between denoising steps (diffusers' enable_cache), on every strategy; the "
+                        "ranks that share a pass always take the same decision. off: every block of every step.\n"
+                        "first_block_cache: after the first block, skip the rest of a step while the first block's "
+                        "output changes less than cache_threshold.\n"
+                        "taylorseer: predict the attention layers' outputs from earlier steps, recomputing every "
+                        "5th step after the 3rd.\n"
+                        "Faster, not identical: ParallelSampler's text says how many passes the cache stood in for."
+                    ),
+                ),
+                io.Float.Input(
+                    "cache_threshold",
+                    default=FIRST_BLOCK_CACHE_THRESHOLD,
+                    min=0.001,
+                    max=1.0,
+                    step=0.005,
+                    optional=True,
+                    tooltip=(
+                        "first_block_cache: the relative change of the first block's output below which a step "
+                        "reuses the previous step's other blocks; higher skips more and strays further."
+                    ),
+                ),
             ],
             outputs=[
                 Transformer.Output(

@@ -3,6 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
+from parallel_runtime.wire import DecodeResult
 
 from . import comfy
 from .types import CATEGORY, backend_input, dtype_input, model_input
@@ -31,6 +32,16 @@ class VAEDecodeSingleGPU(io.ComfyNode):
                 ),
                 dtype_input(),
                 backend_input(),
+                io.Boolean.Input(
+                    "decode_over_ranks",
+                    default=False,
+                    optional=True,
+                    tooltip=(
+                        "Decode with diffusers' tiled decode (enable_tiling(): overlapping tiles, blended), the tiles "
+                        "shared over the backend's ranks, each on its own GPU, joined on the first: for images whose "
+                        "decode does not fit one GPU. Needs device auto. Off: one plain decode on one device."
+                    ),
+                ),
             ],
             outputs=[io.Image.Output(tooltip="The decoded images, [B, H, W, 3] in 0..1, on the CPU.")],
             hidden=[io.Hidden.unique_id],
@@ -39,12 +50,25 @@ class VAEDecodeSingleGPU(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, input_types: dict) -> bool | str:
         """The model's VAE and the device, before anything runs."""
-        return comfy.validate(cls, input_types, lambda node: jobs.validate_decode(**node.widgets("model", "device")))
+        return comfy.validate(
+            cls,
+            input_types,
+            lambda node: jobs.validate_decode(**node.widgets("model", "device", "decode_over_ranks")),
+        )
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
         spec = w.pop("backend") or default_spec()
-        comfy.make_room(cls, spec, jobs.decode_device(spec, w["device"]))
+        # Over the ranks the decode uses every rank's device; otherwise the one it runs on.
+        comfy.make_room(cls, spec, None if w["decode_over_ranks"] else jobs.decode_device(spec, w["device"]))
         samples = w.pop("samples")["samples"]
-        return io.NodeOutput(comfy.run(cls, jobs.decode, spec, samples=samples, **w))
+
+        def show_tiles(result: DecodeResult) -> None:
+            tiles = result.tiles_per_rank
+            if tiles:
+                comfy.show_text(
+                    cls, f"decoded {sum(tiles)} tiles over the ranks ({', '.join(map(str, tiles))} per rank)"
+                )
+
+        return io.NodeOutput(comfy.run(cls, jobs.decode, spec, samples=samples, on_result=show_tiles, **w))

@@ -24,6 +24,8 @@ class Strategy(str, enum.Enum):
     TENSOR_PARALLEL = "tensor_parallel"  # weight matrices split over the ranks (the model's _tp_plan)
     TP_CP = "tp_cp"  # TP inside groups of tp_degree ranks, CP across the groups, on one mesh
     DATA_PARALLEL = "data_parallel"  # a replica per rank, whole images each
+    # True CFG's conditional and unconditional passes on two halves of the ranks (context parallel inside each half)
+    CFG_PARALLEL = "cfg_parallel"
 
 
 ATTENTION_BACKENDS = ("auto", "native", "_native_flash", "_native_cudnn", "flash", "sage")
@@ -183,7 +185,8 @@ class StrategyPlan:
         transformer: the model the plan splits (heads, parallel plans).
         ring_degree: context parallelism: ranks on the Ring axis (1: no ring).
         ulysses_degree: context parallelism: ranks on the Ulysses axis; both degrees > 1 is Unified attention.
-            Under ``tp_cp`` ring × ulysses × tp = ranks, otherwise ring × ulysses = ranks.
+            Under ``tp_cp`` ring × ulysses × tp = ranks, under ``cfg_parallel`` ring × ulysses = ranks / 2 (each half
+            of the ranks splits its pass's tokens; 1 × 1: no context parallelism), otherwise ring × ulysses = ranks.
         anything: Ulysses-anything / Ring-anything, for token counts that do not divide by the degree.
         attention_backend: diffusers' attention backend under context parallelism ("auto": the default for
             Ulysses, one that returns the log-sum-exp for Ring).
@@ -213,7 +216,11 @@ class StrategyPlan:
                 f"{self.kind.value} does not split the weights; leave tp_degree at 0, "
                 "or choose tensor_parallel or tp_cp",
             )
-        if self.kind in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP):
+        if self.kind is Strategy.CFG_PARALLEL:
+            self._check_cfg_parallel()
+        if self.kind in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP) or (
+            self.kind is Strategy.CFG_PARALLEL and self.cp_degree > 1
+        ):
             self._check_context_parallel()
         elif (self.ring_degree, self.ulysses_degree, self.anything, self.attention_backend) != (1, 1, False, "auto"):
             raise InvalidInput(
@@ -252,6 +259,23 @@ class StrategyPlan:
                 f"divisor of {facts.heads} (and as many ranks)",
             )
 
+    def _check_cfg_parallel(self) -> None:
+        if self.ranks < 2 or self.ranks % 2:
+            raise InvalidInput(
+                "strategy",
+                f"cfg_parallel runs the conditional and the unconditional pass on two halves of the ranks, so it "
+                f"needs an even number of ranks; the backend has {self.ranks}. Set ranks on the ParallelBackend "
+                "node to 2, 4, ..., or use context_parallel",
+            )
+        ring, ulysses = self.ring_degree, self.ulysses_degree
+        if ring < 1 or ulysses < 1 or ring * ulysses != self.ranks // 2:
+            raise InvalidInput(
+                "ulysses_degree",
+                f"under cfg_parallel each half of the backend's {self.ranks} ranks runs one pass, split over "
+                f"ring_degree × ulysses_degree ranks = {ring} × {ulysses} = {ring * ulysses}; make the product "
+                f"{self.ranks // 2} (ulysses_degree 0 fills the rest)",
+            )
+
     def _check_context_parallel(self) -> None:
         facts = self.transformer
         if not facts.has_cp_plan:
@@ -266,7 +290,7 @@ class StrategyPlan:
             raise InvalidInput("ring_degree", f"{ring} is not a degree; use 1 (no ring) or more")
         if ulysses < 1:
             raise InvalidInput("ulysses_degree", f"{ulysses} is not a degree; use 0 (the rest) or more")
-        cp_ranks = self.ranks // tp if self.kind is Strategy.TP_CP else self.ranks
+        cp_ranks = {Strategy.TP_CP: self.ranks // tp, Strategy.CFG_PARALLEL: self.ranks // 2}.get(self.kind, self.ranks)
         if ring * ulysses != cp_ranks:
             across = "the backend has" if self.kind is Strategy.CONTEXT_PARALLEL else f"tp_degree {tp} leaves"
             raise InvalidInput(
@@ -318,8 +342,15 @@ class StrategyPlan:
         return self.ring_degree * self.ulysses_degree
 
     @property
+    def cfg_degree(self) -> int:
+        """Groups of ranks true CFG's passes are split over (2 under ``cfg_parallel``: conditional, unconditional)."""
+        return 2 if self.kind is Strategy.CFG_PARALLEL else 1
+
+    @property
     def splits_tokens(self) -> bool:
-        return self.kind in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP)
+        return self.kind in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP) or (
+            self.kind is Strategy.CFG_PARALLEL and self.cp_degree > 1
+        )
 
     @property
     def splits_batch(self) -> bool:
@@ -335,6 +366,7 @@ class StrategyPlan:
             Strategy.CONTEXT_PARALLEL: cp,
             Strategy.TENSOR_PARALLEL: f"tp{self.tp_degree}",
             Strategy.TP_CP: f"tp{self.tp_degree}x{cp}",
+            Strategy.CFG_PARALLEL: f"cfg2x{cp}" if self.cp_degree > 1 else "cfg2",
         }.get(self.kind, self.kind.value)
 
     # -- from LoadShardedTransformer's widgets -----------------------------------------------------------------
@@ -353,7 +385,8 @@ class StrategyPlan:
     ) -> StrategyPlan:
         """The plan LoadShardedTransformer's widgets describe. ``ulysses_degree`` 0 means every rank the ring (and,
         under tp_cp, the TP degree) does not use; ``tp_degree`` 0 means every rank under tensor_parallel. Widgets the
-        strategy does not use are ignored."""
+        strategy does not use are ignored. Under cfg_parallel the degrees split each half of the ranks, and
+        ``ulysses_degree`` 0 fills the half."""
         try:
             kind = Strategy(strategy)
         except ValueError:
@@ -362,13 +395,18 @@ class StrategyPlan:
             ) from None
         if kind is Strategy.TENSOR_PARALLEL:
             return cls(kind, ranks, transformer, tp_degree=tp_degree or ranks)
-        if kind not in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP):
+        if kind not in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP, Strategy.CFG_PARALLEL):
             return cls(kind, ranks, transformer)
         # Under tp_cp a tp_degree that does not divide the ranks is refused by the constructor, before this count.
         cp_ranks = ranks // tp_degree if kind is Strategy.TP_CP and tp_degree >= 1 else ranks
+        if kind is Strategy.CFG_PARALLEL:
+            cp_ranks = ranks // 2
         if ring_degree < 1:
             raise InvalidInput("ring_degree", f"{ring_degree} is not a degree; use 1 (no ring) or more")
         ulysses = ulysses_degree or max(1, cp_ranks // ring_degree)
+        if kind is Strategy.CFG_PARALLEL and ring_degree * ulysses == 1:
+            # Each half is one rank: nothing splits the tokens, so anything and attention_backend go unused.
+            return cls(kind, ranks, transformer)
         return cls(
             kind,
             ranks,

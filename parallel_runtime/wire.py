@@ -14,6 +14,7 @@ import dataclasses
 import enum
 from typing import Any, ClassVar
 
+from .errors import InvalidInput
 from .strategy import StrategyPlan
 
 
@@ -122,6 +123,75 @@ class LoraMode(str, enum.Enum):
     PEFT = "peft"
 
 
+class CacheMode(str, enum.Enum):
+    """LoadShardedTransformer's ``cache`` widget: diffusers' step caches (``enable_cache``) that fit FLUX and
+    Qwen-Image. What each costs and saves is measured in bench/cache.py."""
+
+    OFF = "off"
+    # After the first block, skip the rest of a pass while its residual changes less than cache_threshold (relative).
+    FIRST_BLOCK_CACHE = "first_block_cache"
+    # Predict every block's output from a Taylor series of earlier steps, recomputing on a fixed schedule.
+    TAYLORSEER = "taylorseer"
+
+
+FIRST_BLOCK_CACHE_THRESHOLD = 0.05  # diffusers' FirstBlockCacheConfig default
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCache:
+    """How the transformer reuses work between denoising steps.
+
+    Args:
+        mode: the cache; ``off`` runs every block of every pass.
+        threshold: ``first_block_cache``: the relative change of the first block's residual below which a pass
+            reuses the previous one's remaining blocks (higher: more skipped, less faithful). Ignored by the others.
+    """
+
+    mode: CacheMode = CacheMode.OFF
+    threshold: float = FIRST_BLOCK_CACHE_THRESHOLD
+
+    def __post_init__(self) -> None:
+        if self.mode is CacheMode.FIRST_BLOCK_CACHE and not 0 < self.threshold < 10:
+            raise InvalidInput(
+                "cache_threshold",
+                f"{self.threshold} is not a first_block_cache threshold; use a small positive number "
+                f"(diffusers' default {FIRST_BLOCK_CACHE_THRESHOLD}; 0.05–0.2 skips more the higher it is)",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheReport:
+    """What the step cache did on one rank during one denoise.
+
+    Args:
+        mode: the cache.
+        passes: one per transformer pass this rank ran, in order (true CFG: conditional and unconditional passes
+            alternate; under cfg_parallel a rank runs one of them): True when every block ran, False when the cache
+            stood in (first_block_cache: for every block after the first; taylorseer: for every attention layer,
+            predicted).
+        blocks: what the cache stands in for, in a full pass: transformer blocks (first_block_cache) or attention
+            layers (taylorseer).
+    """
+
+    mode: CacheMode
+    passes: tuple[bool, ...]
+    blocks: int
+
+    @property
+    def blocks_run(self) -> int:
+        cached = 1 if self.mode is CacheMode.FIRST_BLOCK_CACHE else 0  # the first block decides, so it always runs
+        return sum(self.blocks if full else cached for full in self.passes)
+
+    def describe(self) -> str:
+        full = sum(self.passes)
+        unit = "blocks" if self.mode is CacheMode.FIRST_BLOCK_CACHE else "attention layers"
+        return (
+            f"{self.mode.value}: {full} of {len(self.passes)} transformer passes ran in full, "
+            f"{len(self.passes) - full} from the cache; {self.blocks_run} of {self.blocks * len(self.passes)} "
+            f"{unit} run"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerSpec:
     """What LoadShardedTransformer chose: the model, how it is split, its dtype and its ``device_map`` budget; and
@@ -133,6 +203,7 @@ class TransformerSpec:
     max_memory: dict[str, str] | None = None
     loras: tuple[LoraRef, ...] = ()
     lora_mode: LoraMode = LoraMode.AUTO
+    cache: StepCache = StepCache()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +229,7 @@ class Sampling:
 @dataclasses.dataclass(frozen=True)
 class DenoiseResult:
     shape: tuple[int, ...]
+    cache: CacheReport | None = None  # rank 0's, when a step cache is on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,17 +245,21 @@ class DenoiseArgs(OpArgs):
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
     shape: tuple[int, ...]
+    tiles_per_rank: tuple[int, ...] = ()  # decode_over_ranks: diffusers' tiles each rank decoded
+    peak_bytes_per_rank: tuple[int, ...] = ()  # CUDA: each decoding rank's peak device memory during the decode
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeArgs(OpArgs):
-    """Decode LATENT samples with the model's VAE on one device ("cpu", "cuda:0", ...)."""
+    """Decode LATENT samples with the model's VAE on one device ("cpu", "cuda:0", ...), or tiled over every rank's
+    own device (``over_ranks``)."""
 
     op: ClassVar[str] = "decode"
     result: ClassVar[type] = DecodeResult
     model: ModelRef
     device: str
     dtype: Dtype
+    over_ranks: bool = False  # diffusers' tiled decode, the tiles shared over the ranks (each on its own device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +335,8 @@ class RankStatus:
     load_counts: dict[str, int]
     torch: str
     gpus: tuple[str, ...] = ()  # UUIDs of the GPUs this rank sees (every GPU of the backend on this machine)
+    last_cache: CacheReport | None = None  # this rank's, from its last denoise (None: the step cache was off)
+    last_passes: int | None = None  # transformer passes this rank ran in its last denoise
 
 
 @dataclasses.dataclass(frozen=True)

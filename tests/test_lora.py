@@ -333,6 +333,8 @@ CASES = [
     case("flux2_tp", "flux2", "tensor_parallel", stack=only("flux2")),
     case("qwenimage_ulysses", "qwenimage", "context_parallel", ULYSSES, stack=only("qwenimage")),
     case("qwenimage_tp", "qwenimage", "tensor_parallel", stack=only("qwenimage")),
+    # The conditional pass on one rank, the unconditional on the other: each rank applies the LoRA to its own model.
+    case("qwenimage_cfg_parallel", "qwenimage", "cfg_parallel", stack=only("qwenimage")),
     # Extra coverage, left out of CI: the other families' Ring-anything and data parallel (data parallel is the fused
     # path of device_map and context parallel: whole weights), the other layouts under more strategies.
     case(

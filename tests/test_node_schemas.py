@@ -51,6 +51,8 @@ ADDED_AFTER_0_1_0 = {
 GROWN_AFTER_0_1_0 = {
     "ParallelBackend": ["gpus", "free_comfyui_vram", "nnodes", "rdzv_endpoint"],  # GPU readiness; several machines
     "ParallelSampler": ["latent_image", "denoise"],  # img2img, hires fix, inpainting
+    "LoadShardedTransformer": ["cache", "cache_threshold"],  # step caching
+    "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
 }
 CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
 for _node_id, _grown in GROWN_AFTER_0_1_0.items():
@@ -91,6 +93,8 @@ def test_an_input_left_out_takes_the_schema_default(nodes):
         "max_memory": "",
         "dtype": "auto",
         "backend": None,
+        "cache": "off",
+        "cache_threshold": 0.05,
     }
 
 

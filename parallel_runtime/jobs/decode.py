@@ -10,7 +10,7 @@ from .. import families, model_folders
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..spec import BackendSpec, cuda_device_count
-from ..wire import DecodeArgs, ModelRef
+from ..wire import DecodeArgs, DecodeResult, ModelRef
 from .widgets import resolve_dtype
 
 
@@ -25,12 +25,18 @@ def decode_device(spec: BackendSpec, device: str) -> str:
     return device
 
 
-def validate_decode(*, model: str, device: str = "auto") -> ModelRef:
+def validate_decode(*, model: str, device: str = "auto", decode_over_ranks: bool = False) -> ModelRef:
     """The checks VAEDecodeSingleGPU can make before it runs (also its validate_inputs)."""
     ref = model_folders.resolve(model)
     if device not in decode_device_choices():
         raise InvalidInput(
             "device", f"{device!r} is not available here; choose one of {', '.join(decode_device_choices())}"
+        )
+    if decode_over_ranks and device != "auto":
+        raise InvalidInput(
+            "device",
+            f"decode_over_ranks decodes on every rank's own device, so it cannot also decode on {device}; set device "
+            "to auto, or turn decode_over_ranks off",
         )
     return ref
 
@@ -42,11 +48,15 @@ def decode(
     samples: torch.Tensor,
     device: str = "auto",
     dtype: str = "auto",
+    decode_over_ranks: bool = False,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    on_result: Callable[[DecodeResult], None] | None = None,
 ) -> torch.Tensor:
-    """Decode LATENT samples with the model's VAE on one device; IMAGE ``[B, H, W, 3]`` float32 in 0..1."""
-    ref = validate_decode(model=model, device=device)
+    """Decode LATENT samples with the model's VAE on one device; IMAGE ``[B, H, W, 3]`` float32 in 0..1. With
+    ``decode_over_ranks``, diffusers' tiled decode (``enable_tiling()``) with its tiles shared over the backend's ranks,
+    each on its own device. ``on_result`` gets the backend's answer (tiles per rank, peak memory per rank on CUDA)."""
+    ref = validate_decode(model=model, device=device, decode_over_ranks=decode_over_ranks)
     device = decode_device(spec, device)
     family = families.family(ref.family)
     channels = family.latent.channels(model_folders.read_config(ref, "vae"))
@@ -59,8 +69,10 @@ def decode(
             f"({family.name}: {expected}, {channels} channels, one frame); decode it with "
             "the VAE of the model that made it",
         )
-    args = DecodeArgs(model=ref, device=device, dtype=resolve_dtype(dtype, spec))
+    args = DecodeArgs(model=ref, device=device, dtype=resolve_dtype(dtype, spec), over_ranks=bool(decode_over_ranks))
     result = get_backend(spec).call(
         args, {"samples": samples.float()}, on_progress=on_progress, should_cancel=should_cancel
     )
+    if on_result is not None:
+        on_result(result.result)
     return result.tensors["images"]

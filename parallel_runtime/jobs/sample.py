@@ -12,7 +12,8 @@ import torch
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter, img2img_steps
-from ..wire import DenoiseArgs, Sampling
+from ..strategy import Strategy
+from ..wire import CacheReport, DenoiseArgs, Sampling
 from .encode import Conditioning
 from .transformer import TransformerHandle
 from .widgets import check_finite
@@ -202,6 +203,12 @@ def validate_sample(
             f"has no negative prompt for true CFG; re-encode it with "
             f"{handle.spec.model.name}, or set true_cfg_scale to 1",
         )
+    if plan.kind is Strategy.CFG_PARALLEL and not (family.true_cfg and true_cfg_scale > 1):
+        raise InvalidInput(
+            "true_cfg_scale",
+            f"{true_cfg_scale} turns true CFG off, so cfg_parallel's second half of the ranks has no pass to run; "
+            "raise true_cfg_scale above 1, or use context_parallel on LoadShardedTransformer",
+        )
     world = plan.ranks
     prompts = len(conditioning.prompts) if conditioning is not None else prompts
     if latent_image is not None and prompts is not None:
@@ -277,6 +284,7 @@ def sample(
     denoise: float = 1.0,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    on_cache_report: Callable[[CacheReport], None] | None = None,
 ) -> torch.Tensor:
     """Denoise on the backend; ComfyUI LATENT samples in the family's layout (FLUX.1 ``[B, 16, H/8, W/8]``, FLUX.2
     ``[B, 128, H/16, W/16]``, Qwen-Image ``[B, 16, 1, H/8, W/8]``). ``true_cfg_scale`` reaches only families with
@@ -286,7 +294,8 @@ def sample(
 
     From a ``latent_image`` (a LATENT of the family; its size replaces width and height), img2img as diffusers'
     img2img pipelines do it at strength ``denoise`` (``steps × denoise`` steps run, rounded up), and inpainting where
-    its ``noise_mask`` is 1."""
+    its ``noise_mask`` is 1. With the transformer's step cache on, ``on_cache_report`` gets what it skipped (rank 0's
+    passes)."""
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
@@ -323,4 +332,6 @@ def sample(
         on_progress=on_progress,
         should_cancel=should_cancel,
     )
+    if on_cache_report is not None and result.result.cache is not None:
+        on_cache_report(result.result.cache)
     return result.tensors["samples"]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from .. import families, model_folders
+from ..errors import InvalidInput
 from ..spec import BackendSpec
-from ..strategy import StrategyPlan, TransformerFacts, check_attention
-from ..wire import TransformerSpec
-from .widgets import parse_max_memory, resolve_dtype
+from ..strategy import Strategy, StrategyPlan, TransformerFacts, check_attention
+from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, StepCache, TransformerSpec
+from .widgets import check_finite, parse_max_memory, resolve_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +44,13 @@ def plan_transformer(
     anything: bool = False,
     attention_backend: str = "auto",
     tp_degree: int = 0,
+    cache: str = "off",
+    cache_threshold: float = FIRST_BLOCK_CACHE_THRESHOLD,
 ) -> TransformerHandle:
     """The transformer handle LoadShardedTransformer's widgets describe, checked against the model's config and the
-    backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree). Loads nothing."""
+    backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree), and the step cache. Loads
+    nothing."""
+    step_cache = _step_cache(cache, cache_threshold)
     ref = model_folders.resolve(model)
     budget = parse_max_memory(max_memory)
     config = model_folders.read_config(ref, "transformer")
@@ -59,10 +64,27 @@ def plan_transformer(
         attention_backend=attention_backend,
         tp_degree=tp_degree,
     )
+    if plan.kind is Strategy.CFG_PARALLEL and not families.family(ref.family).true_cfg:
+        raise InvalidInput(
+            "strategy",
+            f"{families.family(ref.family).name} has no true CFG (one transformer pass per step), so cfg_parallel "
+            "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
+        )
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(
         backend=spec,
-        spec=TransformerSpec(model=ref, dtype=resolved, plan=plan, max_memory=budget),
+        spec=TransformerSpec(model=ref, dtype=resolved, plan=plan, max_memory=budget, cache=step_cache),
         config=config,
     )
+
+
+def _step_cache(cache: str, threshold: float) -> StepCache:
+    try:
+        mode = CacheMode(cache)
+    except ValueError:
+        raise InvalidInput(
+            "cache", f"unknown cache {cache!r}; choose one of {', '.join(m.value for m in CacheMode)}"
+        ) from None
+    check_finite("cache_threshold", threshold)
+    return StepCache(mode, float(threshold)) if mode is CacheMode.FIRST_BLOCK_CACHE else StepCache(mode)

@@ -139,6 +139,8 @@ def status(ctx: OpContext, args: StatusArgs, tensors: dict) -> OpResult:
         load_counts=models.load_counts(),
         torch=torch.__version__,
         gpus=gpu_uuids(),
+        last_cache=ctx.state.get("last_cache"),
+        last_passes=ctx.state.get("last_passes"),
     ), {}
 
 

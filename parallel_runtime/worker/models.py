@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..wire import ResidentModel
+from . import cfg_parallel
 from .diagnostics import flush
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,9 @@ def _parallelism(obj: Any) -> dict[str, int]:
     """The degrees diffusers actually applied to a model (read back from it, not from the request): what the
     status panel shows and what tests check a strategy against."""
     config = getattr(obj, "_parallel_config", None)
+    applied = {"cfg_degree": cfg_parallel.cfg_degree(obj)} if cfg_parallel.cfg_degree(obj) > 1 else {}
     if config is None:
-        return {}
-    applied = {}
+        return applied
     if config.tensor_parallel_config is not None:
         applied["tp_degree"] = config.tensor_parallel_config._tp_degree
     if config.context_parallel_config is not None:

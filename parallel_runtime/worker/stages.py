@@ -33,7 +33,7 @@ from ..wire import (
     FreeResult,
     Sampling,
 )
-from . import lora, memory, strategies
+from . import lora, memory, step_cache, strategies, vae_tiles
 from .diagnostics import flush, memory_of, reset_peak
 from .models import ModelKey, ResidentModels
 from .ops import OpContext, OpError, OpFn, OpResult, WidgetError, op
@@ -168,6 +168,8 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         load = functools.partial(
             strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
         )
+    if plan.cfg_degree > 1 and not ((sampling.true_cfg_scale or 1) > 1 and "negative_prompt_embeds" in tensors):
+        raise OpError("true_cfg_scale: cfg_parallel needs true CFG (true_cfg_scale > 1 and a negative prompt)")
     # The img2img inputs travel beside the embeddings; they are not conditioning (one row per prompt).
     images = {name: tensors[name] for name in IMAGE_INPUTS if name in tensors}
     tensors = {name: tensor for name, tensor in tensors.items() if name not in IMAGE_INPUTS}
@@ -201,20 +203,27 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     batch_size = sampling.batch_size
     start, count = strategies.share(batch_size, ctx.rank, ctx.world_size) if plan.splits_batch else (0, batch_size)
     mine = dataclasses.replace(sampling, seed=(sampling.seed + start) % 2**64, batch_size=count)
-    samples = adapter.denoise(
-        spec.model.path,
-        transformer,
-        strategies.slice_batch(tensors, batch_size, start, count),
-        mine,
-        on_step=_on_step(ctx),
-        **{name: _my_images(image, batch_size, start, count) for name, image in images.items()},
-    )
+    group = step_cache.agreement_group(plan, transformer)
+    with (
+        step_cache.count_passes(transformer) as passes,
+        step_cache.step_cache(transformer, spec.cache, group) as record,
+    ):
+        samples = adapter.denoise(
+            spec.model.path,
+            transformer,
+            strategies.slice_batch(tensors, batch_size, start, count),
+            mine,
+            on_step=_on_step(ctx),
+            **{name: _my_images(image, batch_size, start, count) for name, image in images.items()},
+        )
+    cache = ctx.state["last_cache"] = record.report() if record is not None else None
+    ctx.state["last_passes"] = passes[0]
     if plan.splits_batch:
         samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:
         return None, {}
     ctx.progress(steps, steps, "denoised")
-    return DenoiseResult(tuple(samples.shape)), {"samples": samples}
+    return DenoiseResult(tuple(samples.shape), cache=cache), {"samples": samples}
 
 
 def _my_images(image: torch.Tensor, batch_size: int, start: int, count: int) -> torch.Tensor:
@@ -225,6 +234,8 @@ def _my_images(image: torch.Tensor, batch_size: int, start: int, count: int) -> 
 @op(DecodeArgs, spmd=True)
 @_stage
 def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
+    if args.over_ranks:
+        return _decode_over_ranks(ctx, args, tensors)
     key = ModelKey(args.model.name, "vae", args.device, args.dtype.value)
     models = _models(ctx)
     adapter, dtype = family(args.model.family), DTYPES[args.dtype.value]
@@ -258,9 +269,27 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     ctx.progress(0, 1, "loading VAE")
     vae = models.get(key, lambda: adapter.load_vae(args.model.path, dtype, args.device))
     ctx.progress(0, 1, "decoding")
+    vae_tiles.reset_peak(vae.device)
     images = adapter.decode(vae, tensors["samples"])
     ctx.progress(1, 1, "decoded")
-    return DecodeResult(tuple(images.shape)), {"images": images}
+    peaks = (vae_tiles.peak_bytes(vae.device),) if vae.device.type == "cuda" else ()
+    return DecodeResult(tuple(images.shape), peak_bytes_per_rank=peaks), {"images": images}
+
+
+def _decode_over_ranks(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
+    """Every rank loads the VAE on its own device and decodes its share of diffusers' tiles (see vae_tiles.py)."""
+    adapter, dtype = family(args.model.family), DTYPES[args.dtype.value]
+    key = ModelKey(args.model.name, "vae", str(ctx.device), args.dtype.value)
+    ctx.progress(0, 1, "loading VAE")
+    vae = _models(ctx).get(key, lambda: adapter.load_vae(args.model.path, dtype, str(ctx.device)))
+    ctx.progress(0, 1, "decoding tiles over the ranks")
+    images, tiles, peaks = vae_tiles.decode_over_ranks(
+        vae, lambda: adapter.decode(vae, tensors["samples"]), ctx.rank, ctx.world_size
+    )
+    if ctx.rank != 0:
+        return None, {}
+    ctx.progress(1, 1, "decoded")
+    return DecodeResult(tuple(images.shape), tiles_per_rank=tiles, peak_bytes_per_rank=peaks), {"images": images}
 
 
 @op(FreeArgs, spmd=True)

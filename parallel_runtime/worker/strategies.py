@@ -1,5 +1,5 @@
-"""How an SPMD transformer is built from its ``StrategyPlan`` and how a batch is shared: context, tensor and data
-parallelism. Family-agnostic: the family names its transformer class.
+"""How an SPMD transformer is built from its ``StrategyPlan`` and how a batch is shared: context, tensor, data and
+CFG parallelism. Family-agnostic: the family names its transformer class.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..errors import InvalidInput
 from ..families.base import expand_batch
 from ..strategy import Strategy, StrategyPlan, check_attention_on_gpu, ring_attention_backend
+from .cfg_parallel import enable_cfg_parallel
 from .diagnostics import device_label
 from .meshes import device_mesh
 from .ops import WidgetError
@@ -138,6 +139,12 @@ def load_transformer(
         # `from_pretrained(parallel_config=ContextParallelConfig(...))` fails in diffusers 0.42.1; CP keeps full
         # weights on every rank anyway, so enabling it after loading costs nothing.
         _enable_context_parallel(transformer, plan, device)
+    if plan.kind is Strategy.CFG_PARALLEL:
+        # The CFG axis outermost (one exchange per step), the CP axes inside each half (collectives in every block).
+        mesh = device_mesh(device.type, (2, plan.ring_degree, plan.ulysses_degree), ("cfg", "ring", "ulysses"))
+        if plan.cp_degree > 1:
+            _enable_context_parallel(transformer, plan, device, mesh)
+        enable_cfg_parallel(transformer, mesh["cfg"])
     return transformer
 
 
