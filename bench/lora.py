@@ -69,7 +69,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.strategies import _intervals, _median_ms, _model_dir, _transformer_config  # noqa: E402
+from bench.strategies import _median_ms, prepare_model_dir, step_intervals, transformer_config  # noqa: E402
 from parallel_runtime import BackendSpec, ParallelRuntimeError, jobs, shutdown_backend  # noqa: E402
 from parallel_runtime.families import family  # noqa: E402
 from parallel_runtime.families.lora import meta_transformer  # noqa: E402
@@ -83,7 +83,7 @@ VARIANTS = {"none": None, "fused": LoraMode.FUSED, "peft": LoraMode.PEFT}
 
 def lora_layers(model_dir: str) -> list[str]:
     """Every linear layer of the transformer blocks: what trainers target by default."""
-    skeleton = meta_transformer(family("flux"), _transformer_config(model_dir))
+    skeleton = meta_transformer(family("flux"), transformer_config(model_dir))
     return [
         name
         for name, module in skeleton.named_modules()
@@ -96,7 +96,7 @@ def lora_layers(model_dir: str) -> list[str]:
 def kept_bytes(model_dir: str, layers: list[str], dtype: torch.dtype, tp: int) -> int:
     """Bytes of the originals the fused mode keeps on one rank: the changed weights, their slices under TP (every
     layer LoRAs target in the blocks is in FLUX.1's _tp_plan)."""
-    skeleton = dict(meta_transformer(family("flux"), _transformer_config(model_dir)).named_modules())
+    skeleton = dict(meta_transformer(family("flux"), transformer_config(model_dir)).named_modules())
     size = torch.empty((), dtype=dtype).element_size()
     return sum(skeleton[n].weight.numel() for n in layers) * size // tp
 
@@ -119,7 +119,7 @@ def timed_run(handle: jobs.TransformerHandle, conditioning: jobs.Conditioning, a
         height=args.height,
         on_progress=on_progress,
     )
-    return {"steps": _intervals(marks), "first_step_end": marks[0] - start}
+    return {"steps": step_intervals(marks, args.steps), "first_step_end": marks[0] - start}
 
 
 def bench_strategy(name: str, load: dict, spec, model, conditioning, args, log) -> dict:
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace, model_dir: str, scratch: str, log) -> dict:
         "repeats": args.repeats,
         "lora_rank": args.rank,
         "lora_layers": len(layers),
-        "transformer": {k: v for k, v in _transformer_config(model_dir).items() if not k.startswith("_")},
+        "transformer": {k: v for k, v in transformer_config(model_dir).items() if not k.startswith("_")},
         "rows": [],
     }
     try:
@@ -253,7 +253,7 @@ def main() -> int:
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="pd-lora-") as scratch:
-        report = run(args, _model_dir(args, scratch, log), scratch, log)
+        report = run(args, prepare_model_dir(args, scratch, log), scratch, log)
     print(json.dumps(report, indent=2) if args.json else "", end="")
     if not args.json:
         print_report(report)
