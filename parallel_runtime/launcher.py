@@ -184,8 +184,9 @@ def _environment(
         env.update(rendezvous.node_environment(split_endpoint(spec.rdzv_endpoint)[0], node_rank=0))
     # c10d's warnings stay in the rank logs (the ranks wait on torchrun's store without timeouts that expire while
     # idle, so polling leaves none there), and so do NCCL's own: without NCCL_DEBUG it prints nothing at all, and a
-    # broken link then looks like a hang with an empty log.
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "WARNING")
+    # broken link then looks like a hang with an empty log. Over several machines the ranks poll the store with short
+    # timeouts (relayed heartbeats, worker/remote.py), and c10d would log a warning for each.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "WARNING" if spec.nnodes == 1 else "ERROR")
     env.setdefault("NCCL_DEBUG", "WARN")
     alloc_conf = env.get("COMFY_PARALLEL_CUDA_ALLOC_CONF") or RANK_CUDA_ALLOC_CONF
     env["PYTORCH_CUDA_ALLOC_CONF"] = env["PYTORCH_ALLOC_CONF"] = alloc_conf  # torch ≥ 2.9 reads the second name
@@ -242,6 +243,8 @@ def launch_joined(beacon: Beacon, rdzv_endpoint: str, node_rank: int, address: s
     for name in rendezvous.IFNAMES:  # not loopback: the interface that reaches node 0, or the user's choice
         env.pop(name, None)
     env.update(rendezvous.node_environment(address, node_rank))
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ:  # this machine's ranks poll node 0's store (see _environment)
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     args = rendezvous.rendezvous_arguments(rdzv_endpoint, beacon.nnodes, beacon.rdzv_id, host=False, local_addr=address)
     proc = _popen(torchrun_command(spec, run_dir, args), env, run_dir)
     return LaunchedGroup(

@@ -309,8 +309,8 @@ def test_a_machine_that_never_joins_is_named_with_its_command(secret_env, monkey
     backend = Backend(default_spec(device="cpu", ranks=1, nnodes=3, rdzv_endpoint=endpoint))
     launched, launch = [], launcher.launch
 
-    def launch_and_keep(spec: BackendSpec) -> launcher.LaunchedGroup:
-        launched.append(launch(spec))
+    def launch_and_keep(spec: BackendSpec, collective_timeout_s: float | None = None) -> launcher.LaunchedGroup:
+        launched.append(launch(spec, collective_timeout_s))
         return launched[-1]
 
     monkeypatch.setattr(launcher, "launch", launch_and_keep)
