@@ -279,8 +279,8 @@ def node_specs(example: Example) -> list:
         (
             BACKEND,
             "ParallelBackend",
-            [40, 330],
-            [300, 130],
+            [40, 270],
+            [300, 230],  # seven widgets: it ends above the note at y 520
             {"ranks": 0, "device": "auto", "memory_policy": "staged", **example.backend},
             {},
         ),
