@@ -69,7 +69,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.strategies import _median_ms, prepare_model_dir, step_intervals, transformer_config  # noqa: E402
+from bench.strategies import _median_ms, load_average, prepare_model_dir, step_intervals, transformer_config  # noqa: E402
 from parallel_runtime import BackendSpec, ParallelRuntimeError, jobs, shutdown_backend  # noqa: E402
 from parallel_runtime.families import family  # noqa: E402
 from parallel_runtime.families.lora import meta_transformer  # noqa: E402
@@ -207,8 +207,7 @@ def run(args: argparse.Namespace, model_dir: str, scratch: str, log) -> dict:
             report["rows"].append(row)
     finally:
         shutdown_backend()
-    with open("/proc/loadavg") as f:
-        report["loadavg"] = " ".join(f.read().split()[:3])
+    report["loadavg"] = load_average()
     return report
 
 

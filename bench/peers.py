@@ -148,7 +148,7 @@ import torch  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runnable as a plain script from a checkout
 
-from bench.strategies import PROMPT, check_request, prepare_model_dir, step_intervals, transformer_config  # noqa: E402
+from bench.strategies import PROMPT, check_request, load_average, prepare_model_dir, step_intervals, transformer_config  # noqa: E402
 from parallel_runtime import BackendSpec, get_backend, jobs, shutdown_backend  # noqa: E402
 from parallel_runtime.families import family  # noqa: E402
 
@@ -428,11 +428,6 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return found
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -730,7 +725,7 @@ def run(args: argparse.Namespace, model_dir: str, run_dir: str, log: Callable[[s
         "transformer": {k: v for k, v in transformer_config(model_dir).items() if not k.startswith("_")},
         "cpus": os.cpu_count(),
         "versions": _versions(),
-        "loadavg_start": _loadavg(),
+        "loadavg_start": load_average(),
         "xfuser": xfuser_status(args.device),
         "rows": [],
     }
@@ -763,7 +758,7 @@ def run(args: argparse.Namespace, model_dir: str, run_dir: str, log: Callable[[s
                         side.close()
     finally:
         shutdown_backend()
-    report["loadavg_end"] = _loadavg()
+    report["loadavg_end"] = load_average()
     return report
 
 

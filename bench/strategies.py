@@ -388,9 +388,14 @@ def run(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]) ->
             report["one_ms"] = _median_ms(one_runs) if one_runs else None
     finally:
         shutdown_backend()
-    with open("/proc/loadavg") as f:  # at the end: how busy the machine was while it ran
-        report["loadavg"] = " ".join(f.read().split()[:3])
+    report["loadavg"] = load_average()  # at the end: how busy the machine was while it ran
     return report
+
+
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages, as the benchmarks print them beside their ratios."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def print_report(report: dict) -> None:

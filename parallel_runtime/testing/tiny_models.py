@@ -59,6 +59,8 @@ from transformers import (
     T5TokenizerFast,
 )
 
+from ..families import flux_files
+
 # Words that get whole-word tokens in the tiny tokenizers; anything else still tokenizes (per character or byte),
 # so every prompt is accepted. Distinct prompts give distinct token ids, which is all the tests need.
 _WORDS = (
@@ -66,17 +68,10 @@ _WORDS = (
     "green", "sky", "tree", "house", "city", "night", "sunset", "portrait", "landscape", "astronaut", "horse",
 )  # fmt: skip
 
-# FLUX.1-dev's scheduler config: resolution-dependent ("dynamic") shifting of the sigmas, so the tiny pipeline
-# exercises the same `mu` computation as the real one.
-_FLUX_SCHEDULER_CONFIG = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
+# FLUX.1-dev's scheduler config (families.flux_files holds it, for pipelines built from ComfyUI's files):
+# resolution-dependent ("dynamic") shifting of the sigmas, so the tiny pipeline exercises the same `mu` computation as
+# the real one.
+_FLUX_SCHEDULER_CONFIG = {k: v for k, v in flux_files.SCHEDULER_DEV.items() if not k.startswith("_")}
 
 # Mistral's special tokens as FLUX.2's chat template and PixtralProcessor use them.
 _MISTRAL_SPECIAL_TOKENS = (
@@ -117,8 +112,8 @@ _QWEN_SPECIAL_TOKENS = (
 
 # FLUX.1's VAE normalisation constants (diffusers: `latents / scaling_factor + shift_factor` before decoding).
 # Non-trivial values make a forgotten or doubled scale/shift visible in the tests.
-_FLUX_VAE_SCALING_FACTOR = 0.3611
-_FLUX_VAE_SHIFT_FACTOR = 0.1159
+_FLUX_VAE_SCALING_FACTOR = flux_files.VAE_SCALING_FACTOR
+_FLUX_VAE_SHIFT_FACTOR = flux_files.VAE_SHIFT_FACTOR
 
 
 def _learn_bpe_merges(words: list[list[str]]) -> list[tuple[str, str]]:
