@@ -152,8 +152,10 @@ def run(node: type[io.ComfyNode], call: Callable[..., T], *args: Any, **kwargs: 
     except Cancelled as e:
         if progress is not None:  # where the Cancel landed, for the log (and the tests)
             log.info(
-                "parallel_diffusers: cancel asked at step %d; the ranks stopped at steps %s",
+                "parallel_diffusers: cancel asked at step %d, reached the ranks at step %s; "
+                "the ranks stopped at steps %s",
                 progress.cancel_asked_at or progress.step,
+                e.reached_at_step,
                 e.steps_by_rank,
             )
         if mm is not None:

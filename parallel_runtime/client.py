@@ -495,7 +495,11 @@ class Backend:
             elif isinstance(msg, CancelledReply):
                 if pending_exc is not None and not isinstance(pending_exc, Cancelled):
                     raise pending_exc
-                raise Cancelled(f"cancelled at step {msg.steps_by_rank[0]}", steps_by_rank=list(msg.steps_by_rank))
+                raise Cancelled(
+                    f"cancelled at step {msg.steps_by_rank[0]}",
+                    steps_by_rank=list(msg.steps_by_rank),
+                    reached_at_step=msg.reached_at_step,
+                )
             elif isinstance(msg, Error):
                 if pending_exc is not None:
                     raise pending_exc

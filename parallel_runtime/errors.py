@@ -37,11 +37,13 @@ class OpFailed(ParallelRuntimeError):
 
 
 class Cancelled(ParallelRuntimeError):
-    """The op was cancelled; every rank stopped at the same step boundary (``steps_by_rank``)."""
+    """The op was cancelled; every rank stopped at the same step boundary (``steps_by_rank``), there or one step after
+    the step rank 0 had reported when the cancel reached it (``reached_at_step``, None if it never did)."""
 
-    def __init__(self, message: str, *, steps_by_rank: list[int | None]):
+    def __init__(self, message: str, *, steps_by_rank: list[int | None], reached_at_step: int | None = None):
         super().__init__(message)
         self.steps_by_rank = steps_by_rank
+        self.reached_at_step = reached_at_step
 
 
 class DeadlineExceeded(ParallelRuntimeError):

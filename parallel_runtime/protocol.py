@@ -139,11 +139,13 @@ class Error(Frame):
 
 @dataclasses.dataclass(frozen=True)
 class CancelledReply(Frame):
-    """Every rank stopped the call at the same step boundary."""
+    """Every rank stopped the call at the same step boundary (``steps_by_rank``); ``reached_at_step`` is the last step
+    rank 0 had reported when the Cancel reached it, so the ranks stop there or one step later."""
 
     kind: ClassVar[str] = "cancelled"
     id: str
     steps_by_rank: tuple[int | None, ...]
+    reached_at_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,9 @@ from comfyui_workflows import (
 
 pytestmark = pytest.mark.comfyui  # and multirank on the tests that start a backend
 
-CANCELLED = re.compile(r"cancel asked at step (\d+); the ranks stopped at steps \[([^\]]*)\]")
+CANCELLED = re.compile(
+    r"cancel asked at step (\d+), reached the ranks at step (\d+); the ranks stopped at steps \[([^\]]*)\]"
+)
 MANY_STEPS = 1000  # the widget's maximum: far more than the run lasts before it is cancelled or killed
 
 
@@ -245,15 +247,16 @@ def test_cancel_stops_every_rank_within_one_step_and_the_next_prompt_runs_on_the
     assert messages[-1]["data"]["node_id"] == SAMPLER, messages[-1]
 
     # Where the cancel landed (comfy.run logs it): every rank stopped at the same step, at most one step after
-    # the one at which the client asked them to.
+    # the one rank 0 had reached when the cancel arrived. The client asked at that step or earlier: its view lags
+    # the ranks' by the socket (on a loaded machine the tiny model's steps outrun it).
     found = CANCELLED.findall(server.log_since(mark))
     assert len(found) == 1, server.log_since(mark)[-3000:]
-    asked, stopped = int(found[0][0]), [int(s) for s in found[0][1].split(",")]
+    asked, reached, stopped = int(found[0][0]), int(found[0][1]), [int(s) for s in found[0][2].split(",")]
     assert len(stopped) == 2 and len(set(stopped)) == 1, stopped
-    assert 1 <= asked <= stopped[0] <= asked + 1 < MANY_STEPS, (asked, stopped)
+    assert 1 <= asked <= reached <= stopped[0] <= reached + 1 < MANY_STEPS, (asked, reached, stopped)
     seen = step_progress(messages, SAMPLER, MANY_STEPS)
     assert seen and seen[-1] <= stopped[0], (seen[-5:], stopped)
-    print(f"cancel asked at step {asked} (websocket's last: {seen[-1]}); every rank stopped at step {stopped[0]}")
+    print(f"cancel asked at step {asked}, reached the ranks at {reached}; every rank stopped at step {stopped[0]}")
 
     pids, counts = worker_pids(server), load_counts(server)
     _, messages = server.run(context_parallel(small_workflow(seed=22)), timeout=240)

@@ -108,9 +108,11 @@ def test_cancel_stops_every_rank_at_the_same_step(backend):
 
     with pytest.raises(Cancelled) as info:
         backend.call(StepsArgs(steps=200, seconds_per_step=0.02), on_progress=on_progress)
-    steps = info.value.steps_by_rank
+    steps, reached = info.value.steps_by_rank, info.value.reached_at_step
     assert len(steps) == 2 and steps[0] == steps[1], steps
-    assert 3 <= steps[0] <= 5  # within a step or two of the request
+    # Asked at step 3: rank 0 had reported that step or a later one when the Cancel reached it, and every rank
+    # stopped there or one step later (how many steps the socket lags by is the machine's load, not tested).
+    assert 3 <= reached <= steps[0] <= reached + 1 < 200, (reached, steps)
     assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2  # still usable
 
 

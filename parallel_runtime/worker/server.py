@@ -60,6 +60,10 @@ class Server:
         self._channel_lock = threading.Lock()
         self._hellos = threading.BoundedSemaphore(MAX_PENDING_HELLOS)
         self.current_call: str | None = None
+        # The current call's last reported step, and what it was when a Cancel arrived: the client's view of the
+        # steps lags the ranks' by the socket and its own polling, so the reply says where the Cancel landed.
+        self.last_step = 0
+        self.cancel_reached_at: int | None = None
         self.seq = 0  # ops posted to the group so far
         rank.send_progress = self._send_progress
 
@@ -119,7 +123,8 @@ class Server:
                     self._send(channel, Error(id=e.call_id, rank=None, error_type="BadFrame", message=str(e)))
                     continue
                 if isinstance(frame, Cancel):
-                    if frame.id == self.current_call:
+                    if frame.id == self.current_call and not self.rank.cancel_event.is_set():
+                        self.cancel_reached_at = self.last_step
                         self.rank.cancel_event.set()
                 elif isinstance(frame, (Call, Shutdown)):
                     self.requests.put((channel, frame))
@@ -137,6 +142,7 @@ class Server:
 
     def _send_progress(self, step: int, total: int, text: str | None) -> None:
         channel, call_id = self.channel, self.current_call
+        self.last_step = step
         if channel is not None and call_id is not None:
             self._send(channel, Progress(id=call_id, step=step, total=total, text=text))
 
@@ -174,6 +180,7 @@ class Server:
         layout = {k: TensorLayout(d.dtype, d.shape) for k, d in call.tensors.items()}
         header = OpHeader(op=call.op, args=call.args, tensors=layout)
         self.rank.cancel_event.clear()
+        self.last_step, self.cancel_reached_at = 0, None
         self.current_call = call.id
         self.seq += 1
         seq = self.seq
@@ -217,7 +224,9 @@ class Server:
                 id=call_id, rank=r, error_type=o.error_type, message=o.message, traceback=o.traceback, widget=o.widget
             )
         if any(o.status is OutcomeStatus.CANCELLED for o in outcomes):
-            return CancelledReply(id=call_id, steps_by_rank=tuple(o.step for o in outcomes))
+            return CancelledReply(
+                id=call_id, steps_by_rank=tuple(o.step for o in outcomes), reached_at_step=self.cancel_reached_at
+            )
         try:
             descs = self.arena.write(out_tensors)
         except (OSError, TypeError) as e:
