@@ -36,7 +36,7 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
             inputs=[
                 io.Combo.Input(
                     "diffusion_model",
-                    options=comfy_files.list_files("diffusion_model"),
+                    options=comfy_files.widget_options("diffusion_model"),
                     tooltip=(
                         "The transformer from models/diffusion_models (or unet): flux1-dev.safetensors, "
                         "flux1-schnell.safetensors, or their fp8 versions. The family (and dev or schnell) is told "
@@ -45,12 +45,12 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "text_encoder",
-                    options=comfy_files.list_files("text_encoder"),
+                    options=comfy_files.widget_options("text_encoder"),
                     tooltip="FLUX.1's CLIP-L from models/text_encoders (or clip): clip_l.safetensors.",
                 ),
                 io.Combo.Input(
                     "text_encoder_2",
-                    options=comfy_files.list_files("text_encoder_2"),
+                    options=comfy_files.widget_options("text_encoder_2"),
                     tooltip=(
                         "FLUX.1's T5-XXL from models/text_encoders (or clip): t5xxl_fp16.safetensors, or an fp8 one. "
                         "The two text encoders may be picked in either order."
@@ -58,7 +58,7 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "vae",
-                    options=comfy_files.list_files("vae"),
+                    options=comfy_files.widget_options("vae"),
                     tooltip="FLUX.1's VAE from models/vae: ae.safetensors.",
                 ),
             ],
@@ -85,6 +85,9 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
         not the cached output of the file that was."""
         found = []
         for widget in WIDGETS:
+            if inputs.get(widget) == comfy_files.NO_FILE:
+                found.append(None)
+                continue
             try:
                 stat = os.stat(comfy_files.resolve(widget, inputs.get(widget) or "", widget))
             except (InvalidInput, OSError):

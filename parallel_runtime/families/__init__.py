@@ -8,8 +8,10 @@ in ``parallel_runtime.testing`` and its tests (docs/ARCHITECTURE.md has the reci
 from __future__ import annotations
 
 from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_steps
+from .files import FilesLayout
 from .flux import Flux1
 from .flux2 import Flux2
+from .flux_files import Flux1Files
 from .qwenimage import QwenImage
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
@@ -17,6 +19,9 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux2(),
     QwenImage(),
 )
+
+# The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.
+FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(),)
 
 
 def family(key: str) -> FamilyAdapter:
@@ -38,9 +43,11 @@ def supported() -> str:
 
 
 __all__ = [
+    "FILES_LAYOUTS",
     "IMAGE_INPUTS",
     "REGISTRY",
     "FamilyAdapter",
+    "FilesLayout",
     "LatentLayout",
     "Placement",
     "family",
