@@ -332,22 +332,19 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
             f"{transformer.name!r} is a FLUX.2 transformer: ComfyUI's FLUX.2 files are not converted yet; use a "
             "diffusers folder of FLUX.2-dev in models/diffusers (see the README)",
         )
-    if "txt_norm.weight" in shapes and "transformer_blocks.0.img_mod.1.weight" in shapes:
-        raise InvalidInput(
-            transformer.widget,
-            f"{transformer.name!r} is a Qwen-Image transformer: ComfyUI's Qwen-Image files are not converted yet; "
-            "use a diffusers folder of Qwen-Image in models/diffusers (see the README)",
-        )
-    if any(k.startswith(("encoder.", "decoder.", "text_model.", "shared.")) for k in shapes):
+    examples = " or ".join(layout.example_files.split(", ")[0] for layout in FILES_LAYOUTS)
+    if any(
+        k.startswith(("encoder.", "decoder.", "text_model.", "shared.", "model.layers.", "visual.")) for k in shapes
+    ):
         raise InvalidInput(
             transformer.widget,
             f"{transformer.name!r} is a VAE or a text encoder, not a diffusion model; pick the transformer file "
-            f"(e.g. {FILES_LAYOUTS[0].example_files.split(', ')[0]}) here",
+            f"(e.g. {examples}) here",
         )
     raise InvalidInput(
         transformer.widget,
-        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 in Black Forest Labs' layout: "
-        "double_blocks / single_blocks); pick FLUX.1's file from models/diffusion_models, or use a diffusers folder",
+        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 in Black Forest Labs' layout, "
+        f"Qwen-Image in diffusers'); pick {examples} from models/diffusion_models, or use a diffusers folder",
     )
 
 
@@ -510,11 +507,7 @@ def _write_folder(
     should_cancel: Callable[[], bool] | None,
 ) -> None:
     """The family layout's folder: model_index, scheduler and tokenizers, then each component in turn."""
-    steps = _Steps(
-        sum(1 if c.moves is None else len(group_moves(c.moves)) for c in contents.components) + 1,
-        on_progress,
-        should_cancel,
-    )
+    steps = _Steps(sum(_units(c) for c in contents.components) + 1, on_progress, should_cancel)
     _write_json(os.path.join(out, "model_index.json"), contents.model_index)
     _write_json(os.path.join(out, "scheduler", "scheduler_config.json"), contents.scheduler)
     for tokenizer in contents.tokenizers:
@@ -527,9 +520,9 @@ def _write_folder(
             continue
         if component.convert is not None:
             _write_converted(component, folder)
+            steps(f"converting {component.name}")
         else:
-            _write_whole(component, folder)
-        steps(f"converting {component.name}")
+            _write_whole(component, folder, steps)
     steps("converted")
 
 
@@ -574,19 +567,33 @@ def _skipped(file: SourceFile, key: str) -> bool:
     )
 
 
-def _write_whole(component: Component, folder: str) -> None:
-    """Tensors kept as they are (a text encoder in transformers' layout): linked, or streamed into shards when fp8
-    weights need casting or keys renaming."""
+def _kept_keys(component: Component) -> list[str]:
     file, rename = component.file, component.rename
-    path = os.path.join(folder, component.weights)
+    return [k for k in file.shapes if not _skipped(file, k) and (rename is None or rename(k) is not None)]
+
+
+def _units(component: Component) -> int:
+    """The component's steps of progress: one per source tensor it streams, else one."""
+    if component.moves is not None:
+        return len(group_moves(component.moves))
+    if component.convert is None and _needs_rewrite(component):
+        return len(_kept_keys(component))
+    return 1
+
+
+def _write_whole(component: Component, folder: str, steps: _Steps) -> None:
+    """Tensors kept as they are (a text encoder in transformers' layout, a transformer in diffusers'): linked, or
+    streamed one tensor at a time into shards when fp8 weights need casting or keys renaming."""
+    file, rename = component.file, component.rename
     os.makedirs(folder, exist_ok=True)
     if not _needs_rewrite(component):
-        os.symlink(os.path.realpath(file.path), path)
+        os.symlink(os.path.realpath(file.path), os.path.join(folder, component.weights))
+        steps(f"linking {component.name}")
         return
-    keys = [k for k in file.shapes if not _skipped(file, k) and (rename is None or rename(k) is not None)]
     shards = _Shards(folder, component.weights)
-    for key, tensor in _tensors(file, keys):
+    for key, tensor in _tensors(file, _kept_keys(component)):
         shards.add(key if rename is None else rename(key), tensor)
+        steps(f"converting {component.name}")
     shards.close()
 
 

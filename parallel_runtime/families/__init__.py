@@ -13,6 +13,7 @@ from .flux import Flux1
 from .flux2 import Flux2
 from .flux_files import Flux1Files
 from .qwenimage import QwenImage
+from .qwenimage_files import QwenImageFiles
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
@@ -21,7 +22,7 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
 )
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.
-FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(),)
+FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(), QwenImageFiles())
 
 
 def family(key: str) -> FamilyAdapter:

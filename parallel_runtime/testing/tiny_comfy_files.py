@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -147,16 +148,27 @@ def _count(sd: dict[str, torch.Tensor], prefix: str) -> int:
 def _quantized_transformer(
     sd: dict[str, torch.Tensor], fmt: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The BFL file's tensors in ``fmt`` (matrices in fp8, one scale per BFL matrix for scaled fp8; the rest bf16) and
-    what they mean in diffusers' layout (bf16): the reference the conversion must give back."""
+    """The BFL file's tensors in ``fmt`` and what they mean in diffusers' layout (``_quantized``)."""
     layers, single = _count(sd, "transformer_blocks."), _count(sd, "single_transformer_blocks.")
+    return _quantized(sd, fmt, _groups(sd), lambda tensors: _bfl_transformer(tensors, layers, single))
+
+
+def _quantized(
+    sd: dict[str, torch.Tensor],
+    fmt: str,
+    groups: dict[str, list[str]],
+    layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A transformer file's tensors in ``fmt`` (matrices in fp8, one scale per file matrix for scaled fp8; the rest
+    bf16) and what they mean in diffusers' layout (bf16): the reference the conversion must give back. ``groups``: the
+    diffusers tensors each file tensor is made of; ``layout``: diffusers' state dict in the file's layout."""
     stored, meaning, scales = {}, {}, {}
-    for bfl_key, parts in _groups(sd).items():
+    for file_key, parts in groups.items():
         matrix = fmt != "bf16" and all(sd[p].ndim == 2 for p in parts)
         scale = None
         if matrix and fmt == "fp8_scaled":
             scale = (max(sd[p].abs().max() for p in parts).float() / 448.0).clamp(min=1e-12)
-            scales[bfl_key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+            scales[file_key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
         for p in parts:
             if not matrix:
                 stored[p] = meaning[p] = sd[p].to(torch.bfloat16)
@@ -168,7 +180,7 @@ def _quantized_transformer(
                 meaning[p] = (stored[p].float() * scale).to(torch.bfloat16)
     # fp8 tensors are concatenated as bytes (cat of float8 is not implemented everywhere), which is exact.
     as_bytes = {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in stored.items()}
-    file = _bfl_transformer(as_bytes, layers, single)
+    file = layout(as_bytes)
     file = {k: v.view(torch.float8_e4m3fn) if v.dtype == torch.uint8 else v for k, v in file.items()}
     file.update(scales)
     if fmt == "fp8_scaled":
@@ -308,6 +320,179 @@ def make_tiny_flux_files(
             shutil.copytree(next(iter(made.values()))[1], reference, ignore=shutil.ignore_patterns("transformer"))
             transformer.save_pretrained(os.path.join(reference, "transformer"), safe_serialization=True)
         name = f"tiny-flux1-{variant}-{fmt}.safetensors"
+        os.makedirs(os.path.join(models_dir, "diffusion_models"), exist_ok=True)
+        save_file(
+            {prefix + k: v.contiguous() for k, v in file.items()}, os.path.join(models_dir, "diffusion_models", name)
+        )
+        made[fmt] = ({**names, "diffusion_model": name}, reference)
+    return made
+
+
+# -- Qwen-Image ------------------------------------------------------------------------------------------------
+def wan_vae(sd: dict[str, torch.Tensor], res_blocks: int = 2) -> dict[str, torch.Tensor]:
+    """diffusers' AutoencoderKLQwenImage state dict in Wan 2.1's original layout (ComfyUI's ``comfy/ldm/wan/vae.py``):
+    each residual block a Sequential (norm 0, conv 2, norm 3, conv 6) with a ``shortcut``, the encoder's and decoder's
+    blocks one flat Sequential each (a decoder level: its ``res_blocks + 1`` residual blocks, then its upsampling),
+    the middle a (residual, attention, residual) Sequential, the output norm and conv a ``head``."""
+    residual = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma"}
+    residual |= {"conv2": "residual.6", "conv_shortcut": "shortcut"}
+
+    def inner(rest: str) -> str:
+        for name, original in residual.items():
+            if rest == name or rest.startswith(name + "."):
+                return original + rest[len(name) :]
+        return rest  # resample.1.*, time_conv.*, an attention's norm / to_qkv / proj
+
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        side, _, rest = key.partition(".")
+        if side in ("quant_conv", "post_quant_conv"):
+            out[("conv1." if side == "quant_conv" else "conv2.") + rest] = value
+            continue
+        block, _, rest = rest.partition(".")
+        if block == "conv_in":
+            new = f"conv1.{rest}"
+        elif block == "norm_out":
+            new = f"head.0.{rest}"
+        elif block == "conv_out":
+            new = f"head.2.{rest}"
+        elif block == "mid_block":
+            kind, index, rest = rest.split(".", 2)
+            new = f"middle.{1 if kind == 'attentions' else 2 * int(index)}.{inner(rest)}"
+        elif block == "down_blocks":
+            index, rest = rest.split(".", 1)
+            new = f"downsamples.{index}.{inner(rest)}"
+        else:  # up_blocks.{level}.resnets.{j} / .upsamplers.0
+            level, kind, index, rest = rest.split(".", 3)
+            position = int(level) * (res_blocks + 2) + (int(index) if kind == "resnets" else res_blocks + 1)
+            new = f"upsamples.{position}.{inner(rest)}"
+        out[f"{side}.{new}"] = value
+    return out
+
+
+def published_qwen_layout(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's Qwen2_5_VLForConditionalGeneration state dict in the layout Qwen2.5-VL was published in (and
+    ComfyUI's qwen_2.5_vl_7b files keep): ``model.language_model.X`` is ``model.X``, ``model.visual`` is ``visual``;
+    without ``lm_head``, which ComfyUI does not use."""
+    out = {}
+    for key, value in sd.items():
+        if key == "lm_head.weight":
+            continue
+        if key.startswith("model.language_model."):
+            key = "model." + key.removeprefix("model.language_model.")
+        elif key.startswith("model.visual."):
+            key = key.removeprefix("model.")
+        out[key] = value
+    return out
+
+
+def make_tiny_qwenimage_files(
+    models_dir: str, reference_root: str, comfy_dir: str, *, seed: int = 0, formats: tuple[str, ...] = FORMATS
+) -> dict[str, tuple[dict[str, str], str]]:
+    """Write a tiny Qwen-Image as ComfyUI's files under ``models_dir`` (one transformer file per format in ``formats``),
+    and for each a diffusers folder below ``reference_root`` with the same weights (as make_tiny_flux_files does).
+
+    What ComfyUI's files do not carry is Qwen-Image's own: transformer heads 128 wide with the rotary axes (16, 56,
+    56), Qwen2.5-VL's 128-wide heads, multimodal RoPE sections (16, 24, 24) and special tokens, an 80-wide vision
+    head, Wan 2.1's VAE shape (two residual blocks a level) and ComfyUI's real tokenizer (hence the real vocabulary):
+    still small, two layers of each. Returns, per format, the widgets' values and the reference folder."""
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    from ..families import qwenimage_files
+
+    if not formats or set(formats) - set(FORMATS):
+        raise ValueError(f"formats must be some of {FORMATS}")
+    tokenizer = Qwen2Tokenizer.from_pretrained(os.path.join(comfy_dir, "text_encoders", "qwen25_tokenizer"))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config={
+                    "vocab_size": 152064,
+                    "hidden_size": 256,  # two heads 128 wide, as Qwen2.5-VL's
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "max_window_layers": 2,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
+                    "max_position_embeddings": 128000,
+                    "rms_norm_eps": 1e-06,
+                    "sliding_window": 32768,
+                    "use_sliding_window": False,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+                    "bos_token_id": 151643,
+                    "eos_token_id": 151645,
+                },
+                vision_config={
+                    "depth": 1,
+                    "hidden_size": 160,  # two heads 80 wide
+                    "intermediate_size": 64,
+                    "num_heads": 2,
+                    "out_hidden_size": 256,
+                    "patch_size": 14,
+                    "spatial_merge_size": 2,
+                    "temporal_patch_size": 2,
+                    "window_size": 112,
+                    "fullatt_block_indexes": [7, 15, 23, 31],
+                    "tokens_per_second": 2,
+                },
+                image_token_id=151655,
+                video_token_id=151656,
+                vision_start_token_id=151652,
+                vision_end_token_id=151653,
+                tie_word_embeddings=True,  # the file carries no lm_head (as ComfyUI's), so both tie theirs
+            )
+        )
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=128,
+            num_attention_heads=2,
+            joint_attention_dim=256,
+            axes_dims_rope=(16, 56, 56),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+        )
+    text_encoder.to(torch.bfloat16)  # as ComfyUI's qwen_2.5_vl_7b.safetensors
+    weights = transformer.state_dict()
+    transformer.to(torch.bfloat16)
+    scheduler_config = {k: v for k, v in qwenimage_files.SCHEDULER.items() if not k.startswith("_")}
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    names = {
+        "text_encoder": "tiny_qwen_2.5_vl_7b.safetensors",
+        "text_encoder_2": "none",
+        "vae": "tiny_qwen_image_vae.safetensors",
+    }
+    for folder, name, tensors in (
+        ("text_encoders", names["text_encoder"], published_qwen_layout(text_encoder.state_dict())),
+        ("vae", names["vae"], wan_vae(vae.state_dict())),
+    ):
+        os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, name))
+    made = {}
+    for fmt in formats:
+        file, meaning = _quantized(weights, fmt, {k: [k] for k in weights}, dict)  # the file keeps diffusers' keys
+        prefix = "model.diffusion_model." if fmt == "fp8_scaled" else ""
+        transformer.load_state_dict(meaning)
+        reference = os.path.join(reference_root, f"tiny-qwen-image-{fmt}")
+        if not made:
+            pipe.save_pretrained(reference, safe_serialization=True)
+        else:
+            shutil.copytree(next(iter(made.values()))[1], reference, ignore=shutil.ignore_patterns("transformer"))
+            transformer.save_pretrained(os.path.join(reference, "transformer"), safe_serialization=True)
+        name = f"tiny-qwen-image-{fmt}.safetensors"
         os.makedirs(os.path.join(models_dir, "diffusion_models"), exist_ok=True)
         save_file(
             {prefix + k: v.contiguous() for k, v in file.items()}, os.path.join(models_dir, "diffusion_models", name)
