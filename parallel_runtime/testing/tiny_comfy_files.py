@@ -1,5 +1,7 @@
-"""Tiny FLUX.1 written as ComfyUI distributes it: a transformer in Black Forest Labs' layout, CLIP-L and T5 in
-transformers' layouts, the VAE in the original (LDM) layout — beside the same model as a diffusers folder.
+"""Tiny FLUX.1 and Qwen-Image written as ComfyUI distributes them, beside the same models as diffusers folders. FLUX.1:
+a transformer in Black Forest Labs' layout, CLIP-L and T5 in transformers' layouts, the VAE in the original (LDM)
+layout. Qwen-Image: the transformer in diffusers' keys (fp8 ones behind ComfyUI's prefix), Qwen2.5-VL in its published
+layout without lm_head, the VAE in Wan 2.1's original layout (``wan_vae``).
 
 The files are written from the diffusers model by the inverse of the documented key mapping (BFL's ``qkv`` and
 ``linear1`` are the concatenations of diffusers' ``to_q / to_k / to_v (/ proj_mlp)``, the final AdaLN's halves are
@@ -19,11 +21,29 @@ import shutil
 from collections.abc import Callable
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
 from safetensors.torch import save_file
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
-from ..families import flux_files
+from ..families import flux_files, qwenimage_files
 
 FORMATS = ("bf16", "fp8", "fp8_scaled")
 
@@ -396,11 +416,6 @@ def make_tiny_qwenimage_files(
     56), Qwen2.5-VL's 128-wide heads, multimodal RoPE sections (16, 24, 24) and special tokens, an 80-wide vision
     head, Wan 2.1's VAE shape (two residual blocks a level) and ComfyUI's real tokenizer (hence the real vocabulary):
     still small, two layers of each. Returns, per format, the widgets' values and the reference folder."""
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-
-    from ..families import qwenimage_files
-
     if not formats or set(formats) - set(FORMATS):
         raise ValueError(f"formats must be some of {FORMATS}")
     tokenizer = Qwen2Tokenizer.from_pretrained(os.path.join(comfy_dir, "text_encoders", "qwen25_tokenizer"))
@@ -410,11 +425,11 @@ def make_tiny_qwenimage_files(
             Qwen2_5_VLConfig(
                 text_config={
                     "vocab_size": 152064,
-                    "hidden_size": 256,  # two heads 128 wide, as Qwen2.5-VL's
+                    "hidden_size": 128,  # one head 128 wide, as Qwen2.5-VL's
                     "intermediate_size": 128,
                     "num_hidden_layers": 2,
                     "max_window_layers": 2,
-                    "num_attention_heads": 2,
+                    "num_attention_heads": 1,
                     "num_key_value_heads": 1,
                     "max_position_embeddings": 128000,
                     "rms_norm_eps": 1e-06,
@@ -429,7 +444,7 @@ def make_tiny_qwenimage_files(
                     "hidden_size": 160,  # two heads 80 wide
                     "intermediate_size": 64,
                     "num_heads": 2,
-                    "out_hidden_size": 256,
+                    "out_hidden_size": 128,
                     "patch_size": 14,
                     "spatial_merge_size": 2,
                     "temporal_patch_size": 2,
@@ -451,7 +466,7 @@ def make_tiny_qwenimage_files(
             num_layers=2,
             attention_head_dim=128,
             num_attention_heads=2,
-            joint_attention_dim=256,
+            joint_attention_dim=128,
             axes_dims_rope=(16, 56, 56),
         )
         vae = AutoencoderKLQwenImage(
@@ -461,8 +476,6 @@ def make_tiny_qwenimage_files(
     weights = transformer.state_dict()
     transformer.to(torch.bfloat16)
     scheduler_config = {k: v for k, v in qwenimage_files.SCHEDULER.items() if not k.startswith("_")}
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config),
         vae=vae,
