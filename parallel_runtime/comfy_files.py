@@ -285,7 +285,7 @@ class FilesPlan:
     """What the conversion will write, known from the headers alone.
 
     Args:
-        family: the family adapter's key; variant: what the user has ("FLUX.1-dev", "FLUX.1-schnell").
+        family: the family adapter's key; variant: what the user has ("FLUX.1-dev", "FLUX.1-schnell", "Qwen-Image").
         transformer, text_encoders, vae: the files (text_encoders in the pipeline's order).
         name: the model name the nodes take (the folder's name below ``converted_root``); folder: its path.
         configs: each component's config.
@@ -384,10 +384,11 @@ def _text_encoders(layout: FilesLayout, picked: dict[str, str]) -> list[SourceFi
         empty = value in ("", NO_FILE)
         if widget in layout.text_encoder_widgets:
             if empty:
+                n = len(layout.text_encoder_widgets)
                 raise InvalidInput(
                     widget,
-                    f"{layout.name} takes {len(layout.text_encoder_widgets)} text encoders "
-                    f"({layout.example_files}); pick one from models/text_encoders here",
+                    f"{layout.name} takes {n} text encoder{'s' if n > 1 else ''} (its files: "
+                    f"{layout.example_files}); pick one from models/text_encoders here",
                 )
             files.append(read_file(widget, value, widget))
         elif not empty:

@@ -391,6 +391,33 @@ def test_qwenimage_converted_folder_is_the_diffusers_folder(qwen, fmt):
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def test_qwenimage_scaled_fp8_text_encoder_is_dequantized(qwen, tiny):
+    """ComfyUI's qwen_2.5_vl_7b_fp8_scaled layout (fp8 matrices, a ``scale_weight`` each, the ``scaled_fp8`` marker):
+    the converted text encoder is rewritten (not linked) as weight × scale in bf16, in the file's own published
+    layout, without ComfyUI's bookkeeping."""
+    _, models, _ = tiny
+    names, _ = qwen["bf16"]
+    source = load_file(str(models / "text_encoders" / names["text_encoder"]))
+    stored, expected = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, {}
+    for key, value in source.items():
+        if key.startswith("model.layers.") and value.ndim == 2:
+            scale = value.float().abs().max() / 448.0
+            stored[key] = (value.float() / scale).to(torch.float8_e4m3fn)
+            stored[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+            expected[key] = (stored[key].float() * scale).to(torch.bfloat16)
+        else:
+            stored[key] = expected[key] = value
+    _write(str(models / "text_encoders" / "tiny_qwen_2.5_vl_7b_fp8_scaled.safetensors"), stored)
+    fp8 = {**names, "text_encoder": "tiny_qwen_2.5_vl_7b_fp8_scaled.safetensors"}
+    _, plan = jobs.model_from_comfy_files(**fp8)
+    written = os.path.join(plan.folder, "text_encoder", "model.safetensors")
+    assert not os.path.islink(written)
+    ours = load_file(written)
+    assert set(ours) == set(expected)
+    for key, value in expected.items():
+        assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
+
+
 def test_qwenimage_refusals_name_the_input(qwen, tiny):
     _, models, flux = tiny
     flux_names, _ = flux["bf16"]
@@ -458,3 +485,57 @@ def test_qwenimage_strategies_on_the_converted_model(qwen_converted, strategy, a
     diff = (image - expected).abs().max().item()
     print(f"converted Qwen-Image, {strategy} {args}: max |diff| vs one-shot {diff:.3g}")
     assert diff <= 1e-4
+
+
+@pytest.mark.slow  # ~45 s on a loaded 2-core machine (building the 7B and 20B models' modules, even on meta)
+def test_qwenimage_configs_at_the_real_sizes():
+    """At Qwen-Image's and Qwen2.5-VL-7B's real sizes (models built on the meta device from their published configs,
+    written here independently): the configs read back from the shapes alone build models with exactly those shapes,
+    and the transformer's expected keys are the model's."""
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from parallel_runtime.families import qwenimage_files
+    from parallel_runtime.testing.tiny_comfy_files import published_qwen_layout
+
+    def shapes_of(model, layout=dict):
+        return {k: tuple(v.shape) for k, v in layout(model.state_dict()).items()}
+
+    with torch.device("meta"):
+        transformer = QwenImageTransformer2DModel()  # diffusers' defaults are Qwen-Image's: 60 layers, 24 heads
+        shapes = shapes_of(transformer)
+        config = qwenimage_files.transformer_config(shapes)
+        assert (config["num_layers"], config["num_attention_heads"], config["joint_attention_dim"]) == (60, 24, 3584)
+        assert set(qwenimage_files.transformer_keys(config)) == set(shapes)
+        again = QwenImageTransformer2DModel(**{k: v for k, v in config.items() if not k.startswith("_")})
+        assert shapes_of(again) == shapes
+        published = Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": 152064,
+                "hidden_size": 3584,
+                "intermediate_size": 18944,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+            },
+            vision_config={
+                "depth": 32,
+                "hidden_size": 1280,
+                "intermediate_size": 3420,
+                "num_heads": 16,
+                "out_hidden_size": 3584,
+            },
+            tie_word_embeddings=False,
+        )
+        encoder = Qwen2_5_VLForConditionalGeneration(published)
+        shapes = shapes_of(encoder, published_qwen_layout) | {"lm_head.weight": (152064, 3584)}
+        derived = qwenimage_files.text_encoder_config(shapes)
+        assert (derived["num_attention_heads"], derived["num_key_value_heads"], derived["tie_word_embeddings"]) == (
+            28,
+            4,
+            False,
+        )
+        assert derived["vision_config"]["num_heads"] == 16 and derived["vision_config"]["spatial_merge_size"] == 2
+        rebuilt = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**derived))
+        assert shapes_of(rebuilt) == shapes_of(encoder)
+        assert rebuilt.config.text_config.rope_parameters["mrope_section"] == [16, 24, 24]

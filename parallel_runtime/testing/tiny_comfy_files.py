@@ -328,18 +328,41 @@ def make_tiny_flux_files(
     ):
         os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, names[key]))
-    made = {}
+    return _write_formats(
+        models_dir,
+        reference_root,
+        f"tiny-flux1-{variant}",
+        pipe,
+        names,
+        formats,
+        lambda fmt: _quantized_transformer(weights, fmt),
+    )
+
+
+def _write_formats(
+    models_dir: str,
+    reference_root: str,
+    stem: str,
+    pipe: object,
+    names: dict[str, str],
+    formats: tuple[str, ...],
+    quantized: Callable[[str], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+) -> dict[str, tuple[dict[str, str], str]]:
+    """One transformer file per format (``quantized``: its tensors and what they mean) in ``diffusion_models``, scaled
+    fp8 behind ComfyUI's ``model.diffusion_model.`` prefix as ComfyUI saves its own files, and for each the diffusers
+    folder of ``pipe`` with that meaning: the widgets' values and the folder, per format."""
+    made: dict[str, tuple[dict[str, str], str]] = {}
     for fmt in formats:
-        file, meaning = _quantized_transformer(weights, fmt)
-        prefix = "model.diffusion_model." if fmt == "fp8_scaled" else ""  # as ComfyUI saves its own files
-        transformer.load_state_dict(meaning)
-        reference = os.path.join(reference_root, f"tiny-flux1-{variant}-{fmt}")
+        file, meaning = quantized(fmt)
+        prefix = "model.diffusion_model." if fmt == "fp8_scaled" else ""
+        pipe.transformer.load_state_dict(meaning)
+        reference = os.path.join(reference_root, f"{stem}-{fmt}")
         if not made:
             pipe.save_pretrained(reference, safe_serialization=True)
         else:  # the same pipeline but for its transformer
             shutil.copytree(next(iter(made.values()))[1], reference, ignore=shutil.ignore_patterns("transformer"))
-            transformer.save_pretrained(os.path.join(reference, "transformer"), safe_serialization=True)
-        name = f"tiny-flux1-{variant}-{fmt}.safetensors"
+            pipe.transformer.save_pretrained(os.path.join(reference, "transformer"), safe_serialization=True)
+        name = f"{stem}-{fmt}.safetensors"
         os.makedirs(os.path.join(models_dir, "diffusion_models"), exist_ok=True)
         save_file(
             {prefix + k: v.contiguous() for k, v in file.items()}, os.path.join(models_dir, "diffusion_models", name)
@@ -494,21 +517,13 @@ def make_tiny_qwenimage_files(
     ):
         os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, name))
-    made = {}
-    for fmt in formats:
-        file, meaning = _quantized(weights, fmt, {k: [k] for k in weights}, dict)  # the file keeps diffusers' keys
-        prefix = "model.diffusion_model." if fmt == "fp8_scaled" else ""
-        transformer.load_state_dict(meaning)
-        reference = os.path.join(reference_root, f"tiny-qwen-image-{fmt}")
-        if not made:
-            pipe.save_pretrained(reference, safe_serialization=True)
-        else:
-            shutil.copytree(next(iter(made.values()))[1], reference, ignore=shutil.ignore_patterns("transformer"))
-            transformer.save_pretrained(os.path.join(reference, "transformer"), safe_serialization=True)
-        name = f"tiny-qwen-image-{fmt}.safetensors"
-        os.makedirs(os.path.join(models_dir, "diffusion_models"), exist_ok=True)
-        save_file(
-            {prefix + k: v.contiguous() for k, v in file.items()}, os.path.join(models_dir, "diffusion_models", name)
-        )
-        made[fmt] = ({**names, "diffusion_model": name}, reference)
-    return made
+    # The file keeps diffusers' keys: each of its tensors is one of the model's.
+    return _write_formats(
+        models_dir,
+        reference_root,
+        "tiny-qwen-image",
+        pipe,
+        names,
+        formats,
+        lambda fmt: _quantized(weights, fmt, {k: [k] for k in weights}, dict),
+    )
