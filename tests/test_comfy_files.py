@@ -451,6 +451,9 @@ def test_qwenimage_refusals_name_the_input(qwen, tiny):
     _write(str(cut), {k: v for k, v in full.items() if k != "transformer_blocks.0.attn.to_k.weight"})
     with pytest.raises(InvalidInput, match=r"diffusion_model: .* lacks transformer_blocks.0.attn.to_k.weight"):
         jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
+    _write(str(cut), {k: v for k, v in full.items() if not k.endswith("attn.norm_q.weight")})
+    with pytest.raises(InvalidInput, match=r"diffusion_model: .* lacks 'transformer_blocks.0.attn.norm_q.weight'"):
+        jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
 
 
 @pytest.fixture(scope="module")

@@ -286,9 +286,10 @@ class QwenImageFiles(FilesLayout):
             try:
                 configs[component] = derive(file.shapes)
             except (KeyError, IndexError, ValueError) as e:
+                what = f"has {e}" if isinstance(e, ValueError) else f"lacks {e}"
                 raise InvalidInput(
                     file.widget,
-                    f"{file.name!r} has {e} (cut short, or not Qwen-Image's); pick Qwen-Image's complete file",
+                    f"{file.name!r} {what} (cut short, or not Qwen-Image's); pick Qwen-Image's complete file",
                 ) from None
         missing = [k for k in transformer_keys(configs["transformer"]) if k not in transformer.shapes]
         if missing:
