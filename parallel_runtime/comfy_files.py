@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 
 from .errors import Cancelled, InvalidInput
 from .families import FILES_LAYOUTS, FilesLayout
-from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer
+from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ _FLOAT8 = ("F8_E4M3", "F8_E5M2")
 _FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F64": 8}
 _STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "first_stage_model.", "vae.")
+# Tokenizer data ComfyUI keeps inside a text encoder file (uint8 tensors): read by a family's tokenizer, never weights.
+# (Integer tensors a format check lets through besides: ComfyUI's ``comfy_quant`` records, BatchNorm's step count.)
+_TOKENIZER_DATA = ("tekken_model", "spiece_model")
 _TEXT_PREFIXES = ("cond_stage_model.transformer.", "transformer.", "te.", "text_encoders.t5xxl.transformer.")
 
 
@@ -270,7 +273,13 @@ def _check_format(file: SourceFile) -> None:
                 file.widget,
                 f"{file.name!r} is quantized as {', '.join(unknown)}, which is not supported; {USE_INSTEAD}",
             )
-    odd = sorted({d for k, d in keys.items() if d not in _FLOATS and not k.endswith("comfy_quant")})
+    odd = sorted(
+        {
+            d
+            for k, d in keys.items()
+            if d not in _FLOATS and not k.endswith(("comfy_quant", "num_batches_tracked")) and k not in _TOKENIZER_DATA
+        }
+    )
     if odd:
         raise InvalidInput(
             file.widget,
@@ -326,12 +335,6 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
         variant = layout.variant(shapes)
         if variant is not None:
             return layout, variant
-    if "double_stream_modulation_img.lin.weight" in shapes:
-        raise InvalidInput(
-            transformer.widget,
-            f"{transformer.name!r} is a FLUX.2 transformer: ComfyUI's FLUX.2 files are not converted yet; use a "
-            "diffusers folder of FLUX.2-dev in models/diffusers (see the README)",
-        )
     examples = " or ".join(layout.example_files.split(", ")[0] for layout in FILES_LAYOUTS)
     if any(
         k.startswith(("encoder.", "decoder.", "text_model.", "shared.", "model.layers.", "visual.")) for k in shapes
@@ -343,8 +346,8 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
         )
     raise InvalidInput(
         transformer.widget,
-        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 in Black Forest Labs' layout, "
-        f"Qwen-Image in diffusers'); pick {examples} from models/diffusion_models, or use a diffusers folder",
+        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 or FLUX.2 in Black Forest Labs' "
+        f"layout, Qwen-Image in diffusers'); pick {examples} from models/diffusion_models, or use a diffusers folder",
     )
 
 
@@ -371,9 +374,17 @@ def _write_bytes(component: Component) -> int:
     file = component.file
     if component.convert is not None:
         return file.size
+    filled = sum(_filled_bytes(file, shape) for shape, _ in component.filled.values())
     if component.moves is None and not _needs_rewrite(component):
-        return 0  # a link
-    return sum(_tensor_bytes(file, k, _out_dtype(file, k)) for k in file.shapes)
+        return filled  # a link, and the filled tensors beside it
+    return filled + sum(_tensor_bytes(file, k, _out_dtype(file, k)) for k in file.shapes)
+
+
+def _filled_bytes(file: SourceFile, shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * _DTYPE_BYTES[file.high_precision_dtype()]
 
 
 def _text_encoders(layout: FilesLayout, picked: dict[str, str]) -> list[SourceFile]:
@@ -455,7 +466,7 @@ def convert(
             f"{_gib(free)} free; free some space, or set COMFY_PARALLEL_CONVERTED to a folder on a larger disk",
         )
     comfy_dir = comfy_package_dir()
-    if comfy_dir is None:
+    if comfy_dir is None and plan.contents.tokenizers:
         raise InvalidInput(
             "text_encoder",
             "the tokenizers come from the ComfyUI installation ("
@@ -513,6 +524,8 @@ def _write_folder(
     _write_json(os.path.join(out, "scheduler", "scheduler_config.json"), contents.scheduler)
     for tokenizer in contents.tokenizers:
         _write_tokenizer(out, comfy_dir, tokenizer)
+    for made in contents.tokenizers_from_files:
+        _write_tokenizer_from_file(out, made)
     for component in contents.components:
         folder = os.path.join(out, component.name)
         _write_json(os.path.join(folder, "config.json"), component.config)
@@ -525,6 +538,23 @@ def _write_folder(
         else:
             _write_whole(component, folder, steps)
     steps("converted")
+
+
+def _write_tokenizer_from_file(out: str, made: TokenizerFromFile) -> None:
+    """A tokenizer folder the family makes from the bytes of a tensor its file carries."""
+    from safetensors import safe_open
+
+    file = made.file
+    with safe_open(file.path, framework="pt") as f:
+        data = f.get_tensor(file.keys[made.key]).numpy().tobytes()
+    try:
+        made.write(data, os.path.join(out, made.folder))
+    except (ValueError, KeyError) as e:
+        raise InvalidInput(
+            file.widget,
+            f"{file.name!r} carries no readable tokenizer in {made.key!r} ({e}); pick the file as ComfyUI "
+            "distributes it",
+        ) from None
 
 
 def _write_tokenizer(out: str, comfy_dir: str, tokenizer: Tokenizer) -> None:
@@ -562,9 +592,11 @@ def _tensors(file: SourceFile, keys: list[str]) -> Iterator[tuple[str, object]]:
 
 
 def _skipped(file: SourceFile, key: str) -> bool:
-    """ComfyUI's quantization bookkeeping, which diffusers models do not have."""
-    return key == "scaled_fp8" or key.endswith(
-        (".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant")
+    """ComfyUI's quantization bookkeeping and tokenizer data, which diffusers models do not have as weights."""
+    return (
+        key == "scaled_fp8"
+        or key in _TOKENIZER_DATA
+        or key.endswith((".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant"))
     )
 
 
@@ -584,17 +616,29 @@ def _units(component: Component) -> int:
 
 def _write_whole(component: Component, folder: str, steps: _Steps) -> None:
     """Tensors kept as they are (a text encoder in transformers' layout, a transformer in diffusers'): linked, or
-    streamed one tensor at a time into shards when fp8 weights need casting or keys renaming."""
+    streamed one tensor at a time into shards when fp8 weights need casting or keys renaming; the component's filled
+    tensors beside them (after a link, in a shard of their own, the link the first shard of the index)."""
     file, rename = component.file, component.rename
     os.makedirs(folder, exist_ok=True)
-    if not _needs_rewrite(component):
+    if not _needs_rewrite(component) and not component.filled:
         os.symlink(os.path.realpath(file.path), os.path.join(folder, component.weights))
         steps(f"linking {component.name}")
         return
     shards = _Shards(folder, component.weights)
-    for key, tensor in _tensors(file, _kept_keys(component)):
-        shards.add(key if rename is None else rename(key), tensor)
-        steps(f"converting {component.name}")
+    if _needs_rewrite(component):
+        for key, tensor in _tensors(file, _kept_keys(component)):
+            shards.add(key if rename is None else rename(key), tensor)
+            steps(f"converting {component.name}")
+    else:
+        # Not prefix-stripped (else it would be rewritten): the file's keys are the folder's.
+        sizes = {k: _tensor_bytes(file, k) for k in file.shapes if not _skipped(file, k)}
+        shards.link(os.path.realpath(file.path), sizes)
+        steps(f"linking {component.name}")
+    import torch
+
+    dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[file.high_precision_dtype()])
+    for key, (shape, value) in component.filled.items():
+        shards.add(key, torch.full(shape, value, dtype=dtype))
     shards.close()
 
 
@@ -646,6 +690,15 @@ class _Shards:
         self.size = 0
         self.written: list[tuple[str, dict[str, int]]] = []  # (file, {key: bytes})
 
+    def link(self, source: str, sizes: dict[str, int]) -> None:
+        """A whole existing safetensors file as the next shard, linked (not copied): ``sizes`` (bytes by key) are the
+        tensors the index maps to it."""
+        if self.current:
+            self._flush()
+        file = f"shard-{len(self.written)}.safetensors"
+        os.symlink(source, os.path.join(self.out, file))
+        self.written.append((file, dict(sizes)))
+
     def add(self, key: str, tensor: object) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         if self.current and self.size + nbytes > SHARD_BYTES:
@@ -662,7 +715,8 @@ class _Shards:
         self.current, self.size = {}, 0
 
     def close(self) -> None:
-        self._flush()
+        if self.current or not self.written:
+            self._flush()
         if len(self.written) == 1:
             os.rename(os.path.join(self.out, self.written[0][0]), os.path.join(self.out, self.weights))
             return

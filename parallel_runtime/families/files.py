@@ -69,6 +69,24 @@ class Tokenizer:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenizerFromFile:
+    """A tokenizer folder made from data a picked file carries (FLUX.2's Mistral file holds its tekken vocabulary as a
+    uint8 tensor): ``comfy_files`` reads that tensor's bytes and ``write`` makes the folder (nothing is downloaded).
+
+    Args:
+        folder: the pipeline's component ("tokenizer").
+        file: the file holding the data.
+        key: the tensor holding it (``file``'s stripped key).
+        write: (the bytes, the folder to write) → None; ValueError when the bytes are not what it reads.
+    """
+
+    folder: str
+    file: SourceHeader
+    key: str
+    write: Callable[[bytes, str], None]
+
+
+@dataclasses.dataclass(frozen=True)
 class Component:
     """One component of the diffusers folder and how its weights are made from one source file.
 
@@ -85,6 +103,8 @@ class Component:
         convert: the source state dict (fp8 already dequantized) → diffusers' state dict.
         rename: a source key → its key in the folder, or None to leave the tensor out.
         weights: the weights' file name (``convert``; ``moves`` writes diffusers' own name, shards and index).
+        filled: tensors the folder's model has and the file has not, each (shape, value) filled with one value in
+            the file's dtype (kept components only; FLUX.2's cut text encoder): beside a link, their own shard.
     """
 
     name: str
@@ -94,10 +114,13 @@ class Component:
     convert: Callable[[dict], dict] | None = None
     rename: Callable[[str], str | None] | None = None
     weights: str = "diffusion_pytorch_model.safetensors"
+    filled: Mapping[str, tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.moves is not None and self.convert is not None:
             raise ValueError(f"{self.name}: give moves or convert, not both")
+        if self.filled and (self.moves is not None or self.convert is not None):
+            raise ValueError(f"{self.name}: filled tensors go with kept components only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +134,7 @@ class FilesContents:
         tokenizers: copied from ComfyUI's installation.
         components: written in this order (progress follows it).
         text_encoders: the text-encoder files in the pipeline's order (whatever widget picked them).
+        tokenizers_from_files: tokenizers made from data the picked files carry.
     """
 
     variant: str
@@ -119,6 +143,7 @@ class FilesContents:
     tokenizers: tuple[Tokenizer, ...]
     components: tuple[Component, ...]
     text_encoders: tuple[SourceHeader, ...]
+    tokenizers_from_files: tuple[TokenizerFromFile, ...] = ()
 
 
 class FilesLayout(abc.ABC):
