@@ -228,7 +228,7 @@ def _refusal_cases(models, names):
         ("diffusion_model", "svdq.safetensors", r"nunchaku"),
         ("diffusion_model", "int8.safetensors", r"I8 tensors \(an integer quantization\)"),
         ("diffusion_model", "nvfp4.safetensors", r"quantized as nvfp4"),
-        ("diffusion_model", "flux2.safetensors", r"FLUX.2 transformer: .* use a diffusers folder"),
+        ("diffusion_model", "flux2.safetensors", r"not a transformer this pack recognises \(FLUX.1 or FLUX.2"),
         ("diffusion_model", "sdxl-unet.safetensors", r"not a transformer this pack recognises"),
         ("diffusion_model", "broken.safetensors", r"not a readable safetensors file"),
         ("diffusion_model", names["vae"], r"unknown file"),

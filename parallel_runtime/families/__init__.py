@@ -11,6 +11,7 @@ from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_
 from .files import FilesLayout
 from .flux import Flux1
 from .flux2 import Flux2
+from .flux2_files import Flux2Files
 from .flux_files import Flux1Files
 from .qwenimage import QwenImage
 from .qwenimage_files import QwenImageFiles
@@ -22,7 +23,7 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
 )
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.
-FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(), QwenImageFiles())
+FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(), Flux2Files(), QwenImageFiles())
 
 
 def family(key: str) -> FamilyAdapter:
