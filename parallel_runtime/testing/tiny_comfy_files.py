@@ -16,6 +16,8 @@ each kind, about 30 MB of files.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -152,13 +154,20 @@ def ldm_vae(sd: dict[str, torch.Tensor], levels: int) -> dict[str, torch.Tensor]
 
 
 def _groups(sd: dict[str, torch.Tensor]) -> dict[str, list[str]]:
-    """Which diffusers tensors each BFL tensor is made of, read from the inverse mapping itself (each diffusers tensor
-    tagged with its number)."""
+    """Which diffusers tensors each FLUX.1 BFL tensor is made of (``_tagged_groups``)."""
+    layers, single = _count(sd, "transformer_blocks."), _count(sd, "single_transformer_blocks.")
+    return _tagged_groups(sd, lambda tensors: _bfl_transformer(tensors, layers, single))
+
+
+def _tagged_groups(
+    sd: dict[str, torch.Tensor], layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+) -> dict[str, list[str]]:
+    """Which diffusers tensors each file tensor is made of, read from the inverse mapping ``layout`` itself (each
+    diffusers tensor tagged with its number)."""
     names = list(sd)
-    # 1-D tags are enough: the mapping only concatenates and swaps along dim 0.
+    # 1-D tags are enough: the mappings only concatenate and swap along dim 0.
     tagged = {k: torch.full(sd[k].shape[:1], float(i), dtype=torch.float64) for i, k in enumerate(names)}
-    bfl = _bfl_transformer(tagged, _count(sd, "transformer_blocks."), _count(sd, "single_transformer_blocks."))
-    return {k: [names[int(i)] for i in torch.unique(v).tolist()] for k, v in bfl.items()}
+    return {k: [names[int(i)] for i in torch.unique(v).tolist()] for k, v in layout(tagged).items()}
 
 
 def _count(sd: dict[str, torch.Tensor], prefix: str) -> int:
@@ -526,4 +535,261 @@ def make_tiny_qwenimage_files(
         names,
         formats,
         lambda fmt: _quantized(weights, fmt, {k: [k] for k in weights}, dict),
+    )
+
+
+# -- FLUX.2 ------------------------------------------------------------------------------------------------------
+def _bfl_flux2_transformer(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' Flux2Transformer2DModel state dict in BFL's layout (no biases: FLUX.2 has none)."""
+    out: dict[str, torch.Tensor] = {}
+    for bfl, diffusers in (
+        ("img_in", "x_embedder"),
+        ("txt_in", "context_embedder"),
+        ("time_in.in_layer", "time_guidance_embed.timestep_embedder.linear_1"),
+        ("time_in.out_layer", "time_guidance_embed.timestep_embedder.linear_2"),
+        ("guidance_in.in_layer", "time_guidance_embed.guidance_embedder.linear_1"),
+        ("guidance_in.out_layer", "time_guidance_embed.guidance_embedder.linear_2"),
+        ("double_stream_modulation_img.lin", "double_stream_modulation_img.linear"),
+        ("double_stream_modulation_txt.lin", "double_stream_modulation_txt.linear"),
+        ("single_stream_modulation.lin", "single_stream_modulation.linear"),
+        ("final_layer.linear", "proj_out"),
+    ):
+        if f"{diffusers}.weight" in sd:
+            out[f"{bfl}.weight"] = sd[f"{diffusers}.weight"]
+    for i in range(_count(sd, "transformer_blocks.")):
+        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        out[f"{b}.img_attn.qkv.weight"] = torch.cat([sd[f"{d}.attn.to_{x}.weight"] for x in "qkv"])
+        out[f"{b}.txt_attn.qkv.weight"] = torch.cat([sd[f"{d}.attn.add_{x}_proj.weight"] for x in "qkv"])
+        for bfl, diffusers in (
+            ("img_attn.norm.query_norm.scale", "attn.norm_q"),
+            ("img_attn.norm.key_norm.scale", "attn.norm_k"),
+            ("txt_attn.norm.query_norm.scale", "attn.norm_added_q"),
+            ("txt_attn.norm.key_norm.scale", "attn.norm_added_k"),
+            ("img_attn.proj.weight", "attn.to_out.0"),
+            ("txt_attn.proj.weight", "attn.to_add_out"),
+            ("img_mlp.0.weight", "ff.linear_in"),
+            ("img_mlp.2.weight", "ff.linear_out"),
+            ("txt_mlp.0.weight", "ff_context.linear_in"),
+            ("txt_mlp.2.weight", "ff_context.linear_out"),
+        ):
+            out[f"{b}.{bfl}"] = sd[f"{d}.{diffusers}.weight"]
+    for i in range(_count(sd, "single_transformer_blocks.")):
+        b, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        for bfl, diffusers in (
+            ("linear1.weight", "attn.to_qkv_mlp_proj"),
+            ("linear2.weight", "attn.to_out"),
+            ("norm.query_norm.scale", "attn.norm_q"),
+            ("norm.key_norm.scale", "attn.norm_k"),
+        ):
+            out[f"{b}.{bfl}"] = sd[f"{d}.{diffusers}.weight"]
+    scale, shift = sd["norm_out.linear.weight"].chunk(2)
+    out["final_layer.adaLN_modulation.1.weight"] = torch.cat([shift, scale])
+    return out
+
+
+def _bfl_flux2_vae(sd: dict[str, torch.Tensor], levels: int) -> dict[str, torch.Tensor]:
+    """diffusers' AutoencoderKLFlux2 state dict in flux2-vae.safetensors' layout: the LDM layout, the quant convs
+    inside the encoder and decoder (as BFL keeps them), the batch-norm statistics as they are."""
+    out = ldm_vae(sd, levels)
+    for part in ("weight", "bias"):
+        out[f"encoder.quant_conv.{part}"] = sd[f"quant_conv.{part}"]
+        out[f"decoder.post_quant_conv.{part}"] = sd[f"post_quant_conv.{part}"]
+    for key in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        out[key] = sd[key]
+    return out
+
+
+# Mistral's tekken special tokens, at their real ranks (<pad> is 11, as ComfyUI pads).
+_TEKKEN_SPECIALS = (
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+)  # fmt: skip
+# Tekken's pre-tokenizer pattern (tiktoken-style words, digits one by one).
+_TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+
+def tiny_tekken(texts: list[str]) -> bytes:
+    """A tiny tekken.json (Mistral's tokenizer format, as ComfyUI's FLUX.2 text encoder file carries it): the 256
+    bytes, then every word ``texts`` pre-tokenize into as one token, after the special tokens."""
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Split(Regex(_TEKKEN_PATTERN), behavior="isolated")
+    words = dict.fromkeys(piece.encode() for text in texts for piece, _ in split.pre_tokenize_str(text))
+    tokens = [bytes([b]) for b in range(256)] + [w for w in words if len(w) > 1]
+    return json.dumps(
+        {
+            "config": {
+                "pattern": _TEKKEN_PATTERN,
+                "num_vocab_tokens": len(tokens),
+                "default_vocab_size": len(tokens) + len(_TEKKEN_SPECIALS),
+                "default_num_special_tokens": len(_TEKKEN_SPECIALS),
+                "version": "v7",
+            },
+            "vocab": [
+                {"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("latin-1")}
+                for i, t in enumerate(tokens)
+            ],
+            "special_tokens": [{"rank": i, "token_str": t, "is_control": True} for i, t in enumerate(_TEKKEN_SPECIALS)],
+        }
+    ).encode()
+
+
+WHOLE_MISTRAL = "tiny_mistral_3_small_whole.safetensors"
+
+
+def make_tiny_flux2_files(
+    models_dir: str,
+    reference_root: str,
+    *,
+    seed: int = 0,
+    formats: tuple[str, ...] = FORMATS,
+) -> dict[str, tuple[dict[str, str], str]]:
+    """Write a tiny FLUX.2-dev as ComfyUI's files under ``models_dir`` (``diffusion_models/``, ``text_encoders/``,
+    ``vae/``), one transformer file per format in ``formats``, and for each a diffusers folder below
+    ``reference_root`` holding the same weights as black-forest-labs/FLUX.2-dev lays them out: the whole
+    Mistral3ForConditionalGeneration (40 layers, a vision tower) and its PixtralProcessor made by transformers from the
+    tekken vocabulary. The text encoder file (``text_encoder``'s value) is the language model's first 30 layers in
+    ComfyUI's names without the final norm, as ComfyUI distributes it, with the tekken vocabulary as its
+    ``tekken_model`` tensor; ``WHOLE_MISTRAL`` beside it holds all 40 and the norm. Returns, per format, the widgets'
+    values (diffusion_model, text_encoder, text_encoder_2 "none", vae) and the reference folder.
+
+    What the files do not carry the conversion takes from FLUX.2 itself, so the tiny model keeps those values: heads
+    128 wide with the rotary axes (32, 32, 32, 32), Mistral heads 128 wide, 32 VAE norm groups."""
+    import tempfile
+
+    from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
+    from transformers.integrations.mistral import convert_tekken_tokenizer
+
+    from ..families import flux2_files
+    from .tiny_models import _MISTRAL_CHAT_TEMPLATE, _WORDS
+
+    if not formats or set(formats) - set(FORMATS):
+        raise ValueError(f"formats must be some of {FORMATS}")
+    tekken = tiny_tekken([SYSTEM_MESSAGE, " ".join(_WORDS), " " + " ".join(_WORDS)])
+    with tempfile.TemporaryDirectory() as scratch:
+        with open(os.path.join(scratch, "tekken.json"), "wb") as f:
+            f.write(tekken)
+        tokenizer = convert_tekken_tokenizer(os.path.join(scratch, "tekken.json"), chat_template=_MISTRAL_CHAT_TEMPLATE)
+    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"  # init_kwargs: what is saved
+    processor = PixtralProcessor(
+        image_processor=PixtralImageProcessor(patch_size=14),
+        tokenizer=tokenizer,
+        patch_size=14,
+        spatial_merge_size=2,
+        chat_template=_MISTRAL_CHAT_TEMPLATE,
+    )
+    head_dim = flux2_files.MISTRAL_HEAD_DIM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Mistral3ForConditionalGeneration(
+            Mistral3Config(
+                text_config={
+                    "model_type": "mistral",
+                    "vocab_size": len(tokenizer),
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_hidden_layers": 40,  # Mistral Small 3.1's
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
+                    "head_dim": head_dim,
+                    "max_position_embeddings": flux2_files.MISTRAL_MAX_POSITIONS,
+                    "rms_norm_eps": flux2_files.MISTRAL_RMS_NORM_EPS,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": flux2_files.MISTRAL_ROPE_THETA},
+                    "bos_token_id": 1,
+                    "eos_token_id": 2,
+                    "pad_token_id": 11,
+                },
+                vision_config={
+                    "model_type": "pixtral",
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "image_size": 56,
+                    "patch_size": 14,
+                },
+                image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+                spatial_merge_size=2,
+            )
+        )
+        transformer = Flux2Transformer2DModel(
+            patch_size=1,
+            in_channels=128,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=sum(flux2_files.AXES_DIMS_ROPE),
+            num_attention_heads=2,
+            joint_attention_dim=3 * 16,
+            timestep_guidance_channels=32,
+            mlp_ratio=3.0,
+            axes_dims_rope=flux2_files.AXES_DIMS_ROPE,
+            rope_theta=flux2_files.ROPE_THETA,
+            eps=flux2_files.EPS,
+            guidance_embeds=True,
+        )
+        vae = AutoencoderKLFlux2(
+            block_out_channels=(32, 32, 32, 32),
+            layers_per_block=1,
+            latent_channels=32,
+            norm_num_groups=flux2_files.VAE_NORM_GROUPS,
+            sample_size=1024,
+            batch_norm_eps=flux2_files.VAE_BATCH_NORM_EPS,
+            batch_norm_momentum=flux2_files.VAE_BATCH_NORM_MOMENTUM,
+        )
+        # A fresh BatchNorm's mean 0 / var 1 would hide a lost statistic.
+        vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+    # The dtypes ComfyUI distributes them in: the text encoder and the transformer in bf16 (or fp8), the VAE fp32.
+    text_encoder.to(torch.bfloat16)
+    weights = transformer.state_dict()
+    transformer.to(torch.bfloat16)
+    pipe = Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            **{k: v for k, v in flux2_files.SCHEDULER.items() if not k.startswith("_")}
+        ),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=processor,
+        transformer=transformer,
+    )
+    language = {
+        "model." + k.removeprefix("model.language_model."): v
+        for k, v in text_encoder.state_dict().items()
+        if k.startswith("model.language_model.")
+    }
+    language[flux2_files.TEKKEN_KEY] = torch.frombuffer(bytearray(tekken), dtype=torch.uint8)
+    # ComfyUI's cut: layers 0-29, no final norm.
+    cut = {
+        k: v
+        for k, v in language.items()
+        if k != "model.norm.weight" and not (k.startswith("model.layers.") and int(k.split(".")[2]) >= 30)
+    }
+    names = {
+        "text_encoder": "tiny_mistral_3_small_flux2_bf16.safetensors",
+        "text_encoder_2": "none",
+        "vae": "tiny_flux2-vae.safetensors",
+    }
+    for folder, name, tensors in (
+        ("text_encoders", names["text_encoder"], cut),
+        ("text_encoders", WHOLE_MISTRAL, language),
+        ("vae", names["vae"], _bfl_flux2_vae(vae.state_dict(), 4)),
+    ):
+        os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, name))
+    groups = _tagged_groups(weights, _bfl_flux2_transformer)
+    return _write_formats(
+        models_dir,
+        reference_root,
+        "tiny-flux2-dev",
+        pipe,
+        names,
+        formats,
+        lambda fmt: _quantized(weights, fmt, groups, _bfl_flux2_transformer),
     )
