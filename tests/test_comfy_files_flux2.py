@@ -143,7 +143,10 @@ def test_flux2_converted_folder_is_the_diffusers_folder(tiny, fmt):
     assert index["_class_name"] == "Flux2Pipeline" and index["text_encoder"] == ["transformers", "MistralModel"]
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["cut-30-layers", "whole-40-layers"])
+# ComfyUI distributes the cut file; the whole 40 layers (which ComfyUI reads too) under `pytest -m slow`.
+@pytest.mark.parametrize(
+    "whole", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["cut-30-layers", "whole-40-layers"]
+)
 def test_flux2_text_encoder_gives_the_whole_models_embeddings(tiny, whole):
     """The converted text encoder and tokenizer (ComfyUI's cut 30 layers and one zero layer, or the whole 40) give
     exactly the prompt embeddings of the whole Mistral3ForConditionalGeneration with its PixtralProcessor: the same
@@ -287,3 +290,25 @@ def test_flux2_other_strategies_on_the_converted_model(converted, label, strateg
     image = _generate(spec, name, strategy, batch_size=batch, **args)
     assert image.shape[0] == batch
     assert (image - one_shot(3, 64, 64, batch)).abs().max() <= 1e-4
+
+
+def test_flux2_fp8_text_encoder_is_cast_beside_its_zero_layer(tiny):
+    """An fp8 Mistral file (as mistral_3_small_flux2_fp8.safetensors): rewritten, each weight cast to bf16, the zero
+    layer and the norm added, the tekken data left out; transformers loads it with nothing missing."""
+    from transformers import MistralModel
+
+    base, models, made = tiny
+    names, _ = made["bf16"]
+    text = load_file(os.path.join(models, "text_encoders", names["text_encoder"]))
+    fp8 = {k: v.to(torch.float8_e4m3fn) if v.ndim == 2 else v for k, v in text.items()}
+    _write(str(models / "text_encoders" / "mistral_fp8.safetensors"), fp8)
+    name, _ = jobs.model_from_comfy_files(**{**names, "text_encoder": "mistral_fp8.safetensors"})
+    folder = os.path.join(base, "converted", name, "text_encoder")
+    assert not any(os.path.islink(os.path.join(folder, f)) for f in os.listdir(folder))
+    model, info = MistralModel.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and model.dtype == torch.bfloat16
+    state = model.state_dict()
+    for key, value in fp8.items():
+        if key != flux2_files.TEKKEN_KEY:
+            assert torch.equal(state[key.removeprefix("model.")], value.to(torch.bfloat16)), key
+    assert len(model.layers) == 31 and not any(v.any() for v in model.layers[30].state_dict().values())
