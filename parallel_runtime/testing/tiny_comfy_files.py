@@ -668,7 +668,7 @@ def make_tiny_flux2_files(
     from transformers.integrations.mistral import convert_tekken_tokenizer
 
     from ..families import flux2_files
-    from .tiny_models import _MISTRAL_CHAT_TEMPLATE, _WORDS
+    from .tiny_models import _WORDS
 
     if not formats or set(formats) - set(FORMATS):
         raise ValueError(f"formats must be some of {FORMATS}")
@@ -676,14 +676,16 @@ def make_tiny_flux2_files(
     with tempfile.TemporaryDirectory() as scratch:
         with open(os.path.join(scratch, "tekken.json"), "wb") as f:
             f.write(tekken)
-        tokenizer = convert_tekken_tokenizer(os.path.join(scratch, "tekken.json"), chat_template=_MISTRAL_CHAT_TEMPLATE)
+        tokenizer = convert_tekken_tokenizer(
+            os.path.join(scratch, "tekken.json"), chat_template=flux2_files.CHAT_TEMPLATE
+        )
     tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"  # init_kwargs: what is saved
     processor = PixtralProcessor(
         image_processor=PixtralImageProcessor(patch_size=14),
         tokenizer=tokenizer,
         patch_size=14,
         spatial_merge_size=2,
-        chat_template=_MISTRAL_CHAT_TEMPLATE,
+        chat_template=flux2_files.CHAT_TEMPLATE,
     )
     head_dim = flux2_files.MISTRAL_HEAD_DIM
     with torch.random.fork_rng(devices=[]):
