@@ -28,38 +28,46 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                 "Assembles a model from the files ComfyUI already has (the transformer in models/diffusion_models, "
                 "the text encoders in models/text_encoders, the VAE in models/vae) for the model input of Encode on "
                 "Balanced GPUs, Load Sharded Transformer and VAE Decode (single GPU): link its output into each. "
-                "FLUX.1 (dev and schnell) for now; bf16 / fp16, fp8 and ComfyUI's scaled fp8 files. The first run "
-                "converts them once into a cached diffusers folder (the transformer is rewritten in diffusers' "
-                "layout; the text encoders are linked, not copied); later runs reuse it. Every strategy then loads "
-                "it as any diffusers folder."
+                "FLUX.1 (dev and schnell), FLUX.2-dev and Qwen-Image; bf16 / fp16, fp8 and ComfyUI's scaled fp8 files. "
+                "The first run converts them once into a cached diffusers folder (what is already in the right layout "
+                "is linked, not copied); later runs reuse it. Every strategy then loads it as any diffusers folder."
             ),
             inputs=[
                 io.Combo.Input(
                     "diffusion_model",
-                    options=comfy_files.list_files("diffusion_model"),
+                    options=comfy_files.widget_options("diffusion_model"),
                     tooltip=(
                         "The transformer from models/diffusion_models (or unet): flux1-dev.safetensors, "
-                        "flux1-schnell.safetensors, or their fp8 versions. The family (and dev or schnell) is told "
-                        "from its weights."
+                        "flux1-schnell.safetensors, flux2_dev_bf16.safetensors, qwen_image_bf16.safetensors, or their "
+                        "fp8 versions. The family "
+                        "(and dev or schnell) is told from its weights."
                     ),
                 ),
                 io.Combo.Input(
                     "text_encoder",
-                    options=comfy_files.list_files("text_encoder"),
-                    tooltip="FLUX.1's CLIP-L from models/text_encoders (or clip): clip_l.safetensors.",
+                    options=comfy_files.widget_options("text_encoder"),
+                    tooltip=(
+                        "From models/text_encoders (or clip): FLUX.1's CLIP-L (clip_l.safetensors), FLUX.2's Mistral "
+                        "(mistral_3_small_flux2_bf16.safetensors, or its fp8 version), or Qwen-Image's Qwen2.5-VL "
+                        "(qwen_2.5_vl_7b.safetensors, or its fp8 version)."
+                    ),
                 ),
                 io.Combo.Input(
                     "text_encoder_2",
-                    options=comfy_files.list_files("text_encoder_2"),
+                    options=comfy_files.widget_options("text_encoder_2"),
                     tooltip=(
-                        "FLUX.1's T5-XXL from models/text_encoders (or clip): t5xxl_fp16.safetensors, or an fp8 one. "
-                        "The two text encoders may be picked in either order."
+                        "FLUX.1's T5-XXL from models/text_encoders (or clip): t5xxl_fp16.safetensors, or an fp8 one "
+                        "(FLUX.1's two text encoders may be picked in either order); none for FLUX.2 and Qwen-Image, "
+                        "which have one."
                     ),
                 ),
                 io.Combo.Input(
                     "vae",
-                    options=comfy_files.list_files("vae"),
-                    tooltip="FLUX.1's VAE from models/vae: ae.safetensors.",
+                    options=comfy_files.widget_options("vae"),
+                    tooltip=(
+                        "The VAE from models/vae: FLUX.1's ae.safetensors, FLUX.2's flux2-vae.safetensors, or "
+                        "Qwen-Image's qwen_image_vae.safetensors."
+                    ),
                 ),
             ],
             outputs=[
@@ -85,6 +93,9 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
         not the cached output of the file that was."""
         found = []
         for widget in WIDGETS:
+            if inputs.get(widget) == comfy_files.NO_FILE:
+                found.append(None)
+                continue
             try:
                 stat = os.stat(comfy_files.resolve(widget, inputs.get(widget) or "", widget))
             except (InvalidInput, OSError):

@@ -7,16 +7,18 @@ same files again reuses it and a file replaced on disk makes a new one. The fold
 every strategy loads it exactly as it loads any other (tensor parallel through diffusers' ``parallel_config``, which
 reads each rank's slices; bench/comfy_files_memory.py measures what a rank holds at its peak).
 
-What the conversion writes:
+What differs between families is the family's ``FilesLayout`` (``families/files.py``; FLUX.1's in
+``families/flux_files.py``, all listed in ``families.FILES_LAYOUTS``): it recognises its transformer, names the
+text-encoder widgets it takes (a family with one leaves ``text_encoder_2`` at "none") and describes the folder from the
+headers' shapes (``FilesContents``). What is the same for all is here:
 
-- the transformer in diffusers' layout, moved one source tensor at a time (its config from the file's shapes; the
-  moves are the family's, ``families/flux_files.py``) into shards of at most ``SHARD_BYTES``, so the conversion never
-  holds more than a shard in memory;
-- the text encoders as they are (ComfyUI keeps CLIP and T5 in transformers' own layout): a symbolic link to the file
-  beside its config, nothing copied — rewritten only when fp8 weights have to be cast or a key prefix dropped;
-- the VAE through diffusers' own converter (``convert_ldm_vae_checkpoint``; it is small);
-- the tokenizers from the ComfyUI installation (``comfy/sd1_tokenizer``: CLIP; ``comfy/text_encoders/t5_tokenizer``:
-  T5), the scheduler and ``model_index.json`` from the family's data. Nothing comes from the internet.
+- a transformer is moved one source tensor at a time (the layout's ``Move`` list) into shards of at most
+  ``SHARD_BYTES``, so the conversion never holds more than a shard in memory;
+- a component kept as it is (a text encoder already in transformers' layout) is a symbolic link to the file beside its
+  config, nothing copied — rewritten, streamed into shards, only when fp8 weights have to be cast or keys renamed;
+- a small component (a VAE) goes through the layout's converter (diffusers' own, e.g. ``convert_ldm_vae_checkpoint``);
+- the tokenizers are copied from the ComfyUI installation (FLUX.1: ``comfy/sd1_tokenizer``, ``comfy/text_encoders/
+  t5_tokenizer``), the scheduler and ``model_index.json`` are the layout's data. Nothing comes from the internet.
 
 Weights as ComfyUI distributes them: bf16 / fp16 / fp32 are kept, fp8 (``float8_e4m3fn`` / ``float8_e5m2``) is cast
 to the file's own high-precision dtype (bf16 when it has none), ComfyUI's scaled fp8 (``scale_weight`` beside the
@@ -36,7 +38,8 @@ import sys
 from collections.abc import Callable, Iterator
 
 from .errors import Cancelled, InvalidInput
-from .families import flux_files
+from .families import FILES_LAYOUTS, FilesLayout
+from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,9 @@ _FLOAT8 = ("F8_E4M3", "F8_E5M2")
 _FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F64": 8}
 _STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "first_stage_model.", "vae.")
+# Tokenizer data ComfyUI keeps inside a text encoder file (uint8 tensors): read by a family's tokenizer, never weights.
+# (Integer tensors a format check lets through besides: ComfyUI's ``comfy_quant`` records, BatchNorm's step count.)
+_TOKENIZER_DATA = ("tekken_model", "spiece_model")
 _TEXT_PREFIXES = ("cond_stage_model.transformer.", "transformer.", "te.", "text_encoders.t5xxl.transformer.")
 
 
@@ -267,7 +273,13 @@ def _check_format(file: SourceFile) -> None:
                 file.widget,
                 f"{file.name!r} is quantized as {', '.join(unknown)}, which is not supported; {USE_INSTEAD}",
             )
-    odd = sorted({d for k, d in keys.items() if d not in _FLOATS and not k.endswith("comfy_quant")})
+    odd = sorted(
+        {
+            d
+            for k, d in keys.items()
+            if d not in _FLOATS and not k.endswith(("comfy_quant", "num_batches_tracked")) and k not in _TOKENIZER_DATA
+        }
+    )
     if odd:
         raise InvalidInput(
             file.widget,
@@ -282,11 +294,12 @@ class FilesPlan:
     """What the conversion will write, known from the headers alone.
 
     Args:
-        family: the family adapter's key; variant: what the user has ("FLUX.1-dev", "FLUX.1-schnell").
+        family: the family adapter's key; variant: what the user has ("FLUX.1-dev", "FLUX.1-schnell", "Qwen-Image").
         transformer, text_encoders, vae: the files (text_encoders in the pipeline's order).
         name: the model name the nodes take (the folder's name below ``converted_root``); folder: its path.
         configs: each component's config.
         write_bytes: what the conversion writes to disk (links cost nothing).
+        contents: the family layout's description of the folder (``families.files.FilesContents``).
     """
 
     family: str
@@ -298,38 +311,43 @@ class FilesPlan:
     folder: str
     configs: dict[str, dict]
     write_bytes: int
+    contents: FilesContents
 
     @property
     def converted(self) -> bool:
         return os.path.isfile(os.path.join(self.folder, "model_index.json"))
 
 
-def _family_of(transformer: SourceFile) -> tuple[str, str]:
+# The value of a text-encoder widget its family does not use (ComfyUI's combos need a value).
+NO_FILE = "none"
+
+
+def widget_options(widget: str) -> list[str]:
+    """What a widget's combo offers: its folder's files, and for ``text_encoder_2`` first "none" (families with one
+    text encoder leave it there)."""
+    files = list_files(widget)
+    return [NO_FILE, *files] if widget == "text_encoder_2" else files
+
+
+def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
     shapes = transformer.shapes
-    if flux_files.is_transformer(shapes):
-        return "flux", "FLUX.1-dev" if "guidance_in.in_layer.weight" in shapes else "FLUX.1-schnell"
-    if "double_stream_modulation_img.lin.weight" in shapes:
-        raise InvalidInput(
-            transformer.widget,
-            f"{transformer.name!r} is a FLUX.2 transformer: ComfyUI's FLUX.2 files are not converted yet; use a "
-            "diffusers folder of FLUX.2-dev in models/diffusers (see the README)",
-        )
-    if "txt_norm.weight" in shapes and "transformer_blocks.0.img_mod.1.weight" in shapes:
-        raise InvalidInput(
-            transformer.widget,
-            f"{transformer.name!r} is a Qwen-Image transformer: ComfyUI's Qwen-Image files are not converted yet; "
-            "use a diffusers folder of Qwen-Image in models/diffusers (see the README)",
-        )
-    if any(k.startswith(("encoder.", "decoder.", "text_model.", "shared.")) for k in shapes):
+    for layout in FILES_LAYOUTS:
+        variant = layout.variant(shapes)
+        if variant is not None:
+            return layout, variant
+    examples = " or ".join(layout.example_files.split(", ")[0] for layout in FILES_LAYOUTS)
+    if any(
+        k.startswith(("encoder.", "decoder.", "text_model.", "shared.", "model.layers.", "visual.")) for k in shapes
+    ):
         raise InvalidInput(
             transformer.widget,
             f"{transformer.name!r} is a VAE or a text encoder, not a diffusion model; pick the transformer file "
-            "(e.g. flux1-dev.safetensors) here",
+            f"(e.g. {examples}) here",
         )
     raise InvalidInput(
         transformer.widget,
-        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 in Black Forest Labs' layout: "
-        "double_blocks / single_blocks); pick FLUX.1's file from models/diffusion_models, or use a diffusers folder",
+        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 or FLUX.2 in Black Forest Labs' "
+        f"layout, Qwen-Image in diffusers'); pick {examples} from models/diffusion_models, or use a diffusers folder",
     )
 
 
@@ -344,90 +362,78 @@ def _out_dtype(file: SourceFile, key: str) -> str:
     return file.high_precision_dtype() if file.dtypes[key] in _FLOAT8 else file.dtypes[key]
 
 
-def _needs_rewrite(file: SourceFile) -> bool:
-    return file.has_fp8 or bool(file.scales) or file.stripped_prefix
+def _needs_rewrite(component: Component) -> bool:
+    """A kept component is linked unless its tensors change: fp8 to cast, a prefix or keys to rename."""
+    file, rename = component.file, component.rename
+    if file.has_fp8 or file.scales or file.stripped_prefix:
+        return True
+    return rename is not None and any(rename(k) != k for k in file.shapes)
+
+
+def _write_bytes(component: Component) -> int:
+    file = component.file
+    if component.convert is not None:
+        return file.size
+    filled = sum(_filled_bytes(file, shape) for shape, _ in component.filled.values())
+    if component.moves is None and not _needs_rewrite(component):
+        return filled  # a link, and the filled tensors beside it
+    return filled + sum(_tensor_bytes(file, k, _out_dtype(file, k)) for k in file.shapes)
+
+
+def _filled_bytes(file: SourceFile, shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * _DTYPE_BYTES[file.high_precision_dtype()]
+
+
+def _text_encoders(layout: FilesLayout, picked: dict[str, str]) -> list[SourceFile]:
+    """The text-encoder files ``layout`` takes, read; a widget it does not take must be left at "none"."""
+    files = []
+    for widget in TEXT_ENCODER_WIDGETS:
+        value = picked[widget]
+        empty = value in ("", NO_FILE)
+        if widget in layout.text_encoder_widgets:
+            if empty:
+                n = len(layout.text_encoder_widgets)
+                raise InvalidInput(
+                    widget,
+                    f"{layout.name} takes {n} text encoder{'s' if n > 1 else ''} (its files: "
+                    f"{layout.example_files}); pick one from models/text_encoders here",
+                )
+            files.append(read_file(widget, value, widget))
+        elif not empty:
+            raise InvalidInput(
+                widget,
+                f"{layout.name} takes one text encoder, in {layout.text_encoder_widgets[0]}; set {widget} to {NO_FILE}",
+            )
+    return files
 
 
 def plan_files(diffusion_model: str, text_encoder: str, text_encoder_2: str, vae: str) -> FilesPlan:
-    """The widgets' files read (headers only) and checked, the family told by the transformer's keys, and the cache
-    folder named. Raises InvalidInput naming the widget and the fix."""
+    """The widgets' files read (headers only) and checked, the family told by the transformer's keys (its
+    ``FilesLayout`` says what the folder holds), and the cache folder named. Raises InvalidInput naming the widget and
+    the fix."""
     transformer = read_file("diffusion_model", diffusion_model, "diffusion_model")
-    family, variant = _family_of(transformer)
-    encoders = [
-        read_file(role, name, role)
-        for role, name in (("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2))
-    ]
-    clip = [f for f in encoders if flux_files.is_clip(f.shapes)]
-    t5 = [f for f in encoders if flux_files.is_t5(f.shapes)]
-    for f in encoders:
-        if f not in clip and f not in t5:
-            raise InvalidInput(
-                f.widget,
-                f"{f.name!r} is neither CLIP-L nor T5-XXL; FLUX.1 takes clip_l.safetensors and a t5xxl file "
-                "(t5xxl_fp16.safetensors, or an fp8 one) from models/text_encoders",
-            )
-    if len(clip) != 1 or len(t5) != 1:
-        twice = "CLIP" if len(clip) != 1 else "T5"
-        raise InvalidInput(
-            "text_encoder_2",
-            f"both text encoders are {twice} files; FLUX.1 takes one CLIP-L (clip_l.safetensors) and one T5-XXL "
-            "(t5xxl_fp16.safetensors): pick one of each",
-        )
+    layout, variant = _layout_of(transformer)
+    encoders = _text_encoders(layout, {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2})
     vae_file = read_file("vae", vae, "vae")
-    if not flux_files.is_vae(vae_file.shapes):
-        raise InvalidInput("vae", f"{vae!r} is not a VAE in the original layout (FLUX.1's ae.safetensors); pick that")
-    configs = {}
-    for component, file, derive in (
-        ("transformer", transformer, flux_files.transformer_config),
-        ("text_encoder", clip[0], flux_files.clip_config),
-        ("text_encoder_2", t5[0], flux_files.t5_config),
-        ("vae", vae_file, flux_files.vae_config),
-    ):
-        try:
-            configs[component] = derive(file.shapes)
-        except (KeyError, IndexError, ValueError) as e:
-            raise InvalidInput(
-                file.widget, f"{file.name!r} lacks {e} (cut short, or not FLUX.1's); pick FLUX.1's complete file"
-            ) from None
-    if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
-        raise InvalidInput(
-            "vae",
-            f"{vae!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
-            f"{configs['transformer']['in_channels'] // 4}: pick the VAE of this model (FLUX.1: ae.safetensors)",
-        )
-    if configs["text_encoder_2"]["d_model"] != configs["transformer"]["joint_attention_dim"]:
-        raise InvalidInput(t5[0].widget, f"{t5[0].name!r} does not fit this transformer (its width differs)")
-    if configs["text_encoder"]["hidden_size"] != configs["transformer"]["pooled_projection_dim"]:
-        raise InvalidInput(clip[0].widget, f"{clip[0].name!r} does not fit this transformer (its width differs)")
-    try:
-        moves = flux_files.transformer_moves(configs["transformer"], transformer.shapes)
-    except KeyError as e:
-        raise InvalidInput("diffusion_model", f"{diffusion_model!r} lacks {e}; pick FLUX.1's complete file") from None
-    missing = sorted({m.source for m in moves} - set(transformer.shapes))
-    if missing:
-        raise InvalidInput(
-            "diffusion_model",
-            f"{diffusion_model!r} lacks {missing[0]} (cut short, or not FLUX.1); pick FLUX.1's complete file",
-        )
-    files = (transformer, clip[0], t5[0], vae_file)
+    contents = layout.contents(variant, transformer, encoders, vae_file)
+    files = (transformer, *contents.text_encoders, vae_file)
     key = hashlib.sha256(json.dumps([CONVERSION_VERSION, [f.identity for f in files]]).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(transformer.path))[0]
     name = f"{stem}-{key}"
-    write = sum(_tensor_bytes(transformer, k, _out_dtype(transformer, k)) for k in transformer.shapes)
-    write += sum(
-        sum(_tensor_bytes(f, k, _out_dtype(f, k)) for k in f.shapes) for f in (clip[0], t5[0]) if _needs_rewrite(f)
-    )
-    write += vae_file.size
     return FilesPlan(
-        family=family,
-        variant=variant,
+        family=layout.family,
+        variant=contents.variant,
         transformer=transformer,
-        text_encoders=(clip[0], t5[0]),
+        text_encoders=contents.text_encoders,
         vae=vae_file,
         name=name,
         folder=os.path.join(converted_root(), name),
-        configs=configs,
-        write_bytes=write,
+        configs={c.name: c.config for c in contents.components},
+        write_bytes=sum(_write_bytes(c) for c in contents.components),
+        contents=contents,
     )
 
 
@@ -460,17 +466,18 @@ def convert(
             f"{_gib(free)} free; free some space, or set COMFY_PARALLEL_CONVERTED to a folder on a larger disk",
         )
     comfy_dir = comfy_package_dir()
-    if comfy_dir is None:
+    if comfy_dir is None and plan.contents.tokenizers:
         raise InvalidInput(
             "text_encoder",
-            "the tokenizers come from the ComfyUI installation (comfy/sd1_tokenizer, comfy/text_encoders/"
-            "t5_tokenizer), which was not found; run inside ComfyUI or set COMFYUI_DIR",
+            "the tokenizers come from the ComfyUI installation ("
+            + ", ".join(f"comfy/{t.source}" for t in plan.contents.tokenizers)
+            + "), which was not found; run inside ComfyUI or set COMFYUI_DIR",
         )
     log.info("parallel_diffusers: converting %s to %s (%s)", plan.transformer.name, plan.folder, _gib(plan.write_bytes))
     partial = f"{plan.folder}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        _write_flux(plan, partial, comfy_dir, on_progress, should_cancel)
+        _write_folder(plan.contents, partial, comfy_dir, on_progress, should_cancel)
         os.rename(partial, plan.folder)
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
@@ -504,69 +511,63 @@ class _Steps:
             self.on_progress(self.done, self.total, text)
 
 
-def _write_flux(
-    plan: FilesPlan,
+def _write_folder(
+    contents: FilesContents,
     out: str,
     comfy_dir: str,
     on_progress: Progress | None,
     should_cancel: Callable[[], bool] | None,
 ) -> None:
-    moves = flux_files.transformer_moves(plan.configs["transformer"], plan.transformer.shapes)
-    sources = list(dict.fromkeys(m.source for m in moves))
-    steps = _Steps(len(sources) + 4, on_progress, should_cancel)
-    _write_json(
-        os.path.join(out, "model_index.json"),
-        {
-            "_class_name": "FluxPipeline",
-            "_diffusers_version": "0.42.1",
-            "feature_extractor": [None, None],
-            "image_encoder": [None, None],
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "CLIPTextModel"],
-            "text_encoder_2": ["transformers", "T5EncoderModel"],
-            "tokenizer": ["transformers", "CLIPTokenizer"],
-            "tokenizer_2": ["transformers", "T5TokenizerFast"],
-            "transformer": ["diffusers", "FluxTransformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKL"],
-        },
-    )
-    scheduler = flux_files.SCHEDULER_DEV if plan.variant == "FLUX.1-dev" else flux_files.SCHEDULER_SCHNELL
-    _write_json(os.path.join(out, "scheduler", "scheduler_config.json"), scheduler)
-    _write_tokenizers(out, comfy_dir, plan.configs["text_encoder"]["max_position_embeddings"])
-    clip, t5 = plan.text_encoders
-    for component, file in (("text_encoder", clip), ("text_encoder_2", t5)):
-        _write_json(os.path.join(out, component, "config.json"), plan.configs[component])
-        _write_whole(file, os.path.join(out, component, "model.safetensors"))
-        steps(f"converting {component}")
-    _write_transformer(plan, moves, os.path.join(out, "transformer"), steps)
-    _write_vae(plan, os.path.join(out, "vae"))
-    steps("converting vae")
+    """The family layout's folder: model_index, scheduler and tokenizers, then each component in turn."""
+    steps = _Steps(sum(_units(c) for c in contents.components) + 1, on_progress, should_cancel)
+    _write_json(os.path.join(out, "model_index.json"), contents.model_index)
+    _write_json(os.path.join(out, "scheduler", "scheduler_config.json"), contents.scheduler)
+    for tokenizer in contents.tokenizers:
+        _write_tokenizer(out, comfy_dir, tokenizer)
+    for made in contents.tokenizers_from_files:
+        _write_tokenizer_from_file(out, made)
+    for component in contents.components:
+        folder = os.path.join(out, component.name)
+        _write_json(os.path.join(folder, "config.json"), component.config)
+        if component.moves is not None:
+            _write_moved(component, folder, steps)
+            continue
+        if component.convert is not None:
+            _write_converted(component, folder)
+            steps(f"converting {component.name}")
+        else:
+            _write_whole(component, folder, steps)
     steps("converted")
 
 
-def _write_tokenizers(out: str, comfy_dir: str, clip_length: int) -> None:
-    """CLIP's and T5's tokenizers from ComfyUI's copies, with the lengths FluxPipeline reads from them."""
-    clip_src, t5_src = (
-        os.path.join(comfy_dir, "sd1_tokenizer"),
-        os.path.join(comfy_dir, "text_encoders", "t5_tokenizer"),
-    )
-    for src, dst, files, length in (
-        (
-            clip_src,
-            "tokenizer",
-            ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"),
-            clip_length,
-        ),
-        (t5_src, "tokenizer_2", ("tokenizer.json", "special_tokens_map.json", "tokenizer_config.json"), 512),
-    ):
-        os.makedirs(os.path.join(out, dst), exist_ok=True)
-        for file in files:
-            shutil.copyfile(os.path.join(src, file), os.path.join(out, dst, file))
-        # ComfyUI's CLIP tokenizer says 8192 (it chunks prompts itself); FluxPipeline pads and cuts to this length.
-        path = os.path.join(out, dst, "tokenizer_config.json")
+def _write_tokenizer_from_file(out: str, made: TokenizerFromFile) -> None:
+    """A tokenizer folder the family makes from the bytes of a tensor its file carries."""
+    from safetensors import safe_open
+
+    file = made.file
+    with safe_open(file.path, framework="pt") as f:
+        data = f.get_tensor(file.keys[made.key]).numpy().tobytes()
+    try:
+        made.write(data, os.path.join(out, made.folder))
+    except (ValueError, KeyError) as e:
+        raise InvalidInput(
+            file.widget,
+            f"{file.name!r} carries no readable tokenizer in {made.key!r} ({e}); pick the file as ComfyUI "
+            "distributes it",
+        ) from None
+
+
+def _write_tokenizer(out: str, comfy_dir: str, tokenizer: Tokenizer) -> None:
+    """A tokenizer folder from ComfyUI's copy, with the length the pipeline reads from it."""
+    src, dst = os.path.join(comfy_dir, *tokenizer.source.split("/")), os.path.join(out, tokenizer.folder)
+    os.makedirs(dst, exist_ok=True)
+    for file in tokenizer.files:
+        shutil.copyfile(os.path.join(src, file), os.path.join(dst, file))
+    if tokenizer.model_max_length is not None:
+        path = os.path.join(dst, "tokenizer_config.json")
         with open(path) as f:
             config = json.load(f)
-        config["model_max_length"] = length
+        config["model_max_length"] = tokenizer.model_max_length
         _write_json(path, config)
 
 
@@ -591,47 +592,76 @@ def _tensors(file: SourceFile, keys: list[str]) -> Iterator[tuple[str, object]]:
 
 
 def _skipped(file: SourceFile, key: str) -> bool:
-    """ComfyUI's quantization bookkeeping, which diffusers models do not have."""
-    return key == "scaled_fp8" or key.endswith(
-        (".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant")
+    """ComfyUI's quantization bookkeeping and tokenizer data, which diffusers models do not have as weights."""
+    return (
+        key == "scaled_fp8"
+        or key in _TOKENIZER_DATA
+        or key.endswith((".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant"))
     )
 
 
-def _write_whole(file: SourceFile, path: str) -> None:
-    """A text encoder already in transformers' layout: linked as it is, or rewritten when fp8 weights need casting
-    or a prefix dropping."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if not _needs_rewrite(file):
-        os.symlink(os.path.realpath(file.path), path)
+def _kept_keys(component: Component) -> list[str]:
+    file, rename = component.file, component.rename
+    return [k for k in file.shapes if not _skipped(file, k) and (rename is None or rename(k) is not None)]
+
+
+def _units(component: Component) -> int:
+    """The component's steps of progress: one per source tensor it streams, else one."""
+    if component.moves is not None:
+        return len(group_moves(component.moves))
+    if component.convert is None and _needs_rewrite(component):
+        return len(_kept_keys(component))
+    return 1
+
+
+def _write_whole(component: Component, folder: str, steps: _Steps) -> None:
+    """Tensors kept as they are (a text encoder in transformers' layout, a transformer in diffusers'): linked, or
+    streamed one tensor at a time into shards when fp8 weights need casting or keys renaming; the component's filled
+    tensors beside them (after a link, in a shard of their own, the link the first shard of the index)."""
+    file, rename = component.file, component.rename
+    os.makedirs(folder, exist_ok=True)
+    if not _needs_rewrite(component) and not component.filled:
+        os.symlink(os.path.realpath(file.path), os.path.join(folder, component.weights))
+        steps(f"linking {component.name}")
         return
-    from safetensors.torch import save_file
+    shards = _Shards(folder, component.weights)
+    if _needs_rewrite(component):
+        for key, tensor in _tensors(file, _kept_keys(component)):
+            shards.add(key if rename is None else rename(key), tensor)
+            steps(f"converting {component.name}")
+    else:
+        # Not prefix-stripped (else it would be rewritten): the file's keys are the folder's.
+        sizes = {k: _tensor_bytes(file, k) for k in file.shapes if not _skipped(file, k)}
+        shards.link(os.path.realpath(file.path), sizes)
+        steps(f"linking {component.name}")
+    import torch
 
-    keys = [k for k in file.shapes if not _skipped(file, k)]
-    save_file({k: t.contiguous() for k, t in _tensors(file, keys)}, path, metadata={"format": "pt"})
+    dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[file.high_precision_dtype()])
+    for key, (shape, value) in component.filled.items():
+        shards.add(key, torch.full(shape, value, dtype=dtype))
+    shards.close()
 
 
-def _write_transformer(plan: FilesPlan, moves: list[flux_files.Move], out: str, steps: _Steps) -> None:
-    """The transformer in diffusers' layout, streamed: one source tensor read at a time, written into shards of at most
+def _write_moved(component: Component, out: str, steps: _Steps) -> None:
+    """A transformer in diffusers' layout, streamed: one source tensor read at a time, written into shards of at most
     SHARD_BYTES as they fill (diffusers' sharded layout with its index)."""
-
-    _write_json(os.path.join(out, "config.json"), plan.configs["transformer"])
-    by_source = group_moves(moves)
-    shards = _Shards(out)
-    for target, tensor in apply_moves(by_source, _tensors(plan.transformer, list(by_source)), steps):
+    by_source = group_moves(component.moves)
+    shards = _Shards(out, component.weights)
+    for target, tensor in apply_moves(by_source, _tensors(component.file, list(by_source)), steps):
         shards.add(target, tensor)
     shards.close()
 
 
-def group_moves(moves: list[flux_files.Move]) -> dict[str, list[flux_files.Move]]:
+def group_moves(moves: tuple[Move, ...] | list[Move]) -> dict[str, list[Move]]:
     """The moves by source key, in the order the sources are first needed."""
-    by_source: dict[str, list[flux_files.Move]] = {}
+    by_source: dict[str, list[Move]] = {}
     for move in moves:
         by_source.setdefault(move.source, []).append(move)
     return by_source
 
 
 def apply_moves(
-    by_source: dict[str, list[flux_files.Move]],
+    by_source: dict[str, list[Move]],
     tensors: Iterator[tuple[str, object]],
     steps: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[str, object]]:
@@ -651,19 +681,29 @@ def apply_moves(
 
 
 class _Shards:
-    """diffusers' sharded safetensors layout, written as it fills: at most SHARD_BYTES held at a time."""
+    """The sharded safetensors layout diffusers and transformers read (``weights``, or ``<stem>-0000N-of-0000M``
+    files and their ``.index.json``), written as it fills: at most SHARD_BYTES held at a time."""
 
-    def __init__(self, out: str):
-        self.out = out
+    def __init__(self, out: str, weights: str):
+        self.out, self.weights = out, weights
         self.current: dict[str, object] = {}
         self.size = 0
         self.written: list[tuple[str, dict[str, int]]] = []  # (file, {key: bytes})
+
+    def link(self, source: str, sizes: dict[str, int]) -> None:
+        """A whole existing safetensors file as the next shard, linked (not copied): ``sizes`` (bytes by key) are the
+        tensors the index maps to it."""
+        if self.current:
+            self._flush()
+        file = f"shard-{len(self.written)}.safetensors"
+        os.symlink(source, os.path.join(self.out, file))
+        self.written.append((file, dict(sizes)))
 
     def add(self, key: str, tensor: object) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         if self.current and self.size + nbytes > SHARD_BYTES:
             self._flush()
-        self.current[key] = tensor
+        self.current[key] = tensor.contiguous()
         self.size += nbytes
 
     def _flush(self) -> None:
@@ -675,37 +715,33 @@ class _Shards:
         self.current, self.size = {}, 0
 
     def close(self) -> None:
-        self._flush()
+        if self.current or not self.written:
+            self._flush()
         if len(self.written) == 1:
-            os.rename(
-                os.path.join(self.out, self.written[0][0]),
-                os.path.join(self.out, "diffusion_pytorch_model.safetensors"),
-            )
+            os.rename(os.path.join(self.out, self.written[0][0]), os.path.join(self.out, self.weights))
             return
+        stem = self.weights.removesuffix(".safetensors")
         weight_map, total = {}, 0
         for i, (file, keys) in enumerate(self.written):
-            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(self.written):05d}.safetensors"
+            name = f"{stem}-{i + 1:05d}-of-{len(self.written):05d}.safetensors"
             os.rename(os.path.join(self.out, file), os.path.join(self.out, name))
             weight_map.update(dict.fromkeys(keys, name))
             total += sum(keys.values())
         _write_json(
-            os.path.join(self.out, "diffusion_pytorch_model.safetensors.index.json"),
+            os.path.join(self.out, f"{self.weights}.index.json"),
             {"metadata": {"total_size": total}, "weight_map": weight_map},
         )
 
 
-def _write_vae(plan: FilesPlan, out: str) -> None:
-    """The VAE through diffusers' own converter of the original layout."""
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+def _write_converted(component: Component, out: str) -> None:
+    """A small model (a VAE) through its converter, the whole state dict at once."""
     from safetensors.torch import save_file
 
-    file = plan.vae
+    file = component.file
     keys = [k for k in file.shapes if not _skipped(file, k)]
-    checkpoint = dict(_tensors(file, keys))
-    converted = convert_ldm_vae_checkpoint(checkpoint, plan.configs["vae"])
-    _write_json(os.path.join(out, "config.json"), plan.configs["vae"])
+    converted = component.convert(dict(_tensors(file, keys)))
     save_file(
         {k: v.contiguous() for k, v in converted.items()},
-        os.path.join(out, "diffusion_pytorch_model.safetensors"),
+        os.path.join(out, component.weights),
         metadata={"format": "pt"},
     )

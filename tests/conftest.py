@@ -76,6 +76,20 @@ def tiny_comfy_files(comfyui_files_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_comfy_files(comfyui_files_dir, tmp_path_factory):
+    """A tiny Qwen-Image as ComfyUI's files in ``comfyui_files_dir`` (one transformer per weight format) with its
+    diffusers folders, built once for the session: ``{format: (widget values, reference folder)}``."""
+    from parallel_runtime import comfy_files
+
+    comfy_dir = comfy_files.comfy_package_dir()
+    if comfy_dir is None:
+        pytest.skip("needs ComfyUI's tokenizers: set COMFYUI_DIR (.ci/install-comfyui.sh makes one)")
+    from parallel_runtime.testing.tiny_comfy_files import make_tiny_qwenimage_files
+
+    return make_tiny_qwenimage_files(str(comfyui_files_dir), str(tmp_path_factory.mktemp("reference-qwen")), comfy_dir)
+
+
+@pytest.fixture(scope="session")
 def comfyui_server(comfyui_dir, comfyui_models_dir, comfyui_loras_dir, comfyui_files_dir):
     """One real ComfyUI server (CPU) with this pack linked in, shared by the session; stopped at the end."""
     server = ComfyUIServer(

@@ -1,7 +1,7 @@
-"""ComfyUI's own model files (``comfy_files``): FLUX.1's moves against diffusers' converter, the converted folder
-bit for bit against the same model's diffusers folder in every weight format ComfyUI distributes, the cache, refusals
-that name the input, and every strategy on real CPU ranks from the converted model equal to diffusers' one-shot
-pipeline on the diffusers folder.
+"""ComfyUI's own model files (``comfy_files``) of FLUX.1 and Qwen-Image: FLUX.1's moves against diffusers' converter,
+the converted folder bit for bit against the same model's diffusers folder in every weight format ComfyUI distributes,
+the cache, refusals that name the input, and every strategy on real CPU ranks from the converted model equal to
+diffusers' one-shot pipeline on the diffusers folder.
 
 The tiny files come from ``parallel_runtime.testing.tiny_comfy_files`` (the inverse of the key mapping); the tokenizers
 from the ComfyUI installation (COMFYUI_DIR), as in a real ComfyUI.
@@ -219,10 +219,6 @@ def _refusal_cases(models, names):
         {"_quantization_metadata": json.dumps({"layers": {"a": {"format": "nvfp4"}}})},
     )
     _write(str(d / "flux2.safetensors"), {"double_stream_modulation_img.lin.weight": torch.zeros(2, 2)})
-    _write(
-        str(d / "qwen.safetensors"),
-        {"txt_norm.weight": torch.zeros(2, 2), "transformer_blocks.0.img_mod.1.weight": torch.zeros(2, 2)},
-    )
     _write(str(d / "sdxl-unet.safetensors"), {"input_blocks.0.0.weight": torch.zeros(2, 2)})
     (d / "broken.safetensors").write_bytes(b"\xff" * 20)
     return [
@@ -232,8 +228,7 @@ def _refusal_cases(models, names):
         ("diffusion_model", "svdq.safetensors", r"nunchaku"),
         ("diffusion_model", "int8.safetensors", r"I8 tensors \(an integer quantization\)"),
         ("diffusion_model", "nvfp4.safetensors", r"quantized as nvfp4"),
-        ("diffusion_model", "flux2.safetensors", r"FLUX.2 transformer: .* use a diffusers folder"),
-        ("diffusion_model", "qwen.safetensors", r"Qwen-Image transformer: .* use a diffusers folder"),
+        ("diffusion_model", "flux2.safetensors", r"not a transformer this pack recognises \(FLUX.1 or FLUX.2"),
         ("diffusion_model", "sdxl-unet.safetensors", r"not a transformer this pack recognises"),
         ("diffusion_model", "broken.safetensors", r"not a readable safetensors file"),
         ("diffusion_model", names["vae"], r"unknown file"),
@@ -355,3 +350,195 @@ def test_tp_cp_on_the_converted_model(converted):
     spec = default_spec(ranks=4, device="cpu", memory_policy="staged")
     image = _generate(spec, name, "tp_cp", tp_degree=2, ring_degree=2, ulysses_degree=1)
     assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
+
+
+# -- Qwen-Image ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen(tiny, tiny_qwen_comfy_files):
+    """The session's tiny Qwen-Image as ComfyUI's files, listed and converted where the module's FLUX.1 files are."""
+    return tiny_qwen_comfy_files
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_scaled"])
+def test_qwenimage_converted_folder_is_the_diffusers_folder(qwen, fmt):
+    """The transformer and VAE tensor for tensor as the diffusers folder (the transformer linked when its file needs
+    nothing done, rewritten when fp8 or a prefix), the text encoder linked in its published layout, the tokenizer
+    ComfyUI's; with bf16 the text encoder, loaded by transformers, equals the reference's."""
+    names, reference = qwen[fmt]
+    plan = jobs.validate_comfy_files(**names)
+    assert (plan.family, plan.variant) == ("qwenimage", "Qwen-Image")
+    name, _ = jobs.model_from_comfy_files(**names)
+    folder = plan.folder
+    for component in ("transformer", "vae"):
+        ours, theirs = _component_tensors(folder, component), _component_tensors(reference, component)
+        assert set(ours) == set(theirs), component
+        for key, value in theirs.items():
+            assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"
+    transformer = os.path.join(folder, "transformer", "diffusion_pytorch_model.safetensors")
+    assert os.path.islink(transformer) == (fmt == "bf16")
+    assert os.path.islink(os.path.join(folder, "text_encoder", "model.safetensors"))
+    from parallel_runtime import model_folders
+
+    assert model_folders.resolve(name).family == "qwenimage"
+    if fmt == "bf16":
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        ours, theirs = (
+            Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(f, "text_encoder")).state_dict()
+            for f in (folder, reference)
+        )
+        assert set(ours) == set(theirs)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_qwenimage_scaled_fp8_text_encoder_is_dequantized(qwen, tiny):
+    """ComfyUI's qwen_2.5_vl_7b_fp8_scaled layout (fp8 matrices, a ``scale_weight`` each, the ``scaled_fp8`` marker):
+    the converted text encoder is rewritten (not linked) as weight × scale in bf16, in the file's own published
+    layout, without ComfyUI's bookkeeping."""
+    _, models, _ = tiny
+    names, _ = qwen["bf16"]
+    source = load_file(str(models / "text_encoders" / names["text_encoder"]))
+    stored, expected = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, {}
+    for key, value in source.items():
+        if key.startswith("model.layers.") and value.ndim == 2:
+            scale = value.float().abs().max() / 448.0
+            stored[key] = (value.float() / scale).to(torch.float8_e4m3fn)
+            stored[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+            expected[key] = (stored[key].float() * scale).to(torch.bfloat16)
+        else:
+            stored[key] = expected[key] = value
+    _write(str(models / "text_encoders" / "tiny_qwen_2.5_vl_7b_fp8_scaled.safetensors"), stored)
+    fp8 = {**names, "text_encoder": "tiny_qwen_2.5_vl_7b_fp8_scaled.safetensors"}
+    _, plan = jobs.model_from_comfy_files(**fp8)
+    written = os.path.join(plan.folder, "text_encoder", "model.safetensors")
+    assert not os.path.islink(written)
+    ours = load_file(written)
+    assert set(ours) == set(expected)
+    for key, value in expected.items():
+        assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
+
+
+def test_qwenimage_refusals_name_the_input(qwen, tiny):
+    _, models, flux = tiny
+    flux_names, _ = flux["bf16"]
+    names, _ = qwen["bf16"]
+    cases = [
+        ("text_encoder", flux_names["text_encoder"], r"is CLIP \(FLUX.1's clip_l\), not Qwen2.5-VL"),
+        ("text_encoder", flux_names["text_encoder_2"], r"is T5 .* qwen_2.5_vl_7b"),
+        ("text_encoder_2", flux_names["text_encoder_2"], r"Qwen-Image takes one text encoder, .* set text_encoder_2"),
+        ("vae", flux_names["vae"], r"FLUX.1's ae.safetensors .* not Qwen-Image's \(Wan 2.1's\) VAE"),
+        ("diffusion_model", names["vae"], r"unknown file"),
+    ]
+    for widget, value, message in cases:
+        with pytest.raises(InvalidInput, match=message) as e:
+            jobs.validate_comfy_files(**{**names, widget: value})
+        assert e.value.widget == widget, (widget, value, e.value)
+    # And the other way round: FLUX.1's transformer with Qwen's files.
+    for widget, value, message in (
+        ("text_encoder", names["text_encoder"], r"neither CLIP-L nor T5-XXL"),
+        ("text_encoder_2", "none", r"FLUX.1 takes 2 text encoders .* pick one"),
+        ("vae", names["vae"], r"not a VAE in the original layout"),
+    ):
+        with pytest.raises(InvalidInput, match=message) as e:
+            jobs.validate_comfy_files(**{**flux_names, widget: value})
+        assert e.value.widget == widget, (widget, value, e.value)
+    # A transformer cut short is refused by what it lacks.
+    cut = models / "diffusion_models" / "qwen-cut.safetensors"
+    full = load_file(str(models / "diffusion_models" / names["diffusion_model"]))
+    _write(str(cut), {k: v for k, v in full.items() if not k.startswith("transformer_blocks.1.")})
+    plan = jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})  # one layer fewer is a smaller model
+    assert plan.configs["transformer"]["num_layers"] == 1
+    _write(str(cut), {k: v for k, v in full.items() if k != "transformer_blocks.0.attn.to_k.weight"})
+    with pytest.raises(InvalidInput, match=r"diffusion_model: .* lacks transformer_blocks.0.attn.to_k.weight"):
+        jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
+    _write(str(cut), {k: v for k, v in full.items() if not k.endswith("attn.norm_q.weight")})
+    with pytest.raises(InvalidInput, match=r"diffusion_model: .* lacks 'transformer_blocks.0.attn.norm_q.weight'"):
+        jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
+
+
+@pytest.fixture(scope="module")
+def qwen_converted(qwen):
+    """The scaled-fp8 Qwen-Image converted, and the one-shot QwenImagePipeline's image on its diffusers folder (true
+    CFG with a negative prompt: test_strategies' settings)."""
+    from test_strategies import family_reference
+
+    names, reference = qwen["fp8_scaled"]
+    name, _ = jobs.model_from_comfy_files(**names)
+    return name, family_reference(reference, "qwenimage", 3)
+
+
+QWEN_STRATEGIES = [
+    pytest.param("tensor_parallel", {"tp_degree": 2}, id="tp"),
+    pytest.param("context_parallel", {"ulysses_degree": 2}, id="ulysses"),
+    # CI's budget: the same paths again.
+    pytest.param("context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, marks=pytest.mark.slow, id="ring"),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("strategy, args", QWEN_STRATEGIES)
+def test_qwenimage_strategies_on_the_converted_model(qwen_converted, strategy, args):
+    """The converted folder on 2 CPU ranks (one backend for the module) gives the one-shot pipeline's image on the
+    diffusers folder within test_strategies' tolerance."""
+    from test_strategies import generate_family
+
+    name, expected = qwen_converted
+    spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
+    _, image = generate_family(spec, "qwenimage", strategy, model=name, **args)
+    diff = (image - expected).abs().max().item()
+    print(f"converted Qwen-Image, {strategy} {args}: max |diff| vs one-shot {diff:.3g}")
+    assert diff <= 1e-4
+
+
+@pytest.mark.slow  # ~45 s on a loaded 2-core machine (building the 7B and 20B models' modules, even on meta)
+def test_qwenimage_configs_at_the_real_sizes():
+    """At Qwen-Image's and Qwen2.5-VL-7B's real sizes (models built on the meta device from their published configs,
+    written here independently): the configs read back from the shapes alone build models with exactly those shapes,
+    and the transformer's expected keys are the model's."""
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from parallel_runtime.families import qwenimage_files
+    from parallel_runtime.testing.tiny_comfy_files import published_qwen_layout
+
+    def shapes_of(model, layout=dict):
+        return {k: tuple(v.shape) for k, v in layout(model.state_dict()).items()}
+
+    with torch.device("meta"):
+        transformer = QwenImageTransformer2DModel()  # diffusers' defaults are Qwen-Image's: 60 layers, 24 heads
+        shapes = shapes_of(transformer)
+        config = qwenimage_files.transformer_config(shapes)
+        assert (config["num_layers"], config["num_attention_heads"], config["joint_attention_dim"]) == (60, 24, 3584)
+        assert set(qwenimage_files.transformer_keys(config)) == set(shapes)
+        again = QwenImageTransformer2DModel(**{k: v for k, v in config.items() if not k.startswith("_")})
+        assert shapes_of(again) == shapes
+        published = Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": 152064,
+                "hidden_size": 3584,
+                "intermediate_size": 18944,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+            },
+            vision_config={
+                "depth": 32,
+                "hidden_size": 1280,
+                "intermediate_size": 3420,
+                "num_heads": 16,
+                "out_hidden_size": 3584,
+            },
+            tie_word_embeddings=False,
+        )
+        encoder = Qwen2_5_VLForConditionalGeneration(published)
+        shapes = shapes_of(encoder, published_qwen_layout) | {"lm_head.weight": (152064, 3584)}
+        derived = qwenimage_files.text_encoder_config(shapes)
+        assert (derived["num_attention_heads"], derived["num_key_value_heads"], derived["tie_word_embeddings"]) == (
+            28,
+            4,
+            False,
+        )
+        assert derived["vision_config"]["num_heads"] == 16 and derived["vision_config"]["spatial_merge_size"] == 2
+        rebuilt = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**derived))
+        assert shapes_of(rebuilt) == shapes_of(encoder)
+        assert rebuilt.config.text_config.rope_parameters["mrope_section"] == [16, 24, 24]

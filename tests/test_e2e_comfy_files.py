@@ -43,13 +43,15 @@ def reference_uint8(model_dir, seed: int) -> np.ndarray:
     return np.clip(255.0 * image.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
 
 
-def workflow(names: dict, seed: int) -> dict:
+def workflow(names: dict, seed: int, encode: dict | None = None, sample: dict | None = None) -> dict:
+    """ParallelModelFromComfyFiles into the other nodes, tensor parallel on 2 ranks; ``encode`` and ``sample`` add to
+    (or replace) the encoder's and the sampler's inputs."""
     from comfyui_workflows import GUIDANCE, SIZE, STEPS
 
     files = ["1", 0]
     return {
         "1": {"class_type": "ParallelModelFromComfyFiles", "inputs": dict(names)},
-        "2": {"class_type": "EncodeOnBalancedGPUs", "inputs": {"model": files, "prompt": PROMPT}},
+        "2": {"class_type": "EncodeOnBalancedGPUs", "inputs": {"model": files, "prompt": PROMPT, **(encode or {})}},
         "3": {
             "class_type": "LoadShardedTransformer",
             "inputs": {"model": files, "strategy": "tensor_parallel", "tp_degree": 2},
@@ -65,6 +67,7 @@ def workflow(names: dict, seed: int) -> dict:
                 "width": SIZE,
                 "height": SIZE,
                 "batch_size": 1,
+                **(sample or {}),
             },
         },
         "5": {"class_type": "VAEDecodeSingleGPU", "inputs": {"samples": ["4", 0], "model": files, "device": "auto"}},
@@ -97,3 +100,26 @@ def test_comfyui_files_through_the_nodes_equal_the_diffusers_folder(comfyui_serv
     assert_close_uint8(saved_png(comfyui_server, prompt_id), reference_uint8(reference, seed=5))
     converted = os.listdir(comfyui_files_dir / "converted")
     assert len(converted) == 1 and converted[0].startswith("tiny-flux1-dev-fp8_scaled-"), converted
+
+
+@pytest.mark.slow  # CI's budget: test_comfy_files runs the same conversion on real ranks
+@pytest.mark.multirank
+def test_qwenimage_files_through_the_nodes_equal_the_diffusers_folder(comfyui_server, tiny_qwen_comfy_files):
+    """Qwen-Image's files (scaled-fp8 transformer, text_encoder_2 left at none) through the nodes with true CFG: the
+    PNG equals the one-shot QwenImagePipeline on the same model's diffusers folder."""
+    from comfyui_workflows import SIZE
+    from test_strategies import NEW_FAMILIES, STEPS, family_reference
+
+    names, reference = tiny_qwen_comfy_files["fp8_scaled"]
+    qwen = NEW_FAMILIES["qwenimage"]
+    options = comfyui_server.object_info("ParallelModelFromComfyFiles")["ParallelModelFromComfyFiles"]["input"]
+    assert options["required"]["text_encoder_2"][1]["options"][0] == "none"
+    graph = workflow(
+        names,
+        seed=5,
+        encode={"max_sequence_length": qwen["max_sequence_length"], **qwen["encode"]},
+        sample={"steps": STEPS, **qwen["sample"]},
+    )
+    prompt_id, _ = comfyui_server.run(graph, timeout=600)
+    expected = family_reference(reference, "qwenimage", 5, width=SIZE, height=SIZE)[0]
+    assert_close_uint8(saved_png(comfyui_server, prompt_id), np.clip(255.0 * expected.numpy(), 0, 255).astype(np.uint8))

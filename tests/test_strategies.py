@@ -353,6 +353,26 @@ def test_sampler_revalidates_against_the_size(models_dir, widget, strategy, samp
     assert info.value.widget == widget
 
 
+def family_reference(
+    folder, name: str, seed: int, batch_size: int = 1, width: int = 64, height: int = 64, **overrides
+) -> torch.Tensor:
+    """The one-shot pipeline of family ``name`` on the diffusers ``folder``: its IMAGE, image i from seed + i."""
+    family = NEW_FAMILIES[name]
+    pipe = family["pipeline"].from_pretrained(folder, dtype=torch.float32)  # as the CPU ranks run it
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {"max_sequence_length": family["max_sequence_length"], **family["reference"], **overrides}
+    return pipe(
+        prompt=PROMPT,
+        num_inference_steps=STEPS,
+        width=width,
+        height=height,
+        num_images_per_prompt=batch_size,
+        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        output_type="pt",
+        **kwargs,
+    ).images.permute(0, 2, 3, 1)
+
+
 @pytest.fixture(scope="module")
 def family_one_shot(models_dir):
     """(family, seed, batch_size) -> the one-shot pipeline's IMAGE at 64x64, image i from seed + i."""
@@ -361,31 +381,29 @@ def family_one_shot(models_dir):
     def reference(
         name: str, seed: int, batch_size: int = 1, width: int = 64, height: int = 64, **overrides
     ) -> torch.Tensor:
-        family = NEW_FAMILIES[name]
         key = (name, seed, batch_size, width, height, tuple(sorted(overrides.items())))
         if key not in cache:
-            pipe = family["pipeline"].from_pretrained(models_dir / family["model"])
-            pipe.set_progress_bar_config(disable=True)
-            kwargs = {"max_sequence_length": family["max_sequence_length"], **family["reference"], **overrides}
-            cache[key] = pipe(
-                prompt=PROMPT,
-                num_inference_steps=STEPS,
-                width=width,
-                height=height,
-                num_images_per_prompt=batch_size,
-                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-                output_type="pt",
-                **kwargs,
-            ).images.permute(0, 2, 3, 1)
+            folder = models_dir / NEW_FAMILIES[name]["model"]
+            cache[key] = family_reference(folder, name, seed, batch_size, width, height, **overrides)
         return cache[key]
 
     return reference
 
 
 def generate_family(
-    spec, name: str, strategy: str, *, seed=3, batch_size=1, width=64, height=64, encode=None, **strategy_args
+    spec,
+    name: str,
+    strategy: str,
+    *,
+    seed=3,
+    batch_size=1,
+    width=64,
+    height=64,
+    encode=None,
+    model: str | None = None,
+    **strategy_args,
 ):
-    family = NEW_FAMILIES[name]
+    family = {**NEW_FAMILIES[name], **({"model": model} if model else {})}
     encode = {"max_sequence_length": family["max_sequence_length"], **family["encode"], **(encode or {})}
     positive = jobs.encode_prompt(spec, model=family["model"], prompt=PROMPT, **encode)
     transformer = jobs.plan_transformer(spec, model=family["model"], strategy=strategy, **strategy_args)

@@ -8,15 +8,22 @@ in ``parallel_runtime.testing`` and its tests (docs/ARCHITECTURE.md has the reci
 from __future__ import annotations
 
 from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_steps
+from .files import FilesLayout
 from .flux import Flux1
 from .flux2 import Flux2
+from .flux2_files import Flux2Files
+from .flux_files import Flux1Files
 from .qwenimage import QwenImage
+from .qwenimage_files import QwenImageFiles
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
     Flux2(),
     QwenImage(),
 )
+
+# The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.
+FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(), Flux2Files(), QwenImageFiles())
 
 
 def family(key: str) -> FamilyAdapter:
@@ -38,9 +45,11 @@ def supported() -> str:
 
 
 __all__ = [
+    "FILES_LAYOUTS",
     "IMAGE_INPUTS",
     "REGISTRY",
     "FamilyAdapter",
+    "FilesLayout",
     "LatentLayout",
     "Placement",
     "family",

@@ -14,11 +14,10 @@ and tests/test_comfy_files.py checks these moves against it at that width.
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from collections.abc import Mapping
+from collections.abc import Callable
 
-Shapes = Mapping[str, tuple[int, ...]]
+from ..errors import InvalidInput
+from .files import Component, FilesContents, FilesLayout, Move, Shapes, SourceHeader, Tokenizer, count
 
 # FLUX.1's rotary axes (diffusers' config, ComfyUI's ``axes_dim``): not in the weights; their sum is the head size.
 AXES_DIMS_ROPE = (16, 56, 56)
@@ -42,28 +41,6 @@ VAE_SCALING_FACTOR = 0.3611
 VAE_SHIFT_FACTOR = 0.1159
 
 
-@dataclasses.dataclass(frozen=True)
-class Move:
-    """One diffusers tensor made from one source tensor.
-
-    Args:
-        target: the diffusers key.
-        source: the source file's key (its prefix already stripped).
-        rows: (start, stop) along dim 0, or None: the whole tensor.
-        swap_halves: BFL's final AdaLN holds (shift, scale); diffusers' (scale, shift).
-    """
-
-    target: str
-    source: str
-    rows: tuple[int, int] | None = None
-    swap_halves: bool = False
-
-
-def _count(shapes: Shapes, pattern: str) -> int:
-    found = {int(m.group(1)) for key in shapes if (m := re.match(pattern, key))}
-    return max(found) + 1 if found else 0
-
-
 def is_transformer(shapes: Shapes) -> bool:
     return "double_blocks.0.img_attn.qkv.weight" in shapes and "vector_in.in_layer.weight" in shapes
 
@@ -78,8 +55,8 @@ def transformer_config(shapes: Shapes) -> dict:
         "patch_size": 1,
         "in_channels": in_channels,
         "out_channels": out_channels,
-        "num_layers": _count(shapes, r"double_blocks\.(\d+)\."),
-        "num_single_layers": _count(shapes, r"single_blocks\.(\d+)\."),
+        "num_layers": count(shapes, r"double_blocks\.(\d+)\."),
+        "num_single_layers": count(shapes, r"single_blocks\.(\d+)\."),
         "attention_head_dim": head_dim,
         "num_attention_heads": inner // head_dim,
         "joint_attention_dim": shapes["txt_in.weight"][1],
@@ -164,7 +141,7 @@ def clip_config(shapes: Shapes) -> dict:
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": shapes["text_model.encoder.layers.0.mlp.fc1.weight"][0],
-        "num_hidden_layers": _count(shapes, r"text_model\.encoder\.layers\.(\d+)\."),
+        "num_hidden_layers": count(shapes, r"text_model\.encoder\.layers\.(\d+)\."),
         "num_attention_heads": max(1, hidden // 64),
         "max_position_embeddings": shapes["text_model.embeddings.position_embedding.weight"][0],
         "hidden_act": "quick_gelu",
@@ -192,8 +169,8 @@ def t5_config(shapes: Shapes) -> dict:
         "d_model": d_model,
         "d_kv": shapes["encoder.block.0.layer.0.SelfAttention.q.weight"][0] // heads,
         "d_ff": shapes["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"][0],
-        "num_layers": _count(shapes, r"encoder\.block\.(\d+)\."),
-        "num_decoder_layers": _count(shapes, r"encoder\.block\.(\d+)\."),
+        "num_layers": count(shapes, r"encoder\.block\.(\d+)\."),
+        "num_decoder_layers": count(shapes, r"encoder\.block\.(\d+)\."),
         "num_heads": heads,
         "relative_attention_num_buckets": buckets,
         "relative_attention_max_distance": 128,
@@ -220,7 +197,7 @@ def is_vae(shapes: Shapes) -> bool:
 def vae_config(shapes: Shapes) -> dict:
     """``AutoencoderKL``'s config for FLUX.1's VAE at the file's sizes (no quant convs; 32 norm groups, as in
     ae.safetensors and diffusers' default)."""
-    levels = _count(shapes, r"encoder\.down\.(\d+)\.")
+    levels = count(shapes, r"encoder\.down\.(\d+)\.")
     channels = [shapes[f"encoder.down.{i}.block.0.conv1.weight"][0] for i in range(levels)]
     return {
         "_class_name": "AutoencoderKL",
@@ -230,7 +207,7 @@ def vae_config(shapes: Shapes) -> dict:
         "block_out_channels": channels,
         "down_block_types": ["DownEncoderBlock2D"] * levels,
         "up_block_types": ["UpDecoderBlock2D"] * levels,
-        "layers_per_block": _count(shapes, r"encoder\.down\.0\.block\.(\d+)\."),
+        "layers_per_block": count(shapes, r"encoder\.down\.0\.block\.(\d+)\."),
         "act_fn": "silu",
         "norm_num_groups": 32,
         "sample_size": 1024,
@@ -241,3 +218,130 @@ def vae_config(shapes: Shapes) -> dict:
         "mid_block_add_attention": "encoder.mid.attn_1.q.weight" in shapes,
         "force_upcast": True,
     }
+
+
+def _ldm_vae(config: dict) -> Callable[[dict], dict]:
+    def convert(checkpoint: dict) -> dict:
+        from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+        return convert_ldm_vae_checkpoint(checkpoint, config)
+
+    return convert
+
+
+# -- the layout --------------------------------------------------------------------------------------------------
+MODEL_INDEX = {
+    "_class_name": "FluxPipeline",
+    "_diffusers_version": "0.42.1",
+    "feature_extractor": [None, None],
+    "image_encoder": [None, None],
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "text_encoder_2": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "tokenizer_2": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "FluxTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+
+class Flux1Files(FilesLayout):
+    """FLUX.1-dev and -schnell: the BFL transformer, CLIP-L and T5-XXL (either widget each), the LDM-layout VAE."""
+
+    family = "flux"
+    name = "FLUX.1"
+    text_encoder_widgets = ("text_encoder", "text_encoder_2")
+    example_files = "flux1-dev.safetensors, clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors"
+
+    def variant(self, shapes: Shapes) -> str | None:
+        if not is_transformer(shapes):
+            return None
+        return "FLUX.1-dev" if "guidance_in.in_layer.weight" in shapes else "FLUX.1-schnell"
+
+    def contents(
+        self, variant: str, transformer: SourceHeader, text_encoders: list[SourceHeader], vae: SourceHeader
+    ) -> FilesContents:
+        clip = [f for f in text_encoders if is_clip(f.shapes)]
+        t5 = [f for f in text_encoders if is_t5(f.shapes)]
+        for f in text_encoders:
+            if f not in clip and f not in t5:
+                raise InvalidInput(
+                    f.widget,
+                    f"{f.name!r} is neither CLIP-L nor T5-XXL; FLUX.1 takes clip_l.safetensors and a t5xxl file "
+                    "(t5xxl_fp16.safetensors, or an fp8 one) from models/text_encoders",
+                )
+        if len(clip) != 1 or len(t5) != 1:
+            twice = "CLIP" if len(clip) != 1 else "T5"
+            raise InvalidInput(
+                "text_encoder_2",
+                f"both text encoders are {twice} files; FLUX.1 takes one CLIP-L (clip_l.safetensors) and one T5-XXL "
+                "(t5xxl_fp16.safetensors): pick one of each",
+            )
+        if not is_vae(vae.shapes):
+            raise InvalidInput(
+                vae.widget, f"{vae.name!r} is not a VAE in the original layout (FLUX.1's ae.safetensors); pick that"
+            )
+        configs = {}
+        for component, file, derive in (
+            ("transformer", transformer, transformer_config),
+            ("text_encoder", clip[0], clip_config),
+            ("text_encoder_2", t5[0], t5_config),
+            ("vae", vae, vae_config),
+        ):
+            try:
+                configs[component] = derive(file.shapes)
+            except (KeyError, IndexError, ValueError) as e:
+                raise InvalidInput(
+                    file.widget, f"{file.name!r} lacks {e} (cut short, or not FLUX.1's); pick FLUX.1's complete file"
+                ) from None
+        if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
+            raise InvalidInput(
+                vae.widget,
+                f"{vae.name!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
+                f"{configs['transformer']['in_channels'] // 4}: pick the VAE of this model (FLUX.1: ae.safetensors)",
+            )
+        if configs["text_encoder_2"]["d_model"] != configs["transformer"]["joint_attention_dim"]:
+            raise InvalidInput(t5[0].widget, f"{t5[0].name!r} does not fit this transformer (its width differs)")
+        if configs["text_encoder"]["hidden_size"] != configs["transformer"]["pooled_projection_dim"]:
+            raise InvalidInput(clip[0].widget, f"{clip[0].name!r} does not fit this transformer (its width differs)")
+        try:
+            moves = transformer_moves(configs["transformer"], transformer.shapes)
+        except KeyError as e:
+            raise InvalidInput(
+                transformer.widget, f"{transformer.name!r} lacks {e}; pick FLUX.1's complete file"
+            ) from None
+        missing = sorted({m.source for m in moves} - set(transformer.shapes))
+        if missing:
+            raise InvalidInput(
+                transformer.widget,
+                f"{transformer.name!r} lacks {missing[0]} (cut short, or not FLUX.1); pick FLUX.1's complete file",
+            )
+        return FilesContents(
+            variant=variant,
+            model_index=MODEL_INDEX,
+            scheduler=SCHEDULER_DEV if variant == "FLUX.1-dev" else SCHEDULER_SCHNELL,
+            tokenizers=(
+                # ComfyUI's CLIP tokenizer says 8192 (it chunks prompts itself); FluxPipeline pads and cuts to CLIP's
+                # positions.
+                Tokenizer(
+                    "tokenizer",
+                    "sd1_tokenizer",
+                    ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"),
+                    configs["text_encoder"]["max_position_embeddings"],
+                ),
+                Tokenizer(
+                    "tokenizer_2",
+                    "text_encoders/t5_tokenizer",
+                    ("tokenizer.json", "special_tokens_map.json", "tokenizer_config.json"),
+                    512,
+                ),
+            ),
+            components=(
+                # ComfyUI keeps CLIP and T5 in transformers' own layouts: linked as they are.
+                Component("text_encoder", clip[0], configs["text_encoder"], weights="model.safetensors"),
+                Component("text_encoder_2", t5[0], configs["text_encoder_2"], weights="model.safetensors"),
+                Component("transformer", transformer, configs["transformer"], moves=tuple(moves)),
+                Component("vae", vae, configs["vae"], convert=_ldm_vae(configs["vae"])),
+            ),
+            text_encoders=(clip[0], t5[0]),
+        )

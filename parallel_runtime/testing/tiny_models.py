@@ -59,7 +59,7 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from ..families import flux_files
+from ..families import flux2_files, flux_files, qwenimage_files
 
 # Words that get whole-word tokens in the tiny tokenizers; anything else still tokenizes (per character or byte),
 # so every prompt is accepted. Distinct prompts give distinct token ids, which is all the tests need.
@@ -79,30 +79,13 @@ _MISTRAL_SPECIAL_TOKENS = (
     "[IMG_BREAK]", "[IMG_END]",
 )  # fmt: skip
 
-# The shape of Mistral's chat template for what Flux2Pipeline sends (a system message, then user text or images);
-# the real one also handles tools and assistant turns.
-_MISTRAL_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]"
-    "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}[/SYSTEM_PROMPT]"
-    "{% elif message['role'] == 'user' %}[INST]"
-    "{% for part in message['content'] %}{% if part['type'] == 'image' %}[IMG]{% else %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}[/INST]"
-    "{% endif %}{% endfor %}"
-)
+# The shape of Mistral's chat template for what Flux2Pipeline sends (a system message, then user text or images; the
+# real one also handles tools and assistant turns): families.flux2_files holds it, for pipelines built from ComfyUI's
+# files.
+_MISTRAL_CHAT_TEMPLATE = flux2_files.CHAT_TEMPLATE
 
-# Qwen-Image's scheduler config: dynamic shifting with a longer reference sequence and a terminal sigma.
-_QWENIMAGE_SCHEDULER_CONFIG = {
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 0.9,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 8192,
-    "shift_terminal": 0.02,
-    "time_shift_type": "exponential",
-}
+# Qwen-Image's scheduler config (one home: families.qwenimage_files, which ComfyUI's files are converted with).
+_QWENIMAGE_SCHEDULER_CONFIG = {k: v for k, v in qwenimage_files.SCHEDULER.items() if not k.startswith("_")}
 
 # Qwen2.5-VL's special tokens; the chat template uses the first three, the vision ones only matter with images.
 _QWEN_SPECIAL_TOKENS = (
