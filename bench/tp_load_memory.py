@@ -2,11 +2,12 @@
 """Peak memory per rank while a tensor-parallel transformer loads: diffusers 0.42.1's own load against the pack's
 slice-by-slice load (``worker/tp_slices``), side by side in one run, as ratios to the whole model.
 
-    python bench/tp_load_memory.py [--ranks 2] [--width 1024] [--shard-size 64MB] [--json]
+    python bench/tp_load_memory.py [--ranks 2] [--width 1024] [--shard-sizes 10GB 64MB] [--json]
 
 A FLUX.1 transformer with random weights (``--width`` 1024: 8 heads × 128, 2 double + 4 single blocks, ~145M
-parameters, 551 MiB in float32) is saved in bf16 and in shards with an index, as the pack's converted folders are
-(FLUX.1-dev's 22 GiB go in 2 GiB shards), then loaded in float32, as the CPU ranks run it, by each loader in a fresh
+parameters, 551 MiB in float32) is saved in bf16 once per ``--shard-sizes``: 10GB gives one file (``save_pretrained``'s
+default, and a converted folder of a model under 2 GiB), 64MB shards listed by an index (as FLUX.1-dev's 22 GiB are
+in the pack's 2 GiB shards). Each folder is loaded in float32, as the CPU ranks run it, by each loader in a fresh
 torchrun launch of ``--ranks`` CPU ranks (so neither inherits the other's heap). Each rank samples its anonymous
 memory (``RssAnon``: what the process allocated, not the file's pages in the page cache, which every rank shares and
 the kernel can drop) every 2 ms during the load. On a CPU rank that is also its "device" memory. Reported per rank:
@@ -163,7 +164,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024, help="the transformer's width (a multiple of 128)")
     parser.add_argument("--double-blocks", type=int, default=2)
     parser.add_argument("--single-blocks", type=int, default=4)
-    parser.add_argument("--shard-size", default="64MB", help="safetensors shard size of the saved folder")
+    parser.add_argument("--shard-sizes", nargs="+", default=["10GB", "64MB"], help="one saved folder per size")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rank-side", nargs=3, metavar=("LOADER", "DIR", "RESULTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -172,31 +173,40 @@ def main() -> None:
         return
 
     work = tempfile.mkdtemp(prefix="tp-load-memory-")
-    model_dir = os.path.join(work, "model")
-    whole = save_flux(model_dir, args.width, args.double_blocks, args.single_blocks, args.shard_size)
-    report = {"whole_model_bytes": whole, "ranks": args.ranks, "loaders": {}}
-    for loader in LOADERS:
-        measured = _launch(loader, model_dir, args.ranks, work)
-        report["loaders"][loader] = {
-            **{f"{key}_bytes": values for key, values in measured.items()},
-            **{f"{key}_over_whole": [round(v / whole, 3) for v in values] for key, values in measured.items()},
-        }
+    report = {"ranks": args.ranks, "layouts": {}}
+    for shard_size in args.shard_sizes:
+        model_dir = os.path.join(work, shard_size)
+        whole = report["whole_model_bytes"] = save_flux(
+            model_dir, args.width, args.double_blocks, args.single_blocks, shard_size
+        )
+        files = len(
+            [name for name in os.listdir(os.path.join(model_dir, "transformer")) if name.endswith(".safetensors")]
+        )
+        layout = report["layouts"][shard_size] = {"files": files, "loaders": {}}
+        for loader in LOADERS:
+            measured = _launch(loader, model_dir, args.ranks, work)
+            layout["loaders"][loader] = {
+                **{f"{key}_bytes": values for key, values in measured.items()},
+                **{f"{key}_over_whole": [round(v / whole, 3) for v in values] for key, values in measured.items()},
+            }
     report["flux1_dev_bf16"] = {str(tp): flux1_dev_per_rank(tp) for tp in (2, 4)}
     if args.json:
         print(json.dumps(report, indent=2))
         return
 
-    print(f"whole transformer: {whole / 2**20:.0f} MiB (float32, read from bf16 shards); {args.ranks} CPU ranks")
-    print(f"{'loader':<10} {'rank':>4} {'peak':>16} {'once loaded':>16} {'holds':>16}")
-    for loader, r in report["loaders"].items():
-        for rank in range(args.ranks):
-            cells = [
-                f"{r[f'{key}_bytes'][rank] / 2**20:5.0f} MiB {r[f'{key}_over_whole'][rank]:.2f}×"
-                for key in ("peak", "after", "held")
-            ]
-            print(f"{loader:<10} {rank:>4} " + " ".join(f"{cell:>16}" for cell in cells))
-    old, new = report["loaders"]["diffusers"]["peak_bytes"], report["loaders"]["slices"]["peak_bytes"]
-    print("peak, diffusers / slices: " + ", ".join(f"rank {i} {a / b:.2f}×" for i, (a, b) in enumerate(zip(old, new))))
+    print(f"whole transformer: {whole / 2**20:.0f} MiB (float32, read from bf16); {args.ranks} CPU ranks")
+    print(f"{'files':>5} {'loader':<10} {'rank':>4} {'peak':>16} {'once loaded':>16} {'holds':>16}")
+    for layout in report["layouts"].values():
+        for loader, r in layout["loaders"].items():
+            for rank in range(args.ranks):
+                cells = [
+                    f"{r[f'{key}_bytes'][rank] / 2**20:5.0f} MiB {r[f'{key}_over_whole'][rank]:.2f}×"
+                    for key in ("peak", "after", "held")
+                ]
+                print(f"{layout['files']:>5} {loader:<10} {rank:>4} " + " ".join(f"{cell:>16}" for cell in cells))
+        old, new = (layout["loaders"][loader]["peak_bytes"] for loader in LOADERS)
+        ratios = ", ".join(f"rank {i} {a / b:.2f}×" for i, (a, b) in enumerate(zip(old, new)))
+        print(f"{layout['files']:>5} peak, diffusers / slices: {ratios}")
     print("FLUX.1-dev bf16, computed: per rank, what it holds = its device peak with the slice load")
     for tp, numbers in report["flux1_dev_bf16"].items():
         print(
