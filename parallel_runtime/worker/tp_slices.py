@@ -5,12 +5,14 @@ not even while loading.
 diffusers 0.42.1's own tensor-parallel load (``from_pretrained(parallel_config=TensorParallelConfig(...))``) reads
 slices too, but it makes each one in the file's dtype first and then casts it (and concatenates the blocks of a
 packed weight): a temporary per weight, freed between the weights the rank keeps. On a CPU rank, where the kept
-weights share the heap with those temporaries, glibc keeps the freed pages: measured on a 140M-parameter FLUX.1 read
-from bf16 into float32 on 2 ranks, a rank's anonymous memory ends that load at 1.17 × the whole model while it holds
-0.65 × (``bench/tp_load_memory.py``). Here each kept tensor is allocated once, in its final dtype on the rank's
-device, and filled by ``copy_`` from a view of the file (safetensors' ``get_slice``), which slices, casts and moves in
-one pass. On a GPU rank a slice of whole rows goes from the file's pages to the GPU without a host copy; a slice of
-columns (a rowwise weight) is gathered into one host buffer the size of the slice on its way.
+weights share the heap with those temporaries, glibc keeps the freed pages: measured on a 145M-parameter FLUX.1 read
+from bf16 into float32 on 2 ranks, a rank's anonymous memory peaks at 0.98–1.24 × the whole model (it moves with the
+heap's history) while the rank holds 0.65 × (``bench/tp_load_memory.py``). Here each kept tensor is allocated once,
+in its final dtype on the rank's device, and filled by ``copy_`` from a view of the file (safetensors 0.8's
+``get_slice`` hands out views of the mapped file), which slices, casts and moves in one pass: the peak is what the
+rank keeps, 0.65 ×. On a GPU rank a slice of whole rows in the run's dtype goes from the file's pages to the GPU
+without a host copy; a slice of columns (a rowwise weight), or a tensor stored in another dtype, passes through one
+host buffer of its size on its way (torch's ``copy_`` gathers and casts it there).
 
 The result is the model ``from_pretrained`` builds, weight for weight (``tests/test_tp_slices.py`` compares every
 rank's tensors bit for bit): planned weights as ``DTensor`` shards (``Shard(dim)``, or ``Replicate()`` for a rowwise
