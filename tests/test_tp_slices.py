@@ -130,9 +130,9 @@ def test_a_folder_it_cannot_shard_is_refused_with_the_reason(results, folder):
 def test_a_rank_never_holds_the_whole_model_while_loading(results, wide_flux):
     """bench/tp_load_memory.py's measurement (``measure_load``) on a FLUX.1 transformer of 19M parameters, stored in
     bf16 shards as the pack's converted folders are and loaded in float32 as the CPU ranks run it: a rank's anonymous
-    memory at its peak stays below the whole model, with a wide margin. Each rank keeps about 0.65 × the model (its
-    slices, and the AdaLN and embedders whole); diffusers' own load of the same folder peaks at about 1.2 × (the
-    bench shows both)."""
+    memory at its peak stays below the whole model, with a wide margin, and is what the rank keeps: about 0.65 × the
+    model (its slices, and the AdaLN and embedders whole). diffusers' own load of such a folder peaks at 0.72-1.24 ×
+    (the bench shows both)."""
     whole = wide_flux[1]
     for rank, measured in enumerate(results["peak"]):
         assert isinstance(measured, dict), f"rank {rank}: {measured}"
@@ -140,3 +140,6 @@ def test_a_rank_never_holds_the_whole_model_while_loading(results, wide_flux):
         print(f"rank {rank}: holds {held:.3f} × the whole model ({whole / 2**20:.0f} MiB), peak {peak:.3f} ×")
         assert 0.5 < held < 0.75
         assert peak < 0.9, f"rank {rank}'s anonymous memory peaked at {peak:.2f} × the whole model"
+        # And the peak is what the rank keeps (measured: within 0.012 ×): no temporaries held on the way. diffusers'
+        # load keeps 0.07-0.6 × more than it holds, as glibc's heap keeps its freed casts.
+        assert peak - held < 0.05, f"rank {rank} peaked {peak - held:.3f} × the whole model above what it holds"
