@@ -6,7 +6,7 @@ diffusers 0.42.1's own tensor-parallel load (``from_pretrained(parallel_config=T
 slices too, but it makes each one in the file's dtype first and then casts it (and concatenates the blocks of a
 packed weight): a temporary per weight, freed between the weights the rank keeps. On a CPU rank, where the kept
 weights share the heap with those temporaries, glibc keeps the freed pages: measured on a 145M-parameter FLUX.1 read
-from bf16 into float32 on 2 ranks, a rank's anonymous memory peaks at 0.98–1.24 × the whole model (it moves with the
+from bf16 into float32 on 2 ranks, a rank's anonymous memory peaks at 0.72–1.24 × the whole model (it moves with the
 heap's history) while the rank holds 0.65 × (``bench/tp_load_memory.py``). Here each kept tensor is allocated once,
 in its final dtype on the rank's device, and filled by ``copy_`` from a view of the file (safetensors 0.8's
 ``get_slice`` hands out views of the mapped file), which slices, casts and moves in one pass: the peak is what the
