@@ -17,6 +17,7 @@ from .cfg_parallel import enable_cfg_parallel
 from .diagnostics import device_label
 from .meshes import device_mesh
 from .ops import WidgetError
+from .tp_slices import load_tensor_parallel
 
 if TYPE_CHECKING:
     from diffusers import ContextParallelConfig
@@ -95,16 +96,8 @@ def _tp_cp_transformer(
     processors are TP-agnostic (they read the local head count) and CP splits the sequence before the first sharded
     layer. Experimental, as the tooltip says.
     """
-    from diffusers import TensorParallelConfig
-
     mesh = device_mesh(device.type, (plan.ring_degree, plan.ulysses_degree, plan.tp_degree), ("ring", "ulysses", "tp"))
-    transformer = cls.from_pretrained(
-        model_dir,
-        subfolder="transformer",
-        dtype=dtype,
-        use_safetensors=True,
-        parallel_config=TensorParallelConfig(mesh=mesh["tp"]),
-    )
+    transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"])
     tensor_parallel = transformer._parallel_config.tensor_parallel_config
     transformer._parallel_config = None
     _enable_context_parallel(transformer, plan, device, mesh)
@@ -116,18 +109,10 @@ def load_transformer(
     cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, plan: StrategyPlan
 ) -> torch.nn.Module:
     """This rank's ``cls`` transformer for ``plan`` (collective: every rank calls it together)."""
-    from diffusers import TensorParallelConfig
-
     if plan.kind is Strategy.TENSOR_PARALLEL:
-        # Each rank reads only its slice of every planned weight while loading; the full checkpoint is never
-        # materialised per rank.
-        return cls.from_pretrained(
-            model_dir,
-            subfolder="transformer",
-            dtype=dtype,
-            use_safetensors=True,
-            parallel_config=TensorParallelConfig(mesh=device_mesh(device.type, (plan.tp_degree,), ("tp",))),
-        )
+        # Each rank reads only its slice of every planned weight, into the tensor it keeps: no rank ever holds the
+        # whole model, not even while loading.
+        return load_tensor_parallel(cls, model_dir, dtype, device, device_mesh(device.type, (plan.tp_degree,), ("tp",)))
     if plan.kind is Strategy.TP_CP:
         return _tp_cp_transformer(cls, model_dir, dtype, device, plan)
     # Each tensor goes to the rank's device as it is read: loading on the host and moving afterwards would hold the

@@ -1,0 +1,174 @@
+"""A tensor-parallel transformer read slice by slice: each rank copies only its own part of every weight the model's
+``_tp_plan`` shards, straight from the safetensors files into the tensor it keeps, so no rank holds the whole model,
+not even while loading.
+
+diffusers 0.42.1's own tensor-parallel load (``from_pretrained(parallel_config=TensorParallelConfig(...))``) reads
+slices too, but it makes each one in the file's dtype first and then casts it (and concatenates the blocks of a
+packed weight): a temporary per weight, freed between the weights the rank keeps. On a CPU rank, where the kept
+weights share the heap with those temporaries, glibc keeps the freed pages: measured on a 145M-parameter FLUX.1 read
+from bf16 into float32 on 2 ranks, a rank's anonymous memory peaks at 0.72–1.24 × the whole model (it moves with the
+heap's history) while the rank holds 0.65 × (``bench/tp_load_memory.py``). Here each kept tensor is allocated once,
+in its final dtype on the rank's device, and filled by ``copy_`` from a view of the file (safetensors 0.8's
+``get_slice`` hands out views of the mapped file), which slices, casts and moves in one pass: the peak is what the
+rank keeps, 0.65 ×. On a GPU rank a slice of whole rows in the run's dtype goes from the file's pages to the GPU
+without a host copy; a slice of columns (a rowwise weight), or a tensor stored in another dtype, passes through one
+host buffer of its size on its way (torch's ``copy_`` gathers and casts it there).
+
+The result is the model ``from_pretrained`` builds, weight for weight (``tests/test_tp_slices.py`` compares every
+rank's tensors bit for bit): planned weights as ``DTensor`` shards (``Shard(dim)``, or ``Replicate()`` for a rowwise
+bias), the rest whole, diffusers' own tensor-parallel forward hooks, and ``_parallel_config`` recorded, so diffusers'
+guards (no adapters, no ``enable_parallelism``) and the pack's fused LoRAs (``worker/lora.py``) see it as diffusers
+sharded it. The slicing arithmetic is diffusers' (``resolve_tp_shard_specs`` gives each weight's dimension and
+blocks; a rank takes its equal part of every block).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from .ops import OpError
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The transformer's safetensors files in ``model_dir``: the shards its index lists, or its one file."""
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+
+    folder = os.path.join(model_dir, "transformer")
+    index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, shard) for shard in shards]
+    single = os.path.join(folder, SAFETENSORS_WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return [single]
+    raise OpError(
+        f"{folder} has no {SAFETENSORS_WEIGHTS_NAME} (nor its .index.json): tensor_parallel reads each rank's slice "
+        "of a safetensors file; save the model with safe_serialization=True, or pick another strategy"
+    )
+
+
+def _parts(
+    stored: object, ndim: int, dim: int, block_sizes: list[int], rank: int, ranks: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(offset along ``dim`` in the rank's tensor, the file's part there) for each part of the rank's slice of a
+    safetensors tensor (``stored``: its ``get_slice``): the rank's equal share of every block, as diffusers'
+    ``_local_shard`` cuts them."""
+    start, offset = 0, 0
+    for block in block_sizes:
+        chunk = block // ranks
+        index = [slice(None)] * ndim
+        index[dim] = slice(start + rank * chunk, start + (rank + 1) * chunk)
+        yield offset, stored[tuple(index)]
+        start, offset = start + block, offset + chunk
+
+
+def _target_dtype(key: str, stored: torch.dtype, dtype: torch.dtype, keep_in_fp32: list[str]) -> torch.dtype:
+    """The dtype ``from_pretrained`` gives a tensor: floating ones the run dtype (float32 in the modules the class
+    keeps there), the others as stored."""
+    if not stored.is_floating_point:
+        return stored
+    return torch.float32 if any(name in key.split(".") for name in keep_in_fp32) else dtype
+
+
+def load_tensor_parallel(
+    cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, mesh: DeviceMesh
+) -> torch.nn.Module:
+    """This rank's ``cls`` transformer from ``model_dir``, sharded over ``mesh`` by the class's ``_tp_plan``
+    (collective only where diffusers' forward hooks are: every rank of ``mesh`` calls it together)."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from diffusers import TensorParallelConfig
+    from diffusers.hooks.tensor_parallel import _check_tp_supported, apply_tensor_parallel, resolve_tp_shard_specs
+    from diffusers.models.modeling_utils import no_init_weights
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    config = cls.load_config(model_dir, subfolder="transformer")
+    if config.get("quantization_config") is not None:
+        # What from_pretrained refuses too: a quantizer's packed layout cannot be cut into DTensor slices.
+        raise OpError(
+            f"{os.path.join(model_dir, 'transformer')} holds quantized weights (quantization_config in its "
+            "config.json), which tensor parallelism cannot shard; use an unquantized (bf16 / fp16) folder, or "
+            "another strategy"
+        )
+    tp_config = TensorParallelConfig(mesh=mesh)
+    _check_tp_supported(cls.__name__, cls._tp_plan, config.get("num_attention_heads"), tp_config)
+    files = weight_files(model_dir)
+
+    # As from_pretrained builds it: on the meta device, under the run dtype, no initialisation run.
+    previous = cls._set_default_torch_dtype(dtype)
+    try:
+        with no_init_weights(), init_empty_weights():
+            model = cls.from_config(config)
+    finally:
+        if previous is not None:
+            torch.set_default_dtype(previous)
+    model._resolve_parallel_config(tp_config)  # records the config on the model, as from_pretrained does
+    specs = resolve_tp_shard_specs(model, cls._tp_plan, mesh.size())
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    keep_in_fp32 = cls._keep_in_fp32_modules or []
+    rank, ranks = mesh.get_local_rank(), mesh.size()
+
+    loaded: set[str] = set()
+    for path in files:
+        # The views get_slice hands out read the file's mapped pages: every copy happens inside this block.
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in expected:
+                    continue  # from_pretrained ignores keys the model has no place for (it only warns)
+                stored = f.get_slice(key)
+                shape = torch.Size(stored.get_shape())
+                if shape != expected[key]:
+                    raise OpError(
+                        f"{path} holds {key} with shape {tuple(shape)}, but the transformer's config.json makes it "
+                        f"{tuple(expected[key])}: the folder's weights and config are of different models; "
+                        "download or convert the model again"
+                    )
+                spec = specs.get(key)
+                if spec is None or spec.dim is None:
+                    whole = stored[...]  # a view of the file's pages (a copy with safetensors before 0.8)
+                    target = _target_dtype(key, whole.dtype, dtype, keep_in_fp32)
+                    local = torch.empty(shape, dtype=target, device=device).copy_(whole)
+                else:
+                    parts = list(_parts(stored, len(shape), spec.dim, spec.block_sizes, rank, ranks))
+                    local_shape = list(shape)
+                    local_shape[spec.dim] //= ranks
+                    target = _target_dtype(key, parts[0][1].dtype, dtype, keep_in_fp32)
+                    local = torch.empty(local_shape, dtype=target, device=device)
+                    for offset, part in parts:
+                        local.narrow(spec.dim, offset, part.shape[spec.dim]).copy_(part)
+                if spec is None:
+                    set_module_tensor_to_device(model, key, device, value=local)
+                else:
+                    module_name, _, name = key.rpartition(".")
+                    module = model.get_submodule(module_name)
+                    # A rowwise bias is added after the all-reduce, so every rank keeps it whole; it is still a
+                    # DTensor, as a plain tensor beside a sharded weight fails the addmm dispatch.
+                    placement = Replicate() if spec.dim is None else Shard(spec.dim)
+                    module.register_parameter(
+                        name,
+                        torch.nn.Parameter(
+                            DTensor.from_local(local, mesh, [placement], run_check=False),
+                            requires_grad=getattr(module, name).requires_grad,
+                        ),
+                    )
+                loaded.add(key)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise OpError(
+            f"{os.path.join(model_dir, 'transformer')}'s safetensors files lack {shown}: the folder is incomplete or "
+            "of another model; download or convert it again"
+        )
+    model.register_to_config(_name_or_path=model_dir)
+    model.eval()
+    # Every planned weight is placed already: this registers diffusers' forward hooks only.
+    tp_config = model._parallel_config.tensor_parallel_config
+    apply_tensor_parallel(model, tp_config, cls._tp_plan, weights_already_sharded=True)
+    return model
