@@ -15,7 +15,7 @@ headers' shapes (``FilesContents``). What is the same for all is here:
 - a transformer is moved one source tensor at a time (the layout's ``Move`` list) into shards of at most
   ``SHARD_BYTES``, so the conversion never holds more than a shard in memory;
 - a component kept as it is (a text encoder already in transformers' layout) is a symbolic link to the file beside its
-  config, nothing copied — rewritten, streamed into shards, only when fp8 weights have to be cast or keys renamed;
+  config, nothing copied — rewritten, streamed into shards, only when fp8 weights have to be cast or a prefix dropped;
 - a small component (a VAE) goes through the layout's converter (diffusers' own, e.g. ``convert_ldm_vae_checkpoint``);
 - the tokenizers are copied from the ComfyUI installation (FLUX.1: ``comfy/sd1_tokenizer``, ``comfy/text_encoders/
   t5_tokenizer``), the scheduler and ``model_index.json`` are the layout's data. Nothing comes from the internet.
@@ -363,11 +363,9 @@ def _out_dtype(file: SourceFile, key: str) -> str:
 
 
 def _needs_rewrite(component: Component) -> bool:
-    """A kept component is linked unless its tensors change: fp8 to cast, a prefix or keys to rename."""
-    file, rename = component.file, component.rename
-    if file.has_fp8 or file.scales or file.stripped_prefix:
-        return True
-    return rename is not None and any(rename(k) != k for k in file.shapes)
+    """A kept component is linked unless its tensors change: fp8 to cast, or a prefix to drop."""
+    file = component.file
+    return bool(file.has_fp8 or file.scales or file.stripped_prefix)
 
 
 def _write_bytes(component: Component) -> int:
@@ -601,8 +599,8 @@ def _skipped(file: SourceFile, key: str) -> bool:
 
 
 def _kept_keys(component: Component) -> list[str]:
-    file, rename = component.file, component.rename
-    return [k for k in file.shapes if not _skipped(file, k) and (rename is None or rename(k) is not None)]
+    file = component.file
+    return [k for k in file.shapes if not _skipped(file, k)]
 
 
 def _units(component: Component) -> int:
@@ -616,9 +614,9 @@ def _units(component: Component) -> int:
 
 def _write_whole(component: Component, folder: str, steps: _Steps) -> None:
     """Tensors kept as they are (a text encoder in transformers' layout, a transformer in diffusers'): linked, or
-    streamed one tensor at a time into shards when fp8 weights need casting or keys renaming; the component's filled
+    streamed one tensor at a time into shards when fp8 weights need casting or a prefix dropping; the component's filled
     tensors beside them (after a link, in a shard of their own, the link the first shard of the index)."""
-    file, rename = component.file, component.rename
+    file = component.file
     os.makedirs(folder, exist_ok=True)
     if not _needs_rewrite(component) and not component.filled:
         os.symlink(os.path.realpath(file.path), os.path.join(folder, component.weights))
@@ -627,7 +625,7 @@ def _write_whole(component: Component, folder: str, steps: _Steps) -> None:
     shards = _Shards(folder, component.weights)
     if _needs_rewrite(component):
         for key, tensor in _tensors(file, _kept_keys(component)):
-            shards.add(key if rename is None else rename(key), tensor)
+            shards.add(key, tensor)
             steps(f"converting {component.name}")
     else:
         # Not prefix-stripped (else it would be rewritten): the file's keys are the folder's.

@@ -92,7 +92,7 @@ class Component:
 
     Exactly one of ``moves``, ``convert`` or neither: ``moves`` streams the source one tensor at a time into
     diffusers' sharded layout (a transformer); ``convert`` takes the whole state dict (small models: a VAE); neither
-    keeps the tensors (renamed by ``rename`` when given) in one ``model.safetensors``, a symbolic link to the source
+    keeps the tensors in one ``model.safetensors``, a symbolic link to the source
     when nothing about them changes (a text encoder already in transformers' layout).
 
     Args:
@@ -101,7 +101,6 @@ class Component:
         config: its config.json.
         moves: the diffusers tensors and their sources.
         convert: the source state dict (fp8 already dequantized) → diffusers' state dict.
-        rename: a source key → its key in the folder, or None to leave the tensor out.
         weights: the weights' file name (``convert``; ``moves`` writes diffusers' own name, shards and index).
         filled: tensors the folder's model has and the file has not, each (shape, value) filled with one value in
             the file's dtype (kept components only; FLUX.2's cut text encoder): beside a link, their own shard.
@@ -112,7 +111,6 @@ class Component:
     config: dict
     moves: tuple[Move, ...] | None = None
     convert: Callable[[dict], dict] | None = None
-    rename: Callable[[str], str | None] | None = None
     weights: str = "diffusion_pytorch_model.safetensors"
     filled: Mapping[str, tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=dict)
 
