@@ -472,6 +472,7 @@ QWEN_STRATEGIES = [
     pytest.param("context_parallel", {"ulysses_degree": 2}, id="ulysses"),
     # CI's budget: the same paths again.
     pytest.param("context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, marks=pytest.mark.slow, id="ring"),
+    pytest.param("device_map", {}, marks=pytest.mark.slow, id="device_map"),
 ]
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar, Protocol
+
+from ..errors import InvalidInput
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -176,3 +178,20 @@ def count(shapes: Shapes, pattern: str) -> int:
     """How many numbered blocks ``pattern`` (with one ``(\\d+)`` group) finds in ``shapes``' keys."""
     found = {int(m.group(1)) for key in shapes if (m := re.match(pattern, key))}
     return max(found) + 1 if found else 0
+
+
+def configs_from_shapes(
+    derivations: Iterable[tuple[str, SourceHeader, Callable[[Shapes], dict]]], model: str
+) -> dict[str, dict]:
+    """Each component's config, derived from its file's shapes. A file that lacks a tensor the config is read from, or
+    whose tensor has the wrong shape, is refused naming its widget: cut short, or not ``model``'s ("FLUX.1")."""
+    configs = {}
+    for component, file, derive in derivations:
+        try:
+            configs[component] = derive(file.shapes)
+        except (KeyError, IndexError, ValueError) as e:
+            what = f"has {e}" if isinstance(e, ValueError) else f"lacks {e}"
+            raise InvalidInput(
+                file.widget, f"{file.name!r} {what} (cut short, or not {model}'s); pick {model}'s complete file"
+            ) from None
+    return configs

@@ -37,7 +37,17 @@ import os
 from collections.abc import Callable
 
 from ..errors import InvalidInput
-from .files import Component, FilesContents, FilesLayout, Move, Shapes, SourceHeader, TokenizerFromFile, count
+from .files import (
+    Component,
+    FilesContents,
+    FilesLayout,
+    Move,
+    Shapes,
+    SourceHeader,
+    TokenizerFromFile,
+    configs_from_shapes,
+    count,
+)
 from .flux_files import is_vae
 
 # FLUX.2's rotary axes (diffusers' config; ComfyUI's ``axes_dim``): not in the weights; their sum is the head size.
@@ -379,18 +389,14 @@ class Flux2Files(FilesLayout):
                 f"{vae.name!r} is not FLUX.2's VAE (the original layout with batch-norm statistics, "
                 "flux2-vae.safetensors); pick that",
             )
-        configs = {}
-        for component, file, derive in (
-            ("transformer", transformer, transformer_config),
-            ("text_encoder", text_encoder, mistral_config),
-            ("vae", vae, vae_config),
-        ):
-            try:
-                configs[component] = derive(file.shapes)
-            except (KeyError, IndexError, ValueError) as e:
-                raise InvalidInput(
-                    file.widget, f"{file.name!r} lacks {e} (cut short, or not FLUX.2's); pick FLUX.2's complete file"
-                ) from None
+        configs = configs_from_shapes(
+            (
+                ("transformer", transformer, transformer_config),
+                ("text_encoder", text_encoder, mistral_config),
+                ("vae", vae, vae_config),
+            ),
+            "FLUX.2",
+        )
         if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
             raise InvalidInput(
                 vae.widget,

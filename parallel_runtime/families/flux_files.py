@@ -17,7 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import InvalidInput
-from .files import Component, FilesContents, FilesLayout, Move, Shapes, SourceHeader, Tokenizer, count
+from .files import (
+    Component,
+    FilesContents,
+    FilesLayout,
+    Move,
+    Shapes,
+    SourceHeader,
+    Tokenizer,
+    configs_from_shapes,
+    count,
+)
 
 # FLUX.1's rotary axes (diffusers' config, ComfyUI's ``axes_dim``): not in the weights; their sum is the head size.
 AXES_DIMS_ROPE = (16, 56, 56)
@@ -281,19 +291,15 @@ class Flux1Files(FilesLayout):
             raise InvalidInput(
                 vae.widget, f"{vae.name!r} is not a VAE in the original layout (FLUX.1's ae.safetensors); pick that"
             )
-        configs = {}
-        for component, file, derive in (
-            ("transformer", transformer, transformer_config),
-            ("text_encoder", clip[0], clip_config),
-            ("text_encoder_2", t5[0], t5_config),
-            ("vae", vae, vae_config),
-        ):
-            try:
-                configs[component] = derive(file.shapes)
-            except (KeyError, IndexError, ValueError) as e:
-                raise InvalidInput(
-                    file.widget, f"{file.name!r} lacks {e} (cut short, or not FLUX.1's); pick FLUX.1's complete file"
-                ) from None
+        configs = configs_from_shapes(
+            (
+                ("transformer", transformer, transformer_config),
+                ("text_encoder", clip[0], clip_config),
+                ("text_encoder_2", t5[0], t5_config),
+                ("vae", vae, vae_config),
+            ),
+            "FLUX.1",
+        )
         if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
             raise InvalidInput(
                 vae.widget,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 
 from ..errors import InvalidInput
-from .files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, count
+from .files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, configs_from_shapes, count
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json: dynamic shifting over a long reference sequence, to a terminal
 # sigma.
@@ -277,20 +277,14 @@ class QwenImageFiles(FilesLayout):
                 f"{vae.name!r} is {_what_vae(vae.shapes)}, not Qwen-Image's (Wan 2.1's) VAE; pick "
                 "qwen_image_vae.safetensors from models/vae",
             )
-        configs = {}
-        for component, file, derive in (
-            ("transformer", transformer, transformer_config),
-            ("text_encoder", encoder, text_encoder_config),
-            ("vae", vae, vae_config),
-        ):
-            try:
-                configs[component] = derive(file.shapes)
-            except (KeyError, IndexError, ValueError) as e:
-                what = f"has {e}" if isinstance(e, ValueError) else f"lacks {e}"
-                raise InvalidInput(
-                    file.widget,
-                    f"{file.name!r} {what} (cut short, or not Qwen-Image's); pick Qwen-Image's complete file",
-                ) from None
+        configs = configs_from_shapes(
+            (
+                ("transformer", transformer, transformer_config),
+                ("text_encoder", encoder, text_encoder_config),
+                ("vae", vae, vae_config),
+            ),
+            "Qwen-Image",
+        )
         missing = [k for k in transformer_keys(configs["transformer"]) if k not in transformer.shapes]
         if missing:
             raise InvalidInput(
