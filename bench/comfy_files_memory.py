@@ -23,8 +23,10 @@ rank below 1 never held the whole model, not even while loading.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -60,6 +62,7 @@ def main() -> None:
     if comfy_dir is None:
         sys.exit("needs ComfyUI's tokenizers: set COMFYUI_DIR")
     work = tempfile.mkdtemp(prefix="comfy-files-memory-")
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # the files and their conversion: GiBs at real widths
     os.environ["COMFY_PARALLEL_COMFY_MODELS"] = os.path.join(work, "models")
     os.environ["COMFY_PARALLEL_CONVERTED"] = os.path.join(work, "converted")
     names, _ = tiny_comfy_files.make_tiny_flux_files(
@@ -86,10 +89,10 @@ def main() -> None:
         os.path.join(work, "models", "diffusion_models", name),
     )
     del big, bfl
-    model, plan = jobs.model_from_comfy_files(**{**names, "diffusion_model": name})
+    model, _ = jobs.model_from_comfy_files(**{**names, "diffusion_model": name})
 
     tiny_model, _ = jobs.model_from_comfy_files(**names)
-    results = {"full_model_bytes": full_bytes, "converted": plan.folder, "strategies": {}}
+    results = {"full_model_bytes": full_bytes, "strategies": {}}
     for strategy, extra in (("tensor_parallel", {"tp_degree": args.ranks}), ("context_parallel", {})):
         spec = default_spec(ranks=args.ranks, device="cpu", memory_policy="staged")
         backend = get_backend(spec)
@@ -135,7 +138,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"full transformer: {full_bytes / 2**20:.0f} MiB (float32); converted to {plan.folder}")
+    print(f"full transformer: {full_bytes / 2**20:.0f} MiB (float32), converted from ComfyUI's layout")
     for strategy, r in results["strategies"].items():
         per_rank = ", ".join(
             f"rank {i}: peak anonymous +{a / 2**20:.0f} MiB ({a / full_bytes:.2f} × model), peak RSS +{g / 2**20:.0f} "

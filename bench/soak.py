@@ -15,10 +15,12 @@ something was left behind or a run failed in a way the drill did not ask for.
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     started = time.time()
     root = tempfile.mkdtemp(prefix="pd-soak-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     os.environ["COMFY_PARALLEL_MODELS"] = root
     family("flux").make_tiny_model(os.path.join(root, MODEL))
     spec = default_spec(device="cpu", ranks=2)

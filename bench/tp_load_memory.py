@@ -22,8 +22,10 @@ columns, gathered on the host on its way to the GPU; slices of rows go from the 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -173,6 +175,7 @@ def main() -> None:
         return
 
     work = tempfile.mkdtemp(prefix="tp-load-memory-")
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     report = {"ranks": args.ranks, "layouts": {}}
     for shard_size in args.shard_sizes:
         model_dir = os.path.join(work, shard_size)
