@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_comfy_files import converted_and_one_shot, generate
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs
 from parallel_runtime.families import flux2_files
@@ -227,40 +228,11 @@ def converted(tiny):
     """The scaled-fp8 model converted, and diffusers' one-shot pipeline on its reference diffusers folder."""
     from diffusers import Flux2Pipeline
 
-    _, _, made = tiny
-    names, reference = made["fp8_scaled"]
-    name, _ = jobs.model_from_comfy_files(**names)
-    pipe = Flux2Pipeline.from_pretrained(reference, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    cache = {}
-
-    def one_shot(seed, width, height, batch_size=1):
-        key = (seed, width, height, batch_size)
-        if key not in cache:
-            cache[key] = pipe(
-                prompt=PROMPT,
-                num_inference_steps=STEPS,
-                guidance_scale=4.0,
-                width=width,
-                height=height,
-                max_sequence_length=TOKENS,
-                num_images_per_prompt=batch_size,
-                output_type="pt",
-                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-            ).images.permute(0, 2, 3, 1)
-        return cache[key]
-
-    return name, one_shot
+    return converted_and_one_shot(tiny[2], Flux2Pipeline, guidance_scale=4.0, tokens=TOKENS)
 
 
-def _generate(spec, model, strategy, *, width=64, height=64, batch_size=1, **strategy_args):
-    positive = jobs.encode_prompt(spec, model=model, prompt=PROMPT, max_sequence_length=TOKENS)
-    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
-    latent = jobs.sample(
-        transformer, positive, seed=3, steps=STEPS, guidance_scale=4.0, width=width, height=height,
-        batch_size=batch_size,
-    )  # fmt: skip
-    return jobs.decode(spec, model=model, samples=latent)
+def _generate(spec, model, strategy, **kwargs):
+    return generate(spec, model, strategy, guidance_scale=4.0, tokens=TOKENS, **kwargs)
 
 
 @pytest.mark.multirank
