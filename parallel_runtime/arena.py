@@ -69,11 +69,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU tensor's storage (works for bool, bfloat16 and 0-d tensors)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 # Fresh private memory for a tensor this big is mapped with transparent huge pages where the kernel offers
 # them on request (THP "madvise", the common default): one fault per 2 MiB instead of one per 4 KiB. On a
 # VM a 4 KiB fault costs more than copying the page, so this decides whether a copy-out costs 1× or 4×.
