@@ -41,7 +41,7 @@ from .errors import Cancelled, InvalidInput
 from .families import FILES_LAYOUTS, FilesLayout
 from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
 from .families.lora import SAFETENSORS_SUFFIXES
-from .model_folders import REFUSED_SUFFIXES, comfyui_folders, converted_root, refused_because
+from .model_folders import REFUSED_SUFFIXES, comfyui_folders, confined, converted_root, refused_because
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +158,9 @@ def resolve(role: str, name: str, widget: str) -> str:
     """The path of file ``name`` of ``role`` (confined to its folders); InvalidInput naming ``widget`` otherwise."""
     if not name:
         raise InvalidInput(widget, f"no file selected; put the file in models/{FOLDERS[role][0]} and pick it here")
-    parts = name.replace("\\", "/").split("/")
-    if os.path.isabs(name) or ".." in parts or "" in parts:
-        raise InvalidInput(widget, f"{name!r} is not a file name; pick one from the list")
+    relative = confined(name, widget, "a file name; pick one from the list")
     for root in _roots(role):
-        path = os.path.join(root, *parts)
+        path = os.path.join(root, relative)
         if os.path.isfile(path):
             return path
     where = ", ".join(_roots(role)) or f"no models/{FOLDERS[role][0]} folder is configured"

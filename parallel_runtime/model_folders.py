@@ -141,7 +141,9 @@ def list_models() -> list[str]:
     return sorted(names)
 
 
-def _confined(name: str, widget: str, what: str = "a model name; pick a folder name from the list") -> str:
+def confined(name: str, widget: str, what: str = "a model name; pick a folder name from the list") -> str:
+    """``name`` as a relative path that stays below whatever root it is joined to; InvalidInput naming ``widget``
+    (``name`` is not ``what``) for an absolute path, ``..`` or an empty part."""
     parts = name.replace("\\", "/").split("/")
     if os.path.isabs(name) or ".." in parts or "" in parts:
         raise InvalidInput(widget, f"{name!r} is not {what}")
@@ -156,7 +158,7 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
             "no model selected; put a diffusers folder (save_pretrained) in "
             "models/diffusers or COMFY_PARALLEL_MODELS and pick it here",
         )
-    relative = _confined(name, widget)
+    relative = confined(name, widget)
     # Last: ComfyUI's own files converted by ParallelModelFromComfyFiles (not listed: that node names them).
     model_dir = next(
         (
@@ -231,7 +233,7 @@ def resolve_lora(name: str, widget: str = "lora_name") -> str:
         raise InvalidInput(
             widget, "no LoRA selected; put a .safetensors LoRA in models/loras or COMFY_PARALLEL_LORAS and pick it here"
         )
-    relative = _confined(name, widget, "a LoRA name; pick a file from the list")
+    relative = confined(name, widget, "a LoRA name; pick a file from the list")
     if not name.lower().endswith(SAFETENSORS_SUFFIXES + PICKLE_SUFFIXES):
         raise InvalidInput(widget, f"{name!r} is not a LoRA file name; pick a file from the list")
     path = next(
