@@ -123,7 +123,7 @@ from parallel_runtime import (  # noqa: E402
     jobs,
     shutdown_backend,
 )
-from parallel_runtime.arena import DTYPES  # noqa: E402
+from parallel_runtime.arena import TORCH_DTYPES  # noqa: E402
 from parallel_runtime.families import Placement, family  # noqa: E402
 from parallel_runtime.strategy import Strategy as Kind  # noqa: E402
 from parallel_runtime.wire import Sampling  # noqa: E402
@@ -178,7 +178,7 @@ class OneProcess:
 
     def __init__(self, model_dir: str, dtype: str, device: str):
         self.model_dir, self.device = model_dir, device
-        self.transformer = flux.load_transformer(model_dir, DTYPES[dtype], Placement(device))
+        self.transformer = flux.load_transformer(model_dir, TORCH_DTYPES[dtype], Placement(device))
         self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.transformer.parameters())
 
     def run(self, conditioning: jobs.Conditioning, args: argparse.Namespace) -> list[float]:
@@ -226,7 +226,7 @@ def flux_parameter_bytes(model_dir: str, dtype: str) -> int:
     """The whole transformer's parameter bytes in ``dtype``, from its files' headers (nothing is loaded)."""
     from parallel_runtime.worker.memory import parameters_in
 
-    return parameters_in(os.path.join(model_dir, "transformer")) * DTYPES[dtype].itemsize
+    return parameters_in(os.path.join(model_dir, "transformer")) * TORCH_DTYPES[dtype].itemsize
 
 
 def _transformer_bytes_per_rank(spec: BackendSpec) -> list[int]:

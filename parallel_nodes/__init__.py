@@ -8,7 +8,11 @@ the pack's root is on ``sys.path``, so a package of that name would shadow Comfy
 
 from __future__ import annotations
 
+import logging
+
 from comfy_api.latest import ComfyExtension, io
+
+from parallel_runtime.internals import untested_diffusers
 
 from .backend import ParallelBackend
 from .comfy_files import ParallelModelFromComfyFiles
@@ -38,8 +42,12 @@ class ParallelDiffusersExtension(ComfyExtension):
 
 
 async def comfy_entrypoint() -> ParallelDiffusersExtension:
-    """ComfyUI's entry point: the pack's nodes, and (inside a server) its routes and the validation hook."""
+    """ComfyUI's entry point: the pack's nodes, and (inside a server) its routes and the validation hook. A diffusers
+    outside the tested range is said in ComfyUI's log, and ParallelBackend's text, rather than found in a run."""
     from . import routes
+
+    if (untested := untested_diffusers()) is not None:
+        logging.getLogger(__name__).warning("parallel_diffusers: %s", untested)
 
     routes.register()
     return ParallelDiffusersExtension()

@@ -3,6 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec
+from parallel_runtime.internals import untested_diffusers
 from parallel_runtime.machines import join_commands
 from parallel_runtime.spec import MEMORY_POLICIES
 
@@ -119,8 +120,12 @@ class ParallelBackend(io.ComfyNode):
             nnodes=w["nnodes"],
             rdzv_endpoint=w["rdzv_endpoint"],
         )
+        untested = untested_diffusers()  # logged at ComfyUI's start-up already
         if spec.nnodes > 1:
             # The commands carry the cluster secret: shown on the node, never written to the log.
             commands = join_commands(spec.rdzv_endpoint, spec.nnodes)
-            comfy.show_text(cls, "On each other machine run:\n" + "\n".join(commands), logged=False)
+            lines = [untested] if untested else []
+            comfy.show_text(cls, "\n".join([*lines, "On each other machine run:", *commands]), logged=False)
+        elif untested:
+            comfy.show_text(cls, untested, logged=False)
         return io.NodeOutput(spec)

@@ -27,7 +27,7 @@ def backend_input() -> io.Input:
 def dtype_input() -> io.Input:
     return io.Combo.Input(
         "dtype",
-        options=list(jobs.DTYPES),
+        options=list(jobs.DTYPE_OPTIONS),
         default="auto",
         optional=True,
         tooltip="Weights' dtype. auto: bfloat16 on GPUs, float32 on CPU.",

@@ -24,15 +24,13 @@ import secrets
 
 import torch
 
+from .wire import TENSOR_DTYPES
+
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _MIN_CAPACITY = 1 << 20
 
-# Every dtype images, latents, embeddings and masks use. Others are refused rather than guessed at.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in TENSOR_DTYPES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +44,8 @@ class TensorDesc:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} cannot travel through the arena; supported: {sorted(DTYPES)}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} cannot travel through the arena; supported: {sorted(TORCH_DTYPES)}")
         if any(d < 0 for d in self.shape):
             raise ValueError(f"shape {list(self.shape)} has a negative dimension")
         if self.offset < 0:
@@ -57,7 +55,7 @@ class TensorDesc:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -66,14 +64,9 @@ class TensorDesc:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise TypeError(f"tensors of dtype {dtype} cannot travel through the arena; supported: {sorted(DTYPES)}")
+    if name not in TORCH_DTYPES:
+        raise TypeError(f"tensors of dtype {dtype} cannot travel through the arena; supported: {sorted(TORCH_DTYPES)}")
     return name
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU tensor's storage (works for bool, bfloat16 and 0-d tensors)."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 # Fresh private memory for a tensor this big is mapped with transparent huge pages where the kernel offers

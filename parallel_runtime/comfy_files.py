@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator
 from .errors import Cancelled, InvalidInput
 from .families import FILES_LAYOUTS, FilesLayout
 from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
+from .families.lora import SAFETENSORS_SUFFIXES
+from .model_folders import REFUSED_SUFFIXES, comfyui_folders, confined, converted_root, refused_because
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +51,6 @@ FOLDERS = {
     "text_encoder": ("text_encoders", "clip"),
     "text_encoder_2": ("text_encoders", "clip"),
     "vae": ("vae",),
-}
-SAFETENSORS = (".safetensors", ".sft")
-# Listed too, so that picking one says why it cannot be used rather than that it does not exist.
-REFUSED_SUFFIXES = {
-    ".gguf": "a GGUF file (ComfyUI-GGUF's quantization), which diffusers' parallel strategies cannot load",
-    ".ckpt": "a pickle (.ckpt), which can run code when read; only safetensors are loaded",
-    ".pt": "a pickle (.pt), which can run code when read; only safetensors are loaded",
-    ".pth": "a pickle (.pth), which can run code when read; only safetensors are loaded",
-    ".bin": "a pickle (.bin), which can run code when read; only safetensors are loaded",
 }
 USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
 SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
@@ -76,18 +69,8 @@ _TEXT_PREFIXES = ("cond_stage_model.transformer.", "transformer.", "te.", "text_
 def _roots(role: str) -> list[str]:
     """ComfyUI's folders for ``role`` (once ComfyUI has loaded ``folder_paths``), then the same sub-folders of each
     directory in ``COMFY_PARALLEL_COMFY_MODELS`` (ComfyUI-style ``models`` directories, os.pathsep-separated)."""
-    found: list[str] = []
-    folder_paths = sys.modules.get("folder_paths")
-    for kind in FOLDERS[role]:
-        if folder_paths is not None:
-            try:
-                found += folder_paths.get_folder_paths(kind)
-            except KeyError:
-                pass
-        found += [
-            os.path.join(p, kind) for p in os.environ.get("COMFY_PARALLEL_COMFY_MODELS", "").split(os.pathsep) if p
-        ]
-    return [os.path.abspath(p) for p in dict.fromkeys(found) if os.path.isdir(p)]
+    found = [p for kind in FOLDERS[role] for p in comfyui_folders(kind, "COMFY_PARALLEL_COMFY_MODELS", kind_below=True)]
+    return [p for p in dict.fromkeys(found) if os.path.isdir(p)]
 
 
 def list_files(role: str) -> list[str]:
@@ -97,20 +80,9 @@ def list_files(role: str) -> list[str]:
         for here, dirs, files in os.walk(root, followlinks=True):
             dirs.sort()
             for file in files:
-                if file.lower().endswith(SAFETENSORS + tuple(REFUSED_SUFFIXES)):
+                if file.lower().endswith(SAFETENSORS_SUFFIXES + tuple(REFUSED_SUFFIXES)):
                     names.add(os.path.relpath(os.path.join(here, file), root).replace(os.sep, "/"))
     return sorted(names)
-
-
-def converted_root() -> str:
-    """Where conversions are written: ``COMFY_PARALLEL_CONVERTED``, else ComfyUI's models directory's
-    ``parallel_diffusers_converted``, else ``~/.cache/comfyui-parallel-diffusers/converted``."""
-    if os.environ.get("COMFY_PARALLEL_CONVERTED"):
-        return os.path.abspath(os.environ["COMFY_PARALLEL_CONVERTED"])
-    folder_paths = sys.modules.get("folder_paths")
-    if folder_paths is not None and getattr(folder_paths, "models_dir", None):
-        return os.path.join(folder_paths.models_dir, "parallel_diffusers_converted")
-    return os.path.join(os.path.expanduser("~"), ".cache", "comfyui-parallel-diffusers", "converted")
 
 
 def comfy_package_dir() -> str | None:
@@ -186,11 +158,9 @@ def resolve(role: str, name: str, widget: str) -> str:
     """The path of file ``name`` of ``role`` (confined to its folders); InvalidInput naming ``widget`` otherwise."""
     if not name:
         raise InvalidInput(widget, f"no file selected; put the file in models/{FOLDERS[role][0]} and pick it here")
-    parts = name.replace("\\", "/").split("/")
-    if os.path.isabs(name) or ".." in parts or "" in parts:
-        raise InvalidInput(widget, f"{name!r} is not a file name; pick one from the list")
+    relative = confined(name, widget, "a file name; pick one from the list")
     for root in _roots(role):
-        path = os.path.join(root, *parts)
+        path = os.path.join(root, relative)
         if os.path.isfile(path):
             return path
     where = ", ".join(_roots(role)) or f"no models/{FOLDERS[role][0]} folder is configured"
@@ -207,9 +177,9 @@ def _strip(key: str, prefixes: tuple[str, ...]) -> str:
 def read_file(role: str, name: str, widget: str) -> SourceFile:
     """``name`` resolved and its header read and checked: safetensors, in a format the conversion takes."""
     path = resolve(role, name, widget)
-    suffix = os.path.splitext(name)[1].lower()
-    if suffix in REFUSED_SUFFIXES:
-        raise InvalidInput(widget, f"{name!r} is {REFUSED_SUFFIXES[suffix]}; {USE_INSTEAD}")
+    refused = refused_because(name)
+    if refused is not None:
+        raise InvalidInput(widget, f"{name!r} is {refused}; only safetensors are loaded: {USE_INSTEAD}")
     try:
         header, metadata = _header(path)
     except (OSError, ValueError) as e:

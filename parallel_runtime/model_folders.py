@@ -7,12 +7,16 @@ resolves (no ``..``, no absolute path); a model folder that is a symbolic link t
 on another disk) is the user's choice and loads.
 
 Folders converted from ComfyUI's own files (``comfy_files``, ParallelModelFromComfyFiles) resolve too, from
-``comfy_files.converted_root()`` after the roots; they are not listed (that node names them).
+``converted_root()`` after the roots; they are not listed (that node names them). ComfyUI's own files themselves come
+from ``comfyui_folders`` too (``comfy_files`` says which folder kinds each widget reads).
 
 LoRAs are files under ComfyUI's ``loras`` folders (``folder_paths``, once ComfyUI has loaded it) followed by the
 directories in ``COMFY_PARALLEL_LORAS``, named by their path below the root (``style.safetensors``,
-``flux/style.safetensors``) and confined the same way. Pickle-format files are listed too, so that picking one says
-why it is refused rather than that it does not exist.
+``flux/style.safetensors``) and confined the same way.
+
+Weight files that are never loaded (``REFUSED_SUFFIXES``, with the reason each is refused) are listed beside the
+safetensors ones wherever files are listed, so that picking one says why it is refused rather than that it does not
+exist.
 """
 
 from __future__ import annotations
@@ -24,21 +28,36 @@ import sys
 from collections.abc import Iterator
 
 from . import families
-from .comfy_files import converted_root
 from .errors import InvalidInput
-from .families import FamilyAdapter
 from .families.lora import SAFETENSORS_SUFFIXES
 from .wire import ModelRef
 
 log = logging.getLogger(__name__)
 
-_UNSAFE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_PICKLE = "a pickle, which can run code when it is loaded"
+_PICKLE_ARCHIVE = "a PyTorch archive of pickles, which can run code when it is loaded"
+# What ComfyUI lists besides safetensors (its supported_pt_extensions, and ComfyUI-GGUF's .gguf), with the reason it is
+# never loaded.
+REFUSED_SUFFIXES = {
+    ".ckpt": _PICKLE,
+    ".pt": _PICKLE,
+    ".pth": _PICKLE,
+    ".bin": _PICKLE,
+    ".pkl": _PICKLE,
+    ".pt2": _PICKLE_ARCHIVE,
+    ".gguf": "a GGUF file (ComfyUI-GGUF's quantization), which diffusers' parallel strategies cannot load",
+}
+# What a loras folder lists besides LoRAs: the pickles (LoRA files are refused by ``families.lora.check_file``).
+PICKLE_SUFFIXES = tuple(suffix for suffix, why in REFUSED_SUFFIXES.items() if why in (_PICKLE, _PICKLE_ARCHIVE))
 MAX_DEPTH = 3  # folder levels searched below a root: "name" and "org/name" are the usual layouts
 _warned: set[str] = set()
 
 
-def _roots(kind: str, variable: str) -> list[str]:
-    """ComfyUI's folders of ``kind`` (when ComfyUI has loaded ``folder_paths``), then those ``variable`` names."""
+def comfyui_folders(kind: str, variable: str, *, kind_below: bool = False) -> list[str]:
+    """Where files of ComfyUI's folder ``kind`` are: ComfyUI's own folders of that kind (once ComfyUI has loaded
+    ``folder_paths``), then the directories in the environment ``variable`` (os.pathsep-separated) or, with
+    ``kind_below``, their ``kind`` sub-folders (the variable names ComfyUI-style ``models`` directories). Absolute,
+    each once, in that order."""
     found = []
     folder_paths = sys.modules.get("folder_paths")  # ComfyUI's, once ComfyUI has loaded it
     if folder_paths is not None:
@@ -46,12 +65,23 @@ def _roots(kind: str, variable: str) -> list[str]:
             found += folder_paths.get_folder_paths(kind)
         except KeyError:
             pass
-    found += [p for p in os.environ.get(variable, "").split(os.pathsep) if p]
+    found += [os.path.join(p, kind) if kind_below else p for p in os.environ.get(variable, "").split(os.pathsep) if p]
     return [os.path.abspath(p) for p in dict.fromkeys(found)]
 
 
 def roots() -> list[str]:
-    return _roots("diffusers", "COMFY_PARALLEL_MODELS")
+    return comfyui_folders("diffusers", "COMFY_PARALLEL_MODELS")
+
+
+def converted_root() -> str:
+    """Where ComfyUI's own files are converted to (``comfy_files``): ``COMFY_PARALLEL_CONVERTED``, else ComfyUI's
+    models directory's ``parallel_diffusers_converted``, else ``~/.cache/comfyui-parallel-diffusers/converted``."""
+    if os.environ.get("COMFY_PARALLEL_CONVERTED"):
+        return os.path.abspath(os.environ["COMFY_PARALLEL_CONVERTED"])
+    folder_paths = sys.modules.get("folder_paths")
+    if folder_paths is not None and getattr(folder_paths, "models_dir", None):
+        return os.path.join(folder_paths.models_dir, "parallel_diffusers_converted")
+    return os.path.join(os.path.expanduser("~"), ".cache", "comfyui-parallel-diffusers", "converted")
 
 
 def _warn_once(path: str, why: str) -> None:
@@ -111,7 +141,9 @@ def list_models() -> list[str]:
     return sorted(names)
 
 
-def _confined(name: str, widget: str, what: str = "a model name; pick a folder name from the list") -> str:
+def confined(name: str, widget: str, what: str = "a model name; pick a folder name from the list") -> str:
+    """``name`` as a relative path that stays below whatever root it is joined to; InvalidInput naming ``widget``
+    (``name`` is not ``what``) for an absolute path, ``..`` or an empty part."""
     parts = name.replace("\\", "/").split("/")
     if os.path.isabs(name) or ".." in parts or "" in parts:
         raise InvalidInput(widget, f"{name!r} is not {what}")
@@ -126,7 +158,7 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
             "no model selected; put a diffusers folder (save_pretrained) in "
             "models/diffusers or COMFY_PARALLEL_MODELS and pick it here",
         )
-    relative = _confined(name, widget)
+    relative = confined(name, widget)
     # Last: ComfyUI's own files converted by ParallelModelFromComfyFiles (not listed: that node names them).
     model_dir = next(
         (
@@ -149,18 +181,19 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
         if not os.path.isdir(sub):
             continue
         files = os.listdir(sub)
-        unsafe = sorted(f for f in files if f.endswith(_UNSAFE_WEIGHTS))
-        if unsafe and not any(f.endswith(".safetensors") for f in files):
+        refused = sorted(f for f in files if refused_because(f))
+        if refused and not any(f.endswith(".safetensors") for f in files):
             raise InvalidInput(
                 widget,
-                f"{name}/{component} has only pickle weights ({unsafe[0]}); only safetensors "
-                "are loaded — re-save it with save_pretrained(safe_serialization=True)",
+                f"{name}/{component} has no safetensors weights, only {refused[0]}, {refused_because(refused[0])}; "
+                "only safetensors are loaded — re-save it with save_pretrained(safe_serialization=True)",
             )
     return ModelRef(name=name, path=model_dir, family=adapter.key)
 
 
-def family_of(model: ModelRef) -> FamilyAdapter:
-    return families.family(model.family)
+def refused_because(file_name: str) -> str | None:
+    """Why a weights file named ``file_name`` is never loaded (``REFUSED_SUFFIXES``), or None."""
+    return REFUSED_SUFFIXES.get(os.path.splitext(file_name)[1].lower())
 
 
 def read_config(model: ModelRef, component: str) -> dict:
@@ -169,12 +202,8 @@ def read_config(model: ModelRef, component: str) -> dict:
 
 
 # -- LoRA files --------------------------------------------------------------------------------------------------
-# What ComfyUI lists in its loras folder besides safetensors: listed here too, and refused with the reason.
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pt2", ".bin", ".pth", ".pkl")
-
-
 def lora_roots() -> list[str]:
-    return _roots("loras", "COMFY_PARALLEL_LORAS")
+    return comfyui_folders("loras", "COMFY_PARALLEL_LORAS")
 
 
 def _lora_files(root: str):
@@ -204,7 +233,7 @@ def resolve_lora(name: str, widget: str = "lora_name") -> str:
         raise InvalidInput(
             widget, "no LoRA selected; put a .safetensors LoRA in models/loras or COMFY_PARALLEL_LORAS and pick it here"
         )
-    relative = _confined(name, widget, "a LoRA name; pick a file from the list")
+    relative = confined(name, widget, "a LoRA name; pick a file from the list")
     if not name.lower().endswith(SAFETENSORS_SUFFIXES + PICKLE_SUFFIXES):
         raise InvalidInput(widget, f"{name!r} is not a LoRA file name; pick a file from the list")
     path = next(

@@ -5,7 +5,8 @@ a ``DenoiseArgs`` from the message (``serial.from_json`` checks every field) and
 field that is missing or of the wrong type is refused with an error reply before any rank acts on it. Tensors travel
 beside the arguments, through the shared-memory arena (``arena``), never inside them.
 
-Everything here is plain data: no torch, no diffusers. ``OPS`` lists every op.
+Everything here is plain data: no torch, no diffusers. The ops are the subclasses of ``OpArgs``; each is served by the
+function the ranks register for it (``worker/ops.py``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from typing import Any, ClassVar
 from .errors import InvalidInput
 from .strategy import StrategyPlan
 
+# The dtype names of the wire: every dtype a tensor beside the arguments may have (images, latents, embeddings, masks;
+# ``arena.TORCH_DTYPES`` maps them to torch's). Others are refused rather than guessed at.
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
 
 class Dtype(str, enum.Enum):
-    """A resolved weights dtype (the widgets' ``auto`` is resolved on the client)."""
+    """A resolved weights dtype, one of ``TENSOR_DTYPES`` (the widgets' ``auto`` is resolved on the client)."""
 
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
@@ -125,7 +130,7 @@ class LoraMode(str, enum.Enum):
 
 class CacheMode(str, enum.Enum):
     """LoadShardedTransformer's ``cache`` widget: diffusers' step caches (``enable_cache``) that fit FLUX and
-    Qwen-Image. What each costs and saves is measured in bench/cache.py."""
+    Qwen-Image. What each costs and saves is measured by bench/speed.py (``--parts cache``)."""
 
     OFF = "off"
     # After the first block, skip the rest of a pass while its residual changes less than cache_threshold (relative).
@@ -486,34 +491,6 @@ class OutputArgs(OpArgs):
     op: ClassVar[str] = "output"
     result: ClassVar[type] = OutputResult
     nbytes: int = 0
-
-
-OPS: dict[str, type[OpArgs]] = {
-    cls.op: cls
-    for cls in (
-        EncodeArgs,
-        DenoiseArgs,
-        DecodeArgs,
-        VaeEncodeArgs,
-        FreeArgs,
-        StatusArgs,
-        AllreduceArgs,
-        EchoArgs,
-        StepsArgs,
-        FailArgs,
-        OutputArgs,
-        PeersArgs,
-        ArmFaultArgs,
-    )
-}
-
-
-def op_args_type(op: str) -> type[OpArgs]:
-    """The arguments' type of op ``op``; ValueError naming the known ops otherwise."""
-    try:
-        return OPS[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown op {op!r}; known: {', '.join(sorted(OPS))}") from None
 
 
 JSON = Any  # a JSON value as ``serial.to_json`` makes it

@@ -22,13 +22,12 @@ from diffusers import FluxTransformer2DModel, TensorParallelConfig
 from torch.distributed.tensor import DTensor
 
 from bench.tp_load_memory import measure_load
+from parallel_runtime.arena import TORCH_DTYPES
 from parallel_runtime.families import family
 from parallel_runtime.worker.cpu_shims import apply_cpu_shims
 from parallel_runtime.worker.meshes import device_mesh
 from parallel_runtime.worker.ops import OpError
 from parallel_runtime.worker.tp_slices import load_tensor_parallel
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def diffusers_load(cls: type, model_dir: str, dtype: torch.dtype, mesh) -> torch.nn.Module:
@@ -64,12 +63,12 @@ def first_difference(ours: torch.nn.Module, theirs: torch.nn.Module) -> str:
 @torch.no_grad()
 def same(name: str, model_dir: str, dtype: str, mesh) -> str:
     cls = family(name).transformer_class()
-    ours = load_tensor_parallel(cls, model_dir, DTYPES[dtype], torch.device("cpu"), mesh)
-    theirs = diffusers_load(cls, model_dir, DTYPES[dtype], mesh)
+    ours = load_tensor_parallel(cls, model_dir, TORCH_DTYPES[dtype], torch.device("cpu"), mesh)
+    theirs = diffusers_load(cls, model_dir, TORCH_DTYPES[dtype], mesh)
     difference = first_difference(ours, theirs)
     if difference != "same":
         return difference
-    inputs = forward_inputs(theirs, DTYPES[dtype])
+    inputs = forward_inputs(theirs, TORCH_DTYPES[dtype])
     if not torch.equal(ours(**inputs, return_dict=False)[0], theirs(**inputs, return_dict=False)[0]):
         return "the forward passes differ"
     return "same"

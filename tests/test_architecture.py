@@ -25,6 +25,7 @@ SHARED = {
     "parallel_runtime.families",
     "parallel_runtime.rundir",
     "parallel_runtime.rendezvous",
+    "parallel_runtime.internals",
 }
 CLIENT = {
     "parallel_runtime",

@@ -10,7 +10,9 @@ import torch
 from diffusers import AutoencoderKL, FluxImg2ImgPipeline, FluxInpaintPipeline
 
 from parallel_runtime import InvalidInput, default_spec, jobs
+from parallel_runtime.client import get_backend
 from parallel_runtime.families import family
+from parallel_runtime.wire import OutputArgs, StatusArgs
 
 PROMPT = "a red cat on a sofa"
 STEPS, DENOISE, SEED = 4, 0.6, 9
@@ -122,6 +124,18 @@ def test_vae_encode_node_is_the_mode_and_crops_as_comfyui(nodes, graph, tiny, va
     assert latent["samples"].shape == mode.shape == (1, 16, 6, 8)
     # equal up to float rounding: the rank runs its convolutions with a thread count of its own
     assert (latent["samples"] - mode).abs().max().item() <= 1e-5
+
+
+def test_vae_encode_is_a_stage_whose_peak_memory_counts_from_its_start(nodes, graph, tiny):
+    """Like every stage op, the VAE encode starts its rank's peak memory afresh (and flushes at its end), so the status
+    after it says what the encode took, not what an earlier op held: here 256 MiB that rank 0 made for the client."""
+    backend, _, _ = graph
+    ranks = get_backend(backend)
+    ranks.call(OutputArgs(nbytes=256 << 20))
+    before = ranks.call(StatusArgs()).per_rank[0].memory.peak_bytes
+    encode(nodes, backend, tiny, pixels(64, 48))
+    after = ranks.call(StatusArgs()).per_rank[0].memory.peak_bytes
+    assert after < before - (128 << 20), (before, after)
 
 
 CP, ODD = {"ulysses_degree": 2, "ring_degree": 1}, (48, 80)  # 3×5 tokens: an uneven split needs anything

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import sys
+import types
 
 import pytest
 
@@ -65,3 +68,78 @@ def test_a_broken_folder_named_anyway_says_why(models):
         model_folders.resolve("a-list")
     with pytest.raises(InvalidInput, match="StableDiffusionPipeline"):
         model_folders.resolve("other")
+
+
+# -- files that are never loaded: one table, the same refusal wherever a file is picked -------------------------------
+PICKLES = (".ckpt", ".pt", ".pt2", ".pth", ".bin", ".pkl")  # every pickle ComfyUI lists (its supported_pt_extensions)
+
+
+def test_the_refused_suffixes_are_one_table_with_a_reason_each():
+    assert set(PICKLES) < set(model_folders.REFUSED_SUFFIXES)
+    for suffix in PICKLES:
+        assert "can run code" in model_folders.refused_because(f"model{suffix.upper()}"), suffix
+    assert "GGUF" in model_folders.refused_because("flux1-dev-Q4_K_S.gguf")
+    assert model_folders.refused_because("model.safetensors") is None
+
+
+@pytest.mark.parametrize("suffix", sorted(model_folders.REFUSED_SUFFIXES))
+def test_a_refused_file_is_listed_and_refused_with_its_reason_in_both_places(suffix, tmp_path, monkeypatch):
+    """A diffusers folder whose component holds only such a file (the model widget), and ComfyUI's own file of that
+    suffix (ParallelModelFromComfyFiles' widgets): both refused by name, with the table's reason."""
+    from parallel_runtime import comfy_files
+
+    reason = model_folders.REFUSED_SUFFIXES[suffix]
+    model = tmp_path / "diffusers" / "pickled"
+    (model / "transformer").mkdir(parents=True)
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    (model / "transformer" / "config.json").write_text("{}")
+    (model / "transformer" / f"diffusion_pytorch_model{suffix}").write_bytes(b"\x80\x02")
+    (tmp_path / "comfy" / "diffusion_models").mkdir(parents=True)
+    (tmp_path / "comfy" / "diffusion_models" / f"flux1-dev{suffix}").write_bytes(b"\x80\x02")
+    monkeypatch.setenv("COMFY_PARALLEL_MODELS", str(tmp_path / "diffusers"))
+    monkeypatch.setenv("COMFY_PARALLEL_COMFY_MODELS", str(tmp_path / "comfy"))
+
+    with pytest.raises(InvalidInput, match=re.escape(f"only diffusion_pytorch_model{suffix}, {reason}; only")) as e:
+        model_folders.resolve("pickled")
+    assert e.value.widget == "model"
+    assert f"flux1-dev{suffix}" in comfy_files.list_files("diffusion_model")  # listed, so that picking it says why
+    with pytest.raises(InvalidInput, match=re.escape(f"'flux1-dev{suffix}' is {reason}; only")) as e:
+        comfy_files.read_file("diffusion_model", f"flux1-dev{suffix}", "diffusion_model")
+    assert e.value.widget == "diffusion_model"
+
+
+def test_pickled_loras_are_listed_so_that_picking_one_says_why(tmp_path, monkeypatch):
+    for suffix in (*PICKLES, ".safetensors"):
+        (tmp_path / f"style{suffix}").write_bytes(b"\x80\x02")
+    monkeypatch.setenv("COMFY_PARALLEL_LORAS", str(tmp_path))
+    assert model_folders.list_loras() == sorted(f"style{suffix}" for suffix in (*PICKLES, ".safetensors"))
+
+
+def test_model_folders_and_comfyui_files_come_from_the_same_roots(tmp_path, monkeypatch):
+    """ComfyUI's folders first (its folder_paths, once ComfyUI has loaded it), then the environment's; ComfyUI's own
+    files from each kind's folders, its legacy alias (``unet``) after the new name."""
+    from parallel_runtime import comfy_files
+
+    def folder(*parts):
+        path = tmp_path.joinpath(*parts)
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    comfyui = {kind: [folder("comfyui", kind)] for kind in ("diffusers", "loras", "diffusion_models", "unet")}
+    folder_paths = types.ModuleType("folder_paths")
+    folder_paths.get_folder_paths = lambda kind: comfyui[kind]  # raises KeyError for a kind ComfyUI does not know
+    folder_paths.models_dir = str(tmp_path / "comfyui")
+    monkeypatch.setitem(sys.modules, "folder_paths", folder_paths)
+    monkeypatch.setenv("COMFY_PARALLEL_MODELS", folder("mine"))
+    monkeypatch.setenv("COMFY_PARALLEL_LORAS", folder("my-loras"))
+    monkeypatch.setenv("COMFY_PARALLEL_COMFY_MODELS", os.pathsep.join([folder("models"), str(tmp_path / "gone")]))
+    monkeypatch.delenv("COMFY_PARALLEL_CONVERTED", raising=False)
+    folder("models", "unet")
+
+    assert model_folders.roots() == [*comfyui["diffusers"], folder("mine")]
+    assert model_folders.lora_roots() == [*comfyui["loras"], folder("my-loras")]
+    assert comfy_files._roots("diffusion_model") == [
+        *comfyui["diffusion_models"], *comfyui["unet"], folder("models", "unet")
+    ]  # fmt: skip
+    assert comfy_files._roots("vae") == []  # no ComfyUI folder of that kind, none in the models directories
+    assert model_folders.converted_root() == str(tmp_path / "comfyui" / "parallel_diffusers_converted")

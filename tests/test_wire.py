@@ -8,27 +8,128 @@ import json
 
 import pytest
 
+from parallel_runtime import wire
+from parallel_runtime.arena import TORCH_DTYPES
+from parallel_runtime.jobs import DTYPE_OPTIONS
 from parallel_runtime.protocol import BadFrame, Call, Progress, decode_frame, encode_frame
 from parallel_runtime.sealed import Sealer, Tampered
 from parallel_runtime.serial import WireError, from_json, to_json
 from parallel_runtime.strategy import Strategy, StrategyPlan, TransformerFacts
-from parallel_runtime.wire import OPS, DenoiseArgs, Dtype, ModelRef, Sampling, TransformerSpec
+from parallel_runtime.wire import DenoiseArgs, Dtype, ModelRef, Sampling, TransformerSpec
+from parallel_runtime.worker import rank  # noqa: F401  (registers every op the ranks serve)
+from parallel_runtime.worker.ops import REGISTRY
 
 FACTS = TransformerFacts("FluxTransformer2DModel", heads=4, has_cp_plan=True, has_tp_plan=True)
 PLAN = StrategyPlan(Strategy.TP_CP, ranks=4, transformer=FACTS, ulysses_degree=2, tp_degree=2)
+MODEL = ModelRef("org/FLUX.1-dev", "/models/org/FLUX.1-dev", "flux")
+LORA = wire.LoraRef("style.safetensors", "/loras/style.safetensors", -0.75, 2 << 20, 1_733_000_000_123_456_789)
 DENOISE = DenoiseArgs(
-    transformer=TransformerSpec(ModelRef("tiny", "/models/tiny", "flux"), Dtype.FLOAT32, PLAN, {"0": "16GB"}),
-    sampling=Sampling(seed=2**64 - 1, steps=4, guidance_scale=3.5, width=64, height=48, batch_size=2),
+    transformer=TransformerSpec(
+        MODEL,
+        Dtype.BFLOAT16,
+        PLAN,
+        {"0": "16GB", "cpu": "64GB"},
+        loras=(LORA, dataclasses.replace(LORA, name="b.sft", path="/loras/b.sft", strength=1.5)),
+        lora_mode=wire.LoraMode.FUSED,
+        cache=wire.StepCache(wire.CacheMode.FIRST_BLOCK_CACHE, 0.12),
+    ),
+    sampling=Sampling(
+        seed=2**64 - 1, steps=4, guidance_scale=3.5, width=64, height=48, batch_size=2, true_cfg_scale=4.0, denoise=0.6
+    ),
 )
+CACHE = wire.CacheReport(wire.CacheMode.TAYLORSEER, passes=(True, False, True), blocks=57)
+MEMORY = wire.Memory("cuda", 80 << 30, 60 << 30, allocated_bytes=12 << 30, peak_bytes=19 << 30)
+# Every op's arguments and result, with values as the client and the ranks make them (no field left at a default it
+# would have in a real call without reason).
+EXAMPLES: dict[type, tuple[object, object]] = {
+    wire.EncodeArgs: (
+        wire.EncodeArgs(
+            MODEL,
+            Dtype.BFLOAT16,
+            wire.Prompts(("a fox", "ein Fuchs"), ("a fox, detailed", "ein Fuchs"), ("blurry", "blurry"), 77),
+            max_memory={"0": "20GB", "1": "20GB"},
+        ),
+        wire.EncodeResult({"prompt_embeds": (2, 512, 4096), "pooled_prompt_embeds": (2, 768)}),
+    ),
+    DenoiseArgs: (DENOISE, wire.DenoiseResult((2, 16, 6, 8), cache=CACHE)),
+    wire.DecodeArgs: (
+        wire.DecodeArgs(MODEL, "cuda:1", Dtype.FLOAT16, over_ranks=True),
+        wire.DecodeResult((2, 48, 64, 3), tiles_per_rank=(3, 3, 2, 2), peak_bytes_per_rank=(1 << 30, 9 << 28)),
+    ),
+    wire.VaeEncodeArgs: (wire.VaeEncodeArgs(MODEL, "cpu", Dtype.FLOAT32), wire.VaeEncodeResult((1, 16, 6, 8))),
+    wire.FreeArgs: (wire.FreeArgs(("text_encoders", "vae")), wire.FreeResult(("text_encoders",))),
+    wire.StatusArgs: (
+        wire.StatusArgs(),
+        wire.RankStatus(
+            rank=1,
+            local_rank=1,
+            world_size=4,
+            hostname="gpu-box",
+            pid=4242,
+            device="cuda:1",
+            device_name="NVIDIA H200",
+            memory=MEMORY,
+            resident=(
+                wire.ResidentModel(
+                    model="org/FLUX.1-dev",
+                    component="transformer",
+                    placement="tp_cp ranks=4 ulysses=2 tp=2",
+                    dtype="bfloat16",
+                    parameter_bytes=12 << 30,
+                    parallelism={"tp_degree": 2, "ulysses_degree": 2},
+                    load_seconds=41.5,
+                ),
+            ),
+            load_counts={"transformer": 1},
+            torch="2.14.1",
+            gpus=("GPU-1234",),
+            last_cache=CACHE,
+            last_passes=8,
+        ),
+    ),
+    wire.AllreduceArgs: (wire.AllreduceArgs(), wire.AllreduceResult(10)),
+    wire.EchoArgs: (wire.EchoArgs(), wire.EchoResult(3)),
+    wire.StepsArgs: (wire.StepsArgs(steps=3, seconds_per_step=0.25), wire.StepsResult(3)),
+    wire.PeersArgs: (
+        wire.PeersArgs(nbytes=1 << 20),
+        wire.PeersResult(
+            (
+                wire.PeerCopy(0, 1, "collective", True, 0.002, 1 << 20),
+                wire.PeerCopy(0, 1, "copy", False, 5.0, 1 << 20, peer_access=True, error="timed out"),
+            )
+        ),
+    ),
+    wire.ArmFaultArgs: (wire.ArmFaultArgs(1, wire.Fault.LOAD_OUT_OF_MEMORY), wire.ArmFaultResult()),
+    wire.FailArgs: (wire.FailArgs(rank=1, how=wire.FailMode.HANG_SILENT), wire.FailResult()),
+    wire.OutputArgs: (wire.OutputArgs(nbytes=96 << 20), wire.OutputResult(96 << 20)),
+}
 
 
-def test_every_op_has_arguments_and_a_result_that_round_trip():
-    for name, kind in OPS.items():
-        assert kind.op == name and dataclasses.is_dataclass(kind.result)
-        defaults = kind() if all(f.default is not dataclasses.MISSING for f in dataclasses.fields(kind)) else None
-        if defaults is not None:
-            assert from_json(kind, json.loads(json.dumps(to_json(defaults)))) == defaults
-    assert from_json(DenoiseArgs, json.loads(json.dumps(to_json(DENOISE)))) == DENOISE
+def _round_trip(value):
+    return from_json(type(value), json.loads(json.dumps(to_json(value))))
+
+
+def test_every_op_is_served_by_one_registered_function():
+    """The ops are the wire's ``OpArgs`` types: each has a function on the ranks, registered under its own name."""
+    ops = set(wire.OpArgs.__subclasses__())
+    assert {registered.args for registered in REGISTRY.values()} == ops
+    assert all(REGISTRY[kind.op].args is kind for kind in ops)
+
+
+@pytest.mark.parametrize("kind", sorted(wire.OpArgs.__subclasses__(), key=lambda kind: kind.op), ids=lambda k: k.op)
+def test_every_op_has_arguments_and_a_result_that_round_trip(kind):
+    args, result = EXAMPLES[kind]  # a new op needs its example here
+    assert type(args) is kind and type(result) is kind.result
+    assert _round_trip(args) == args and _round_trip(result) == result
+
+
+def test_the_dtype_names_are_the_wires():
+    """One vocabulary: the weights' dtypes are tensor dtypes of the wire, torch's are looked up by those names, and the
+    dtype widgets offer the weights' dtypes after ``auto``."""
+    assert {d.value for d in Dtype} <= set(wire.TENSOR_DTYPES)
+    assert tuple(TORCH_DTYPES) == wire.TENSOR_DTYPES
+    assert all(str(torch_dtype) == f"torch.{name}" for name, torch_dtype in TORCH_DTYPES.items())
+    assert DTYPE_OPTIONS == ("auto", *(d.value for d in Dtype))
 
 
 @pytest.mark.parametrize("change, where", [

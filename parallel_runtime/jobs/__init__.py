@@ -15,10 +15,10 @@ from .lora import MAX_STRENGTH, LoraCheck, add_lora, validate_lora
 from .sample import LatentImage, read_latent_image, sample, validate_sample
 from .transformer import TransformerHandle, plan_transformer
 from .vae_encode import Encoded, crop_pixels, vae_encode
-from .widgets import DTYPES, MAX_PROMPT_BYTES, MAX_PROMPTS
+from .widgets import DTYPE_OPTIONS, MAX_PROMPT_BYTES, MAX_PROMPTS
 
 __all__ = [
-    "DTYPES",
+    "DTYPE_OPTIONS",
     "MAX_PROMPTS",
     "MAX_PROMPT_BYTES",
     "MAX_SEQUENCE_LENGTH",

@@ -9,7 +9,7 @@ from ..errors import InvalidInput
 from ..spec import BackendSpec, cuda_device_count
 from ..wire import Dtype
 
-DTYPES = ("auto", *(d.value for d in Dtype))
+DTYPE_OPTIONS = ("auto", *(d.value for d in Dtype))  # the dtype widgets's choices
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KIB|MB|MIB|GB|GIB|TB|TIB)\s*$", re.IGNORECASE)
 # A prompt widget holds at most this much text and, with one_prompt_per_line, this many prompts: far beyond what a
 # text encoder reads (512-1024 tokens a prompt), and small enough that a pasted file cannot take the backend down.
@@ -18,8 +18,8 @@ MAX_PROMPTS = 256
 
 
 def resolve_dtype(dtype: str, spec: BackendSpec, widget: str = "dtype") -> Dtype:
-    if dtype not in DTYPES:
-        raise InvalidInput(widget, f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in DTYPE_OPTIONS:
+        raise InvalidInput(widget, f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_OPTIONS)}")
     if dtype == "auto":
         # bf16 is what FLUX and Qwen-Image ship in; on CPU float32 is the fast and exact choice.
         return Dtype.BFLOAT16 if spec.device == "cuda" else Dtype.FLOAT32

@@ -13,12 +13,18 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ..arena import remove_segments
-from ..processes import process_alive
-from ..rundir import RunDir
-from .heartbeat import Heartbeat
-from .rank import Rank
-from .server import Server
+from ..internals import check, untested_diffusers
+
+# Before the imports below reach into diffusers: a renamed internal is one error naming it and the versions, in the
+# rank's log that the client's start-up failure shows, not an ImportError from deep inside a module.
+check("worker/")
+
+from ..arena import remove_segments  # noqa: E402
+from ..processes import process_alive  # noqa: E402
+from ..rundir import RunDir  # noqa: E402
+from .heartbeat import Heartbeat  # noqa: E402
+from .rank import Rank  # noqa: E402
+from .server import Server  # noqa: E402
 
 log = logging.getLogger("parallel_runtime.worker")
 
@@ -57,6 +63,8 @@ def main() -> None:
     if os.environ.get("COMFY_PARALLEL_LOG_TO_FILES", "1") == "1":
         _redirect_output(run_dir, rank_id)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank_id} %(name)s %(levelname)s: %(message)s")
+    if (untested := untested_diffusers()) is not None:
+        log.warning(untested)
     with open(run_dir.rank_pid(rank_id), "w") as f:
         f.write(str(os.getpid()))
     heartbeat = Heartbeat(run_dir.rank_heartbeat(rank_id))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import run
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
 
+from ..internals import check
 from ..rendezvous import BEACON_KEY
 
 _LISTENERS: list[socket.socket] = []  # the bound sockets live as long as the stores that listen on them
@@ -63,6 +64,7 @@ def _rendezvous_store(host_name: str, port: int, *args: Any, is_master: bool = F
     return store
 
 
+check("worker/agent.py")  # before the names below are read: one error naming what torch renamed
 _generate = dynamic_rendezvous._NodeDescGenerator.generate
 _mark_complete = dynamic_rendezvous._DistributedRendezvousOpExecutor._mark_rendezvous_complete
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..arena import DTYPES
+from ..arena import TORCH_DTYPES
 from ..sealed import Sealer, Tampered
 from ..serial import WireError, from_json, to_json
 
@@ -52,7 +52,7 @@ class TensorLayout:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES or any(d < 0 for d in self.shape):
+        if self.dtype not in TORCH_DTYPES or any(d < 0 for d in self.shape):
             raise ValueError(f"bad tensor layout {self.dtype} {list(self.shape)}")
 
 
@@ -242,7 +242,7 @@ def broadcast_tensors(
     out = {}
     for key in sorted(layout):
         d = layout[key]
-        t = tensors[key] if tensors is not None else torch.empty(d.shape, dtype=DTYPES[d.dtype])
+        t = tensors[key] if tensors is not None else torch.empty(d.shape, dtype=TORCH_DTYPES[d.dtype])
         if t.numel():
             dist.broadcast(t.reshape(-1).view(torch.uint8), src=0)
         out[key] = t

@@ -35,8 +35,6 @@ TP_REPLICATED_COPIES = 8
 VAE_COPIES = 8
 TP_SHARDED_WEIGHTS = 0.7  # the share of a DiT's weights its _tp_plan splits (FLUX.1-dev: 14.2 of 22.2 GiB at tp 2)
 HEADROOM = 0.9  # of the free memory an estimate may use
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 
 
 def parameters_in(folder: str) -> int:

@@ -26,7 +26,6 @@ from .diagnostics import flush
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("text_encoders", "transformer", "vae")
 # Under "staged", loading the key's component first frees these.
 STAGED_EVICTS = {"text_encoders": ("transformer",), "transformer": ("text_encoders",), "vae": ()}
 # Under "staged", a decode short of memory first frees these.

@@ -1,8 +1,9 @@
 """The op registry and the context an op runs in.
 
 An op is a function ``fn(ctx, args, tensors) -> (result, out_tensors)`` registered for its arguments' type (a
-``wire.OpArgs``): ``args`` arrives rebuilt and checked, ``result`` is the op's result dataclass (or None on ranks that
-have nothing to say). SPMD ops run on every rank (CP/TP/DP work, collectives inside); rank-0 ops run on rank 0 alone
+``wire.OpArgs``, whose ``op`` names it; ``REGISTRY`` holds one function per such type, and every such type has one):
+``args`` arrives rebuilt and checked, ``result`` is the op's result dataclass (or None on ranks that have nothing to
+say). SPMD ops run on every rank (CP/TP/DP work, collectives inside); rank-0 ops run on rank 0 alone
 (device_map placement across several GPUs in one process) while the other ranks wait for the next op. Each rank's
 result is returned to the client (``per_rank``), rank 0's tensors too.
 
@@ -64,16 +65,16 @@ class Op:
     testing: bool = False
 
 
-_REGISTRY: dict[str, Op] = {}
+REGISTRY: dict[str, Op] = {}  # by the op's name (its arguments' ``op``)
 
 
 def op(args: type[OpArgs], *, spmd: bool, testing: bool = False) -> Callable[[OpFn], OpFn]:
     """Register ``fn`` as the op whose arguments are ``args``."""
 
     def register(fn: OpFn) -> OpFn:
-        if args.op in _REGISTRY:
+        if args.op in REGISTRY:
             raise ValueError(f"op {args.op!r} registered twice")
-        _REGISTRY[args.op] = Op(args, fn, spmd, testing)
+        REGISTRY[args.op] = Op(args, fn, spmd, testing)
         return fn
 
     return register
@@ -84,9 +85,9 @@ def test_ops_enabled() -> bool:
 
 
 def get_op(name: str) -> Op:
-    found = _REGISTRY.get(name)
+    found = REGISTRY.get(name)
     if found is None or (found.testing and not test_ops_enabled()):
-        known = sorted(n for n, o in _REGISTRY.items() if not o.testing or test_ops_enabled())
+        known = sorted(n for n, o in REGISTRY.items() if not o.testing or test_ops_enabled())
         raise OpError(f"unknown op {name!r}; known: {known}")
     return found
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..rundir import RunDir
 from ..serial import from_json, to_json
-from . import stages, vae_encode  # noqa: F401  (register their ops)
+from . import stages  # noqa: F401  (registers its ops)
 from .diagnostics import device_label, flush, memory_of  # and registers its ops
 from .group import SHUTDOWN_OP, Group, OpHeader, Outcome, OutcomeStatus, broadcast_tensors
 from .models import ResidentModels

@@ -1,12 +1,12 @@
-"""The image-generation ops: encode, denoise, decode, free. Family-agnostic: each op looks its family up in the
-registry (by the key its arguments carry) and calls the family's stage.
+"""The image-generation ops: encode, denoise, decode, VAE encode, free. Family-agnostic: each op looks its family up in
+the registry (by the key its arguments carry) and calls the family's stage.
 
-Every op runs on every rank, so resident models change on all ranks together. Encode, decode and the ``device_map``
-transformer are rank-0 stages: one process places a component across several GPUs (balanced text encoders, ``auto``
-transformer, single-device VAE) while the other ranks only free what the stage replaces. Context, tensor and data
-parallel denoising run on every rank (see strategies.py), and their load is agreed: when it fails on one rank, every
-rank frees it, so no rank keeps a transformer the others do not hold. After every stage op each rank flushes (Python's
-cycles, the CUDA allocator's cache), and its peak memory counts from the start of the op.
+Every op runs on every rank, so resident models change on all ranks together. Encode, decode (and VAE encode) and the
+``device_map`` transformer are rank-0 stages: one process places a component across several GPUs (balanced text
+encoders, ``auto`` transformer, single-device VAE) while the other ranks only free what the stage replaces. Context,
+tensor and data parallel denoising run on every rank (see strategies.py), and their load is agreed: when it fails on one
+rank, every rank frees it, so no rank keeps a transformer the others do not hold. After every stage op each rank flushes
+(Python's cycles, the CUDA allocator's cache), and its peak memory counts from the start of the op.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..arena import DTYPES
+from ..arena import TORCH_DTYPES
 from ..families import IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
 from ..wire import (
     DecodeArgs,
@@ -32,6 +32,8 @@ from ..wire import (
     FreeArgs,
     FreeResult,
     Sampling,
+    VaeEncodeArgs,
+    VaeEncodeResult,
 )
 from . import lora, memory, step_cache, strategies, vae_tiles
 from .diagnostics import flush, memory_of, reset_peak
@@ -140,7 +142,7 @@ def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
     adapter = family(args.model.family)
     ctx.progress(0, 2, "loading text encoders")
     pipe = _models(ctx).get(
-        key, lambda: adapter.load_text_encoders(args.model.path, DTYPES[args.dtype.value], placement)
+        key, lambda: adapter.load_text_encoders(args.model.path, TORCH_DTYPES[args.dtype.value], placement)
     )
     ctx.progress(1, 2, "encoding")
     embeds = adapter.encode(pipe, args.prompts)
@@ -152,7 +154,7 @@ def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
 @_stage
 def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     spec, sampling = args.transformer, args.sampling
-    adapter, plan, dtype = family(spec.model.family), spec.plan, DTYPES[spec.dtype.value]
+    adapter, plan, dtype = family(spec.model.family), spec.plan, TORCH_DTYPES[spec.dtype.value]
     if plan.ranks != ctx.world_size:
         raise OpError(f"the strategy was planned for {plan.ranks} ranks, but this backend has {ctx.world_size}")
     models = _models(ctx)
@@ -238,7 +240,7 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
         return _decode_over_ranks(ctx, args, tensors)
     key = ModelKey(args.model.name, "vae", args.device, args.dtype.value)
     models = _models(ctx)
-    adapter, dtype = family(args.model.family), DTYPES[args.dtype.value]
+    adapter, dtype = family(args.model.family), TORCH_DTYPES[args.dtype.value]
     usable = not args.device.startswith("cuda") or torch.cuda.is_available()
     vae_config, short, failure = None, False, None
     if ctx.rank == 0 and usable:
@@ -278,7 +280,7 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
 
 def _decode_over_ranks(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     """Every rank loads the VAE on its own device and decodes its share of diffusers' tiles (see vae_tiles.py)."""
-    adapter, dtype = family(args.model.family), DTYPES[args.dtype.value]
+    adapter, dtype = family(args.model.family), TORCH_DTYPES[args.dtype.value]
     key = ModelKey(args.model.name, "vae", str(ctx.device), args.dtype.value)
     ctx.progress(0, 1, "loading VAE")
     vae = _models(ctx).get(key, lambda: adapter.load_vae(args.model.path, dtype, str(ctx.device)))
@@ -290,6 +292,30 @@ def _decode_over_ranks(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpRes
         return None, {}
     ctx.progress(1, 1, "decoded")
     return DecodeResult(tuple(images.shape), tiles_per_rank=tiles, peak_bytes_per_rank=peaks), {"images": images}
+
+
+@op(VaeEncodeArgs, spmd=True)
+@_stage
+def vae_encode(ctx: OpContext, args: VaeEncodeArgs, tensors: dict) -> OpResult:
+    """IMAGE pixels to a LATENT (VAEEncodeSingleGPU) on rank 0, with the decode's key: one resident VAE serves both
+    directions."""
+    key = ModelKey(args.model.name, "vae", args.device, args.dtype.value)
+    models = _models(ctx)
+    if ctx.rank != 0:
+        models.make_room(key)
+        return None, {}
+    ctx.alone()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise OpError(f"device: {args.device} was asked for, but the backend has no GPU; use cpu or auto")
+    adapter, dtype, pixels = family(args.model.family), TORCH_DTYPES[args.dtype.value], tensors["pixels"]
+    with open(os.path.join(args.model.path, "vae", "config.json")) as f:
+        memory.check_encode(adapter, json.load(f), pixels, dtype, torch.device(args.device))
+    ctx.progress(0, 1, "loading VAE")
+    vae = models.get(key, lambda: adapter.load_vae(args.model.path, dtype, args.device))
+    ctx.progress(0, 1, "encoding")
+    samples = adapter.encode_image(vae, pixels)
+    ctx.progress(1, 1, "encoded")
+    return VaeEncodeResult(tuple(samples.shape)), {"samples": samples}
 
 
 @op(FreeArgs, spmd=True)
