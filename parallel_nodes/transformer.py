@@ -3,7 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
-from parallel_runtime.strategy import ATTENTION_BACKENDS, Strategy
+from parallel_runtime.strategy import ATTENTION_BACKENDS, Strategy, strategies_on
 from parallel_runtime.wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode
 
 from . import comfy
@@ -25,6 +25,7 @@ STRATEGY_TOOLTIP = (
     "unconditional one on the other half, one exchange per step; ring_degree × ulysses_degree split each half "
     "(e.g. 4 GPUs: CFG 2 × ulysses_degree 2)."
 )
+TOKENS = " / ".join(strategies_on("ring"))  # the strategies that read the context-parallel widgets
 
 
 class LoadShardedTransformer(io.ComfyNode):
@@ -56,7 +57,7 @@ class LoadShardedTransformer(io.ComfyNode):
                     max=64,
                     optional=True,
                     tooltip=(
-                        "context_parallel: ranks on the ring axis (Ring attention passes keys/values around; tolerant "
+                        f"{TOKENS}: ranks on the ring axis (Ring attention passes keys/values around; tolerant "
                         "of slower links). 1: no ring."
                     ),
                 ),
@@ -67,7 +68,7 @@ class LoadShardedTransformer(io.ComfyNode):
                     max=64,
                     optional=True,
                     tooltip=(
-                        "context_parallel: ranks on the Ulysses axis (all-to-all over heads; fastest on NVLink). 0: "
+                        f"{TOKENS}: ranks on the Ulysses axis (all-to-all over heads; fastest on NVLink). 0: "
                         "every rank the ring does not use. Both > 1: Unified attention on a 2-D mesh. Under "
                         "cfg_parallel both degrees split each half of the ranks (0: the whole half)."
                     ),
@@ -77,7 +78,7 @@ class LoadShardedTransformer(io.ComfyNode):
                     default=False,
                     optional=True,
                     tooltip=(
-                        "context_parallel: Ulysses-anything / Ring-anything, for sizes whose token count does not "
+                        f"{TOKENS}: Ulysses-anything / Ring-anything, for sizes whose token count does not "
                         "divide by the degree (e.g. 1008×1008)."
                     ),
                 ),
@@ -87,7 +88,7 @@ class LoadShardedTransformer(io.ComfyNode):
                     default="auto",
                     optional=True,
                     tooltip=(
-                        "context_parallel: diffusers attention backend. auto: the default for "
+                        f"{TOKENS}: diffusers attention backend. auto: the default for "
                         "Ulysses, one that returns the log-sum-exp for Ring."
                     ),
                 ),
@@ -98,7 +99,8 @@ class LoadShardedTransformer(io.ComfyNode):
                     max=64,
                     optional=True,
                     tooltip=(
-                        "tensor_parallel / tp_cp: ranks sharing each weight matrix; must divide the attention heads. "
+                        f"{' / '.join(strategies_on('tp'))}: ranks sharing each weight matrix; must divide the "
+                        "attention heads. "
                         "0: every rank (tensor_parallel only). Under tp_cp, ring_degree × ulysses_degree × tp_degree "
                         "= ranks."
                     ),

@@ -3,7 +3,9 @@
 A ``StrategyPlan`` is what LoadShardedTransformer's widgets mean once checked. It is built on the client, checked in
 its constructor against the transformer it splits (``TransformerFacts``: class, heads, parallel plans) and the
 backend's ranks, and travels to the ranks as it is (``serial``), where it is rebuilt and checked again. Every error
-names the widget and the fix. The ranks act on its fields and properties, never on strings.
+names the widget and the fix. The user's word (``Strategy``) says which axes the ranks are laid out on (``AXES``);
+the plan's degrees size them. The ranks act on the degrees and the properties derived from them (``shards_weights``,
+``splits_tokens``, ``mesh_shape``, ...), never on the word, which only names the plan in messages and status.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import enum
 import functools
 import importlib.util
+import math
 
 from .errors import InvalidInput
 
@@ -26,6 +29,26 @@ class Strategy(str, enum.Enum):
     DATA_PARALLEL = "data_parallel"  # a replica per rank, whole images each
     # True CFG's conditional and unconditional passes on two halves of the ranks (context parallel inside each half)
     CFG_PARALLEL = "cfg_parallel"
+
+
+# The axes each strategy lays the backend's ranks out on, outermost first; a plan's degrees on the other axes are 1.
+# "data" is a replica per rank (its ranks never talk inside a pass); the others form the device mesh of the ranks
+# that run one image's passes together. A strategy's word names the layout, its degrees size it.
+AXES: dict[Strategy, tuple[str, ...]] = {
+    Strategy.DEVICE_MAP: (),  # no axis: one process, rank 0
+    Strategy.CONTEXT_PARALLEL: ("ring", "ulysses"),
+    Strategy.TENSOR_PARALLEL: ("tp",),
+    # TP innermost: it all-reduces in every block, so its ranks should share the fastest links (one machine, NVLink)
+    Strategy.TP_CP: ("ring", "ulysses", "tp"),
+    Strategy.DATA_PARALLEL: ("data",),
+    # CFG outermost: one exchange per step; the tokens' axes inside each half: collectives in every block
+    Strategy.CFG_PARALLEL: ("cfg", "ring", "ulysses"),
+}
+
+
+def strategies_on(axis: str) -> list[str]:
+    """The strategies that lay ranks out on ``axis``, in the widget's order: for tooltips and messages."""
+    return [s.value for s, axes in AXES.items() if axis in axes]
 
 
 ATTENTION_BACKENDS = ("auto", "native", "_native_flash", "_native_cudnn", "flash", "sage")
@@ -177,61 +200,77 @@ def _models_with(attribute: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StrategyPlan:
-    """A transformer's split over the backend's ranks, checked against the model and the ranks.
+    """A transformer's split over the backend's ranks: the user's word for it and the degrees it lays the ranks out
+    with, checked against the model and the ranks. The ranks act on the degrees and the properties derived from them.
 
     Args:
-        kind: the strategy.
-        ranks: the backend's ranks (its world size); every degree below fits it.
+        strategy: the user's word (LoadShardedTransformer's widget); its ``AXES`` are the degrees it may set.
+        ranks: the backend's ranks (its world size). Under every strategy but ``device_map`` the degrees multiply to
+            it: data × cfg × ring × ulysses × tp = ranks.
         transformer: the model the plan splits (heads, parallel plans).
+        data_degree: replicas, each making its share of the batch's images.
+        cfg_degree: groups of ranks true CFG's passes are split over (2: conditional, unconditional).
         ring_degree: context parallelism: ranks on the Ring axis (1: no ring).
         ulysses_degree: context parallelism: ranks on the Ulysses axis; both degrees > 1 is Unified attention.
-            Under ``tp_cp`` ring × ulysses × tp = ranks, under ``cfg_parallel`` ring × ulysses = ranks / 2 (each half
-            of the ranks splits its pass's tokens; 1 × 1: no context parallelism), otherwise ring × ulysses = ranks.
+            ring × ulysses is what the other degrees leave of the ranks (under ``cfg_parallel`` 1 × 1 is allowed:
+            each half is one rank and nothing splits the tokens).
+        tp_degree: tensor parallelism: ranks sharing each weight matrix.
         anything: Ulysses-anything / Ring-anything, for token counts that do not divide by the degree.
         attention_backend: diffusers' attention backend under context parallelism ("auto": the default for
             Ulysses, one that returns the log-sum-exp for Ring).
-        tp_degree: tensor parallelism: ranks sharing each weight matrix (all of them under ``tensor_parallel``).
 
     Degrees a strategy does not use are 1 (``auto`` for the backend), so equal plans mean equal placements.
     """
 
-    kind: Strategy
+    strategy: Strategy
     ranks: int
     transformer: TransformerFacts
+    data_degree: int = 1
+    cfg_degree: int = 1
     ring_degree: int = 1
     ulysses_degree: int = 1
+    tp_degree: int = 1
     anything: bool = False
     attention_backend: str = "auto"
-    tp_degree: int = 1
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
             raise InvalidInput("ranks", f"{self.ranks} ranks cannot run anything; use 1 or more")
-        # TP first: under tp_cp the context-parallel degrees are counted within what tp_degree leaves.
-        if self.kind in (Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
+        axes, word = AXES[self.strategy], self.strategy.value
+        stray = [f"{axis}_degree {self.degrees[axis]}" for axis in ("data", "cfg") if axis not in axes
+                 and self.degrees[axis] != 1]  # fmt: skip
+        if stray:  # only a plan built by hand or read from the wire: the widgets cannot set these degrees
+            raise InvalidInput("strategy", f"{word} does not use {' and '.join(stray)}; those degrees stay 1")
+        # TP first: the tokens' degrees are counted within what tp_degree leaves.
+        if "tp" in axes:
             self._check_tensor_parallel()
         elif self.tp_degree != 1:
             raise InvalidInput(
                 "tp_degree",
-                f"{self.kind.value} does not split the weights; leave tp_degree at 0, "
-                "or choose tensor_parallel or tp_cp",
+                f"{word} does not split the weights; leave tp_degree at 0, "
+                f"or choose {' or '.join(strategies_on('tp'))}",
             )
-        if self.kind is Strategy.CFG_PARALLEL:
+        if "cfg" in axes:
             self._check_cfg_parallel()
-        if self.kind in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP) or (
-            self.kind is Strategy.CFG_PARALLEL and self.cp_degree > 1
-        ):
+        if "ring" in axes and (self.cp_degree > 1 or "cfg" not in axes):
             self._check_context_parallel()
         elif (self.ring_degree, self.ulysses_degree, self.anything, self.attention_backend) != (1, 1, False, "auto"):
             raise InvalidInput(
                 "strategy",
-                f"{self.kind.value} does not split the tokens, so ring_degree, "
+                f"{word} does not split the tokens, so ring_degree, "
                 "ulysses_degree, anything and attention_backend keep their defaults",
+            )
+        if self.spmd and math.prod(self.degrees.values()) != self.ranks:
+            laid = " × ".join(f"{axis} {degree}" for axis, degree in self.degrees.items() if degree > 1) or "1"
+            raise InvalidInput(
+                "strategy",
+                f"{word} lays out {laid} = {math.prod(self.degrees.values())} ranks, but the backend has "
+                f"{self.ranks}; build the plan from the widgets (StrategyPlan.from_widgets)",
             )
 
     # -- checks -----------------------------------------------------------------------------------------------
     def _check_tensor_parallel(self) -> None:
-        facts, tp = self.transformer, self.tp_degree
+        facts, tp, with_tokens = self.transformer, self.tp_degree, "ring" in AXES[self.strategy]
         if not facts.has_tp_plan:
             raise InvalidInput(
                 "strategy",
@@ -239,16 +278,16 @@ class StrategyPlan:
                 "diffusers; use context_parallel or data_parallel. Models with one: "
                 f"{_models_with('_tp_plan')}",
             )
-        if self.kind is Strategy.TENSOR_PARALLEL and tp != self.ranks:
+        if not with_tokens and tp != self.ranks:
             raise InvalidInput(
                 "tp_degree",
                 f"tp_degree {tp} must equal the backend's {self.ranks} ranks "
                 "(0 uses them all; tp_cp combines TP with context parallelism)",
             )
-        if self.kind is Strategy.TP_CP and (tp < 2 or self.ranks % tp or self.ranks // tp < 2):
+        if with_tokens and (tp < 2 or self.ranks % tp or self.ranks // tp < 2):
             raise InvalidInput(
                 "tp_degree",
-                f"tp_cp needs tp_degree ≥ 2 dividing the backend's {self.ranks} ranks "
+                f"{self.strategy.value} needs tp_degree ≥ 2 dividing the backend's {self.ranks} ranks "
                 f"and leaving ≥ 2 for context parallelism (e.g. tp_degree 2 on 4 ranks); "
                 f"got {tp}. With fewer ranks use tensor_parallel or context_parallel",
             )
@@ -260,20 +299,25 @@ class StrategyPlan:
             )
 
     def _check_cfg_parallel(self) -> None:
+        if self.cfg_degree != 2:
+            raise InvalidInput(
+                "strategy",
+                f"true CFG has two passes (conditional, unconditional), so cfg_degree is 2, not {self.cfg_degree}",
+            )
         if self.ranks < 2 or self.ranks % 2:
             raise InvalidInput(
                 "strategy",
-                f"cfg_parallel runs the conditional and the unconditional pass on two halves of the ranks, so it "
-                f"needs an even number of ranks; the backend has {self.ranks}. Set ranks on the ParallelBackend "
+                f"{self.strategy.value} runs the conditional and the unconditional pass on two halves of the ranks, "
+                f"so it needs an even number of ranks; the backend has {self.ranks}. Set ranks on the ParallelBackend "
                 "node to 2, 4, ..., or use context_parallel",
             )
-        ring, ulysses = self.ring_degree, self.ulysses_degree
-        if ring < 1 or ulysses < 1 or ring * ulysses != self.ranks // 2:
+        ring, ulysses, half = self.ring_degree, self.ulysses_degree, self.ranks // 2
+        if ring < 1 or ulysses < 1 or ring * ulysses != half:
             raise InvalidInput(
                 "ulysses_degree",
-                f"under cfg_parallel each half of the backend's {self.ranks} ranks runs one pass, split over "
+                f"under {self.strategy.value} each half of the backend's {self.ranks} ranks runs one pass, split over "
                 f"ring_degree × ulysses_degree ranks = {ring} × {ulysses} = {ring * ulysses}; make the product "
-                f"{self.ranks // 2} (ulysses_degree 0 fills the rest)",
+                f"{half} (ulysses_degree 0 fills the rest)",
             )
 
     def _check_context_parallel(self) -> None:
@@ -290,9 +334,11 @@ class StrategyPlan:
             raise InvalidInput("ring_degree", f"{ring} is not a degree; use 1 (no ring) or more")
         if ulysses < 1:
             raise InvalidInput("ulysses_degree", f"{ulysses} is not a degree; use 0 (the rest) or more")
-        cp_ranks = {Strategy.TP_CP: self.ranks // tp, Strategy.CFG_PARALLEL: self.ranks // 2}.get(self.kind, self.ranks)
+        # The other degrees were checked to divide the ranks; the tokens take what they leave.
+        others = self.data_degree * self.cfg_degree * tp
+        cp_ranks = self.ranks // others
         if ring * ulysses != cp_ranks:
-            across = "the backend has" if self.kind is Strategy.CONTEXT_PARALLEL else f"tp_degree {tp} leaves"
+            across = "the backend has" if others == 1 else f"tp_degree {tp} leaves"
             raise InvalidInput(
                 "ulysses_degree",
                 f"ring_degree × ulysses_degree = {ring} × {ulysses} = "
@@ -332,9 +378,20 @@ class StrategyPlan:
 
     # -- what the ranks act on --------------------------------------------------------------------------------
     @property
+    def degrees(self) -> dict[str, int]:
+        """Every axis's degree, outermost first (1 where the strategy does not use it)."""
+        return {
+            "data": self.data_degree,
+            "cfg": self.cfg_degree,
+            "ring": self.ring_degree,
+            "ulysses": self.ulysses_degree,
+            "tp": self.tp_degree,
+        }
+
+    @property
     def spmd(self) -> bool:
-        """Every rank takes part (CP, TP, DP); ``device_map`` runs on rank 0 alone."""
-        return self.kind is not Strategy.DEVICE_MAP
+        """Every rank takes part (the plan has an axis); ``device_map`` runs on rank 0 alone."""
+        return bool(AXES[self.strategy])
 
     @property
     def cp_degree(self) -> int:
@@ -342,32 +399,45 @@ class StrategyPlan:
         return self.ring_degree * self.ulysses_degree
 
     @property
-    def cfg_degree(self) -> int:
-        """Groups of ranks true CFG's passes are split over (2 under ``cfg_parallel``: conditional, unconditional)."""
-        return 2 if self.kind is Strategy.CFG_PARALLEL else 1
+    def shards_weights(self) -> bool:
+        """Each rank holds a slice of the weight matrices (``tp_degree`` of them share each)."""
+        return "tp" in AXES[self.strategy]
 
     @property
     def splits_tokens(self) -> bool:
-        return self.kind in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP) or (
-            self.kind is Strategy.CFG_PARALLEL and self.cp_degree > 1
-        )
+        """Each rank runs a slice of one image's tokens (``cp_degree`` of them share each pass)."""
+        return self.cp_degree > 1
 
     @property
     def splits_batch(self) -> bool:
-        return self.kind is Strategy.DATA_PARALLEL
+        """Each rank makes its own share of the batch's images (``data_degree`` replicas)."""
+        return "data" in AXES[self.strategy]
+
+    @property
+    def splits_cfg(self) -> bool:
+        """True CFG's conditional and unconditional passes run on different ranks."""
+        return self.cfg_degree > 1
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The device mesh's axes, outermost first: every axis but the replicas' (empty: no mesh)."""
+        return tuple(axis for axis in AXES[self.strategy] if axis != "data")
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.degrees[axis] for axis in self.mesh_dim_names)
 
     def describe(self) -> str:
         """A short, stable name: the resident transformer's placement in status and model keys."""
-        cp = (
-            f"cp:ring{self.ring_degree}xulysses{self.ulysses_degree}{'+anything' if self.anything else ''}"
-            f":{self.attention_backend}"
-        )
-        return {
-            Strategy.CONTEXT_PARALLEL: cp,
-            Strategy.TENSOR_PARALLEL: f"tp{self.tp_degree}",
-            Strategy.TP_CP: f"tp{self.tp_degree}x{cp}",
-            Strategy.CFG_PARALLEL: f"cfg2x{cp}" if self.cp_degree > 1 else "cfg2",
-        }.get(self.kind, self.kind.value)
+        parts = [f"cfg{self.cfg_degree}"] if self.splits_cfg else []
+        if self.shards_weights:
+            parts.append(f"tp{self.tp_degree}")
+        if self.splits_tokens:
+            parts.append(
+                f"cp:ring{self.ring_degree}xulysses{self.ulysses_degree}{'+anything' if self.anything else ''}"
+                f":{self.attention_backend}"
+            )
+        return "x".join(parts) or self.strategy.value
 
     # -- from LoadShardedTransformer's widgets -----------------------------------------------------------------
     @classmethod
@@ -388,32 +458,36 @@ class StrategyPlan:
         strategy does not use are ignored. Under cfg_parallel the degrees split each half of the ranks, and
         ``ulysses_degree`` 0 fills the half."""
         try:
-            kind = Strategy(strategy)
+            word = Strategy(strategy)
         except ValueError:
             raise InvalidInput(
                 "strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(s.value for s in Strategy)}"
             ) from None
-        if kind is Strategy.TENSOR_PARALLEL:
-            return cls(kind, ranks, transformer, tp_degree=tp_degree or ranks)
-        if kind not in (Strategy.CONTEXT_PARALLEL, Strategy.TP_CP, Strategy.CFG_PARALLEL):
-            return cls(kind, ranks, transformer)
-        # Under tp_cp a tp_degree that does not divide the ranks is refused by the constructor, before this count.
-        cp_ranks = ranks // tp_degree if kind is Strategy.TP_CP and tp_degree >= 1 else ranks
-        if kind is Strategy.CFG_PARALLEL:
-            cp_ranks = ranks // 2
+        axes = AXES[word]
+        data = ranks if "data" in axes else 1
+        cfg = 2 if "cfg" in axes else 1
+        tp = 1
+        if "tp" in axes:
+            # Alone, TP's 0 is every rank; beside the tokens' axes it stays 0, which the constructor refuses.
+            tp = tp_degree or (ranks if "ring" not in axes else 0)
+        if "ring" not in axes:
+            return cls(word, ranks, transformer, data_degree=data, cfg_degree=cfg, tp_degree=tp)
+        # A tp_degree that does not divide the ranks is refused by the constructor, before this count is used.
+        cp_ranks = ranks // (cfg * tp) if tp >= 1 else ranks
         if ring_degree < 1:
             raise InvalidInput("ring_degree", f"{ring_degree} is not a degree; use 1 (no ring) or more")
         ulysses = ulysses_degree or max(1, cp_ranks // ring_degree)
-        if kind is Strategy.CFG_PARALLEL and ring_degree * ulysses == 1:
+        if cfg > 1 and ring_degree * ulysses == 1:
             # Each half is one rank: nothing splits the tokens, so anything and attention_backend go unused.
-            return cls(kind, ranks, transformer)
+            return cls(word, ranks, transformer, cfg_degree=cfg)
         return cls(
-            kind,
+            word,
             ranks,
             transformer,
+            cfg_degree=cfg,
             ring_degree=ring_degree,
             ulysses_degree=ulysses,
             anything=bool(anything),
             attention_backend=attention_backend,
-            tp_degree=tp_degree if kind is Strategy.TP_CP else 1,
+            tp_degree=tp,
         )

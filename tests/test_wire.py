@@ -138,7 +138,8 @@ def test_the_dtype_names_are_the_wires():
     (lambda d: d["sampling"].update(steps=True), "DenoiseArgs.sampling.steps: expected a whole number"),
     (lambda d: d["sampling"].update(stepz=4), "unknown field 'stepz'"),
     (lambda d: d["transformer"].update(dtype="float8"), "DenoiseArgs.transformer.dtype: expected one of"),
-    (lambda d: d["transformer"]["plan"].update(kind="magic"), "DenoiseArgs.transformer.plan.kind: expected one of"),
+    (lambda d: d["transformer"]["plan"].update(strategy="magic"),
+     "DenoiseArgs.transformer.plan.strategy: expected one of"),
     (lambda d: d["transformer"].update(max_memory=["0:16GB"]), "DenoiseArgs.transformer.max_memory"),
     (lambda d: d["sampling"].update(guidance_scale="NaN"), "guidance_scale: expected a finite number"),
 ])  # fmt: skip

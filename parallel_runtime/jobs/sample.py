@@ -12,7 +12,6 @@ import torch
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter, img2img_steps
-from ..strategy import Strategy
 from ..wire import CacheReport, DenoiseArgs, Sampling
 from .encode import Conditioning
 from .transformer import TransformerHandle
@@ -203,7 +202,7 @@ def validate_sample(
             f"has no negative prompt for true CFG; re-encode it with "
             f"{handle.spec.model.name}, or set true_cfg_scale to 1",
         )
-    if plan.kind is Strategy.CFG_PARALLEL and not (family.true_cfg and true_cfg_scale > 1):
+    if plan.splits_cfg and not (family.true_cfg and true_cfg_scale > 1):
         raise InvalidInput(
             "true_cfg_scale",
             f"{true_cfg_scale} turns true CFG off, so cfg_parallel's second half of the ranks has no pass to run; "

@@ -8,7 +8,7 @@ import dataclasses
 from .. import families, model_folders
 from ..errors import InvalidInput
 from ..spec import BackendSpec
-from ..strategy import Strategy, StrategyPlan, TransformerFacts, check_attention
+from ..strategy import StrategyPlan, TransformerFacts, check_attention
 from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, StepCache, TransformerSpec
 from .widgets import check_finite, parse_max_memory, resolve_dtype
 
@@ -64,7 +64,7 @@ def plan_transformer(
         attention_backend=attention_backend,
         tp_degree=tp_degree,
     )
-    if plan.kind is Strategy.CFG_PARALLEL and not families.family(ref.family).true_cfg:
+    if plan.splits_cfg and not families.family(ref.family).true_cfg:
         raise InvalidInput(
             "strategy",
             f"{families.family(ref.family).name} has no true CFG (one transformer pass per step), so cfg_parallel "

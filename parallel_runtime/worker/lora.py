@@ -39,7 +39,7 @@ import torch
 
 from ..families import FamilyAdapter
 from ..families.lora import LoraError, LoraWeights, read_lora
-from ..strategy import Strategy, StrategyPlan
+from ..strategy import StrategyPlan
 from ..wire import LoraMode, LoraRef, TransformerSpec
 from .ops import OpContext, OpError, WidgetError
 
@@ -295,7 +295,7 @@ class _Slices:
 def _check_adapters_allowed(
     transformer: torch.nn.Module, plan: StrategyPlan, wanted: list[_Wanted], read: dict[File, LoraWeights]
 ) -> None:
-    if plan.kind in (Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
+    if plan.shards_weights:
         raise OpError(
             "lora_mode: diffusers refuses PEFT adapters on a tensor-parallel transformer; use the fused mode (auto)"
         )

@@ -25,7 +25,7 @@ import struct
 import torch
 
 from ..families import FamilyAdapter
-from ..strategy import Strategy, StrategyPlan
+from ..strategy import StrategyPlan
 from ..wire import Sampling
 from .diagnostics import memory_of
 from .ops import WidgetError
@@ -98,13 +98,13 @@ def check_denoise(
     tokens = (sampling.width // family.pixels_per_token) * (sampling.height // family.pixels_per_token) + text_tokens
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     copies = ACTIVATION_COPIES
-    if plan.kind in (Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
+    if plan.shards_weights:
         copies = TP_REPLICATED_COPIES + (ACTIVATION_COPIES - TP_REPLICATED_COPIES) / plan.tp_degree
     activations = images * math.ceil(tokens / plan.cp_degree) * hidden * dtype.itemsize * copies
     weights = 0
     if loads_weights:
         weights = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize
-        if plan.kind in (Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
+        if plan.shards_weights:
             weights *= 1 - TP_SHARDED_WEIGHTS + TP_SHARDED_WEIGHTS / plan.tp_degree
     free, sharing = _free(device, local_ranks if plan.spmd else 1)
     need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
@@ -116,7 +116,7 @@ def check_denoise(
         raise WidgetError(
             "width",
             f"{size} needs about {_gib(activations)} of activations per rank for {family.name} "
-            f"under {plan.kind.value}{split}{plus}; {where} {_gib(free)} free. Use a smaller "
+            f"under {plan.strategy.value}{split}{plus}; {where} {_gib(free)} free. Use a smaller "
             "width and height or batch_size, context_parallel over more ranks (it splits the "
             "activations), or free memory",
         )

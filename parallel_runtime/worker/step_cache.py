@@ -23,7 +23,7 @@ from diffusers.hooks.context_parallel import _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLA
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
 
-from ..strategy import Strategy, StrategyPlan
+from ..strategy import StrategyPlan
 from ..wire import CacheMode, CacheReport, StepCache
 
 _CP_INPUT_HOOK = _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format("")  # the prefix of every split hook's name
@@ -31,19 +31,23 @@ _CP_INPUT_HOOK = _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE.format("")  # the prefix 
 
 def agreement_group(plan: StrategyPlan, transformer: torch.nn.Module) -> dist.ProcessGroup | None:
     """The ranks that run each pass together (their collectives interleave), or None when each rank runs its own:
-    every rank under context / tensor parallelism and tp_cp; the ranks of one half under cfg_parallel (each half has
-    its own pass, as one process keeps a state per pass); none under data parallelism and device_map."""
-    if plan.kind in (Strategy.CONTEXT_PARALLEL, Strategy.TENSOR_PARALLEL, Strategy.TP_CP):
+    those the tokens and the weights are split over (every rank, unless true CFG's passes are split too: then the
+    ranks of one half, where each half has its own pass, as one process keeps a state per pass); none when each rank
+    makes whole images of its own or rank 0 runs alone."""
+    together = plan.cp_degree * plan.tp_degree
+    if together == 1:
+        return None
+    if together == plan.ranks:
         return dist.group.WORLD
-    if plan.kind is Strategy.CFG_PARALLEL and plan.cp_degree > 1:
-        return transformer._parallel_config.context_parallel_config._flattened_mesh.get_group()
-    return None
+    # Fewer than every rank: only true CFG's halves lie outside a pass today, and inside a half only the tokens split.
+    return transformer._parallel_config.context_parallel_config._flattened_mesh.get_group()
 
 
 @contextlib.contextmanager
 def count_passes(transformer: torch.nn.Module) -> Iterator[list[int]]:
     """Counts the passes that run on this rank inside the ``with`` block (``[count]``): calls of the first transformer
-    block, which every pass runs, cached or not, and which a pass another rank runs (cfg_parallel) never reaches."""
+    block, which every pass runs, cached or not, and which a pass another rank runs (true CFG's passes split) never
+    reaches."""
     first, count = _blocks(transformer)[0], [0]
 
     def counted(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

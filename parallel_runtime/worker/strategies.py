@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import InvalidInput
 from ..families.base import expand_batch
-from ..strategy import Strategy, StrategyPlan, check_attention_on_gpu, ring_attention_backend
+from ..strategy import StrategyPlan, check_attention_on_gpu, ring_attention_backend
 from .cfg_parallel import enable_cfg_parallel
 from .diagnostics import device_label
 from .meshes import device_mesh
@@ -48,7 +48,7 @@ def _attention_backend(plan: StrategyPlan, device: torch.device) -> str | None:
     return None
 
 
-def _context_parallel_config(plan: StrategyPlan, mesh: DeviceMesh | None = None) -> ContextParallelConfig:
+def _context_parallel_config(plan: StrategyPlan, mesh: DeviceMesh) -> ContextParallelConfig:
     from diffusers import ContextParallelConfig
 
     ring, ulysses = plan.ring_degree, plan.ulysses_degree
@@ -73,62 +73,49 @@ def _set_attention_backend(transformer: torch.nn.Module, backend: str) -> None:
 
 
 def _enable_context_parallel(
-    transformer: torch.nn.Module, plan: StrategyPlan, device: torch.device, mesh: DeviceMesh | None = None
+    transformer: torch.nn.Module, plan: StrategyPlan, device: torch.device, mesh: DeviceMesh
 ) -> None:
+    """Split the tokens over ``mesh``'s ring and ulysses axes, beside any tensor-parallel sharding already applied.
+
+    diffusers 0.42.1 gives both configs a ``mesh`` argument for TP × CP, but its ``ParallelConfig`` still refuses to
+    hold both and ``enable_parallelism`` refuses a model loaded with a ``parallel_config``. So the TP config is set
+    aside while CP is enabled on the same mesh, then recorded beside the CP one so that diffusers' own guards
+    (``_is_tensor_parallel``) still see the model as sharded. This works because the attention processors are
+    TP-agnostic (they read the local head count) and CP splits the sequence before the first sharded layer.
+    Experimental, as the tooltip says.
+    """
     backend = _attention_backend(plan, device)
     if backend is not None:
         _set_attention_backend(transformer, backend)
-    mesh = mesh or device_mesh(device.type, (plan.ring_degree, plan.ulysses_degree), ("ring", "ulysses"))
-    transformer.enable_parallelism(config=_context_parallel_config(plan, mesh))
-
-
-def _tp_cp_transformer(
-    cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, plan: StrategyPlan
-) -> torch.nn.Module:
-    """Tensor parallelism inside groups of ``tp_degree`` neighbouring ranks, context parallelism across the groups,
-    on one (ring, ulysses, tp) mesh. TP is the innermost axis: it all-reduces in every block, so its ranks should
-    share the fastest links (one node, NVLink).
-
-    diffusers 0.42.1 gives both configs a ``mesh`` argument for this, but its ``ParallelConfig`` still refuses to
-    hold both and ``enable_parallelism`` refuses a model loaded with a ``parallel_config``. So: load TP-sharded
-    (each rank reads its slice), enable CP on the same mesh, then record the TP config beside the CP one so that
-    diffusers' own guards (``_is_tensor_parallel``) still see the model as sharded. This works because the attention
-    processors are TP-agnostic (they read the local head count) and CP splits the sequence before the first sharded
-    layer. Experimental, as the tooltip says.
-    """
-    mesh = device_mesh(device.type, (plan.ring_degree, plan.ulysses_degree, plan.tp_degree), ("ring", "ulysses", "tp"))
-    transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"])
-    tensor_parallel = transformer._parallel_config.tensor_parallel_config
+    sharded = transformer._parallel_config  # a tensor-parallel load's, None otherwise
     transformer._parallel_config = None
-    _enable_context_parallel(transformer, plan, device, mesh)
-    transformer._parallel_config.tensor_parallel_config = tensor_parallel
-    return transformer
+    transformer.enable_parallelism(config=_context_parallel_config(plan, mesh))
+    if sharded is not None:
+        transformer._parallel_config.tensor_parallel_config = sharded.tensor_parallel_config
 
 
 def load_transformer(
     cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, plan: StrategyPlan
 ) -> torch.nn.Module:
-    """This rank's ``cls`` transformer for ``plan`` (collective: every rank calls it together)."""
-    if plan.kind is Strategy.TENSOR_PARALLEL:
+    """This rank's ``cls`` transformer for ``plan`` (collective: every rank calls it together), built axis by axis on
+    the plan's one mesh: the weights' slices, then the tokens' split, then true CFG's passes."""
+    mesh = device_mesh(device.type, plan.mesh_shape, plan.mesh_dim_names) if plan.mesh_dim_names else None
+    if plan.shards_weights:
         # Each rank reads only its slice of every planned weight, into the tensor it keeps: no rank ever holds the
         # whole model, not even while loading.
-        return load_tensor_parallel(cls, model_dir, dtype, device, device_mesh(device.type, (plan.tp_degree,), ("tp",)))
-    if plan.kind is Strategy.TP_CP:
-        return _tp_cp_transformer(cls, model_dir, dtype, device, plan)
-    # Each tensor goes to the rank's device as it is read: loading on the host and moving afterwards would hold the
-    # whole model in every rank's host memory at once (N × 24 GB for FLUX.1-dev on N GPUs when its dtype changes).
-    transformer = cls.from_pretrained(
-        model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True, device_map={"": str(device)}
-    )
-    if plan.kind is Strategy.CONTEXT_PARALLEL:
-        # `from_pretrained(parallel_config=ContextParallelConfig(...))` fails in diffusers 0.42.1; CP keeps full
-        # weights on every rank anyway, so enabling it after loading costs nothing.
-        _enable_context_parallel(transformer, plan, device)
-    if plan.kind is Strategy.CFG_PARALLEL:
-        # The CFG axis outermost (one exchange per step), the CP axes inside each half (collectives in every block).
-        mesh = device_mesh(device.type, (2, plan.ring_degree, plan.ulysses_degree), ("cfg", "ring", "ulysses"))
-        if plan.cp_degree > 1:
-            _enable_context_parallel(transformer, plan, device, mesh)
+        transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"])
+    else:
+        # Each tensor goes to the rank's device as it is read: loading on the host and moving afterwards would hold
+        # the whole model in every rank's host memory at once (N × 24 GB for FLUX.1-dev on N GPUs when its dtype
+        # changes).
+        transformer = cls.from_pretrained(
+            model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True, device_map={"": str(device)}
+        )
+    if plan.splits_tokens:
+        # `from_pretrained(parallel_config=ContextParallelConfig(...))` fails in diffusers 0.42.1; the split lives in
+        # hooks, not in the weights, so enabling it after loading costs nothing.
+        _enable_context_parallel(transformer, plan, device, mesh)
+    if plan.splits_cfg:
         enable_cfg_parallel(transformer, mesh["cfg"])
     return transformer
 
