@@ -3,7 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec
-from parallel_runtime.machines import join_commands
+from parallel_runtime.machines import join_commands, where_the_secret_is
 from parallel_runtime.spec import MEMORY_POLICIES
 
 from . import comfy
@@ -77,7 +77,8 @@ class ParallelBackend(io.ComfyNode):
                     optional=True,
                     tooltip=(
                         "Machines the backend spans, each with `ranks` ranks. This one is node 0 (rank 0 and the "
-                        "shared memory stay here); the node's text shows the command to run on each of the others."
+                        "shared memory stay here); the node's text shows the command to run on each of the others (the "
+                        "secret itself only in the Parallel tab of a browser on this machine)."
                     ),
                 ),
                 io.String.Input(
@@ -120,7 +121,10 @@ class ParallelBackend(io.ComfyNode):
             rdzv_endpoint=w["rdzv_endpoint"],
         )
         if spec.nnodes > 1:
-            # The commands carry the cluster secret: shown on the node, never written to the log.
+            # Without the secret: the text goes to whoever queued the prompt, who may be anyone that reaches ComfyUI's
+            # port (--listen), and into the log, which ComfyUI serves too.
             commands = join_commands(spec.rdzv_endpoint, spec.nnodes)
-            comfy.show_text(cls, "On each other machine run:\n" + "\n".join(commands), logged=False)
+            comfy.show_text(
+                cls, "On each other machine run:\n" + "\n".join(commands) + "\nwhere " + where_the_secret_is() + "."
+            )
         return io.NodeOutput(spec)

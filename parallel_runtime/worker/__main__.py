@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..arena import remove_segments
 from ..processes import process_alive
 from ..rundir import RunDir
+from . import remote
 from .heartbeat import Heartbeat
 from .rank import Rank
 from .server import Server
@@ -72,6 +73,7 @@ def main() -> None:
         shutil.rmtree(run_dir.path, ignore_errors=True)
 
     _watch_for_orphaning(int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), clean_up=clean_up_for_the_dead_client)
+    remote.refuse_object_collectives()
     me = Rank()
     me.state["heartbeat"] = heartbeat
     me.init()
