@@ -236,6 +236,8 @@ def main_join(rdzv_endpoint: str, node_rank: int, address: str | None, secret_pa
     if secret_path:
         with open(secret_path) as f:
             secret = f.read().strip()
+        if os.stat(secret_path).st_mode & 0o077:
+            print(f"warning: other users may read {secret_path} (chmod 600 it): it lets a machine join", flush=True)
     elif os.environ.get(SECRET_ENV):
         secret = os.environ[SECRET_ENV]
     elif sys.stdin.isatty():

@@ -5,7 +5,9 @@ Real torchrun agents meeting in torchrun's rendezvous, real ranks, real collecti
 the nodes' steps. What is checked: images equal one process; a remote rank never opens shared memory; a wrong secret,
 no secret or a node rank already taken is refused while the group in use goes on; a machine that never joins is
 named, with its command, within the deadline; a machine killed mid-run is named in ``BackendDied`` and the next
-prompt runs once it has joined again; nothing is left on either side.
+prompt runs once it has joined again; nothing is left on either side. And the threat model (README, *Security*):
+a stranger writing code-running pickles into every key of the store runs nothing; no process has a secret on its
+command line; the secret reaches no HTTP client but one on this machine; ranks refuse object collectives.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import logging
 import os
 import pickle
 import signal
@@ -641,13 +644,18 @@ def test_the_cluster_secret_is_made_once_and_kept_private(tmp_path, monkeypatch)
     assert cluster_secret() == "from-the-environment"
 
 
-def test_the_backend_node_shows_the_join_command_and_checks_the_endpoint(nodes, secret_env):
-    (spec,) = (
-        nodes["ParallelBackend"]
-        .execute(ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="127.0.0.1:29400")
-        .args
-    )
+def test_the_backend_node_shows_the_join_command_and_checks_the_endpoint(nodes, secret_env, caplog):
+    with caplog.at_level(logging.INFO, logger="parallel_nodes"):
+        (spec,) = (
+            nodes["ParallelBackend"]
+            .execute(ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+            .args
+        )
     assert (spec.nnodes, spec.rdzv_endpoint, spec.world_size) == (2, "127.0.0.1:29400", 2)
+    # The node's text goes to whoever queued the prompt and into the log, both served over HTTP: no secret in it.
+    (text,) = [r.getMessage() for r in caplog.records if "On each other machine run" in r.getMessage()]
+    assert join_command("127.0.0.1:29400", 1) in text and f"the {SECRET_ENV} this ComfyUI was started with" in text
+    assert SECRET not in text
     with pytest.raises(InvalidInput) as error:
         nodes["ParallelBackend"].execute(
             ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="192.0.2.77:29400"
