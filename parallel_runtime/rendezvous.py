@@ -61,7 +61,8 @@ class Beacon:
     """The backend node 0 is starting, as the joining machines need it.
 
     Args:
-        rdzv_id: torchrun's rendezvous id for this backend (fresh for each; only holders of the secret learn it).
+        rdzv_id: torchrun's rendezvous id for this backend (fresh for each): it keeps one backend's keys in the store
+            apart from the next one's, and names the joining machines' claims.
         token: the backend's token, which seals the ranks' op headers and outcomes.
         nnodes: machines in the backend.
         ranks: ranks on each machine.

@@ -13,8 +13,8 @@ What the agent unpickles: over several machines, nothing. Their agents run torch
 sealed beacon there, which the launcher sealed into the run directory's ``beacon`` file), and with it torchrun reads
 only JSON and counters from the store (``rendezvous``'s docstring). One machine alone runs ``--standalone``, torch's
 c10d rendezvous, whose state is a pickle in the store under a key named by a random id: that store listens on
-loopback only, and the id lives only in the agent's memory (never on a command line, in a file or in an environment),
-so no other user of the machine can name the key.
+loopback only, and the id is on no command line and in no file (only in the agent's memory and its ranks'
+environment, which only this user can read), so no other user of the machine can name the key.
 
 The places patched are torch's store constructors in its rendezvous (``static_tcp_rendezvous.TCPStore``,
 ``c10d_rendezvous_backend.TCPStore`` and ``DynamicRendezvousHandler._create_tcp_store_server``);
