@@ -4,7 +4,7 @@ from comfy_api.latest import io
 
 from parallel_runtime import default_spec
 from parallel_runtime.internals import untested_diffusers
-from parallel_runtime.machines import join_commands
+from parallel_runtime.machines import join_commands, where_the_secret_is
 from parallel_runtime.spec import MEMORY_POLICIES
 
 from . import comfy
@@ -78,7 +78,8 @@ class ParallelBackend(io.ComfyNode):
                     optional=True,
                     tooltip=(
                         "Machines the backend spans, each with `ranks` ranks. This one is node 0 (rank 0 and the "
-                        "shared memory stay here); the node's text shows the command to run on each of the others."
+                        "shared memory stay here); the node's text shows the command to run on each of the others (the "
+                        "secret itself only in the Parallel tab of a browser on this machine)."
                     ),
                 ),
                 io.String.Input(
@@ -122,10 +123,12 @@ class ParallelBackend(io.ComfyNode):
         )
         untested = untested_diffusers()  # logged at ComfyUI's start-up already
         if spec.nnodes > 1:
-            # The commands carry the cluster secret: shown on the node, never written to the log.
+            # Without the secret: the text goes to whoever queued the prompt, who may be anyone that reaches ComfyUI's
+            # port (--listen), and into the log, which ComfyUI serves too.
             commands = join_commands(spec.rdzv_endpoint, spec.nnodes)
             lines = [untested] if untested else []
-            comfy.show_text(cls, "\n".join([*lines, "On each other machine run:", *commands]), logged=False)
+            where = "where " + where_the_secret_is() + "."
+            comfy.show_text(cls, "\n".join([*lines, "On each other machine run:", *commands, where]))
         elif untested:
-            comfy.show_text(cls, untested, logged=False)
+            comfy.show_text(cls, untested)
         return io.NodeOutput(spec)

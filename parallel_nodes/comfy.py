@@ -125,12 +125,10 @@ def make_room(node: type[io.ComfyNode], spec: BackendSpec, device: str | None = 
         )
 
 
-def show_text(node: type[io.ComfyNode], text: str, *, logged: bool = True) -> None:
-    """``text`` on the node in the browser (ComfyUI's progress text), and in the log unless ``logged`` is False (a
-    text that carries a secret); nothing more outside a server's execution (validation runs nodes that load nothing,
-    without an id)."""
-    if logged:
-        log.info("parallel_diffusers: %s", text)
+def show_text(node: type[io.ComfyNode], text: str) -> None:
+    """``text`` on the node in the browser (ComfyUI's progress text), and in the log; nothing more outside a server's
+    execution (validation runs nodes that load nothing, without an id)."""
+    log.info("parallel_diffusers: %s", text)
     server, node_id = _server(), unique_id(node)
     if server is not None and node_id is not None and hasattr(server, "send_progress_text"):  # ComfyUI 0.3.75 on
         server.send_progress_text(text, node_id, server.client_id)

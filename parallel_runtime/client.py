@@ -546,8 +546,12 @@ class Backend:
             "spec": dataclasses.asdict(self.spec),
             "last_error": _last_error,
         }
-        if self.spec.nnodes > 1:  # what to run on the other machines (the secret included: this view is the user's)
+        if self.spec.nnodes > 1:
+            # What to run on the other machines, without the secret: this view goes to every client of ComfyUI's port
+            # (GET /parallel_diffusers/status, the status broadcast); the host's own browser asks for the secret
+            # (POST /parallel_diffusers/join, parallel_nodes/routes.py).
             view["join"] = machines.join_commands(self.spec.rdzv_endpoint, self.spec.nnodes)
+            view["join_secret"] = machines.where_the_secret_is()
         if not self._lock.acquire(blocking=False):
             return {**view, "busy": True, **(to_json(self._last_status) if self._last_status else {})}
         try:

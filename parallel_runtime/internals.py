@@ -139,19 +139,14 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("diffusers", "Flux2Pipeline._pack_latents", "families/flux2.py", "a LATENT to tokens (img2img)"),
     Internal("diffusers", "Flux2Pipeline._patchify_latents", "families/flux2.py", "the VAE's latent to FLUX.2's"),
     Internal("diffusers", "Flux2Pipeline._unpatchify_latents", "families/flux2.py", "FLUX.2's latent to the VAE's"),
-    # torch: torchrun's agent with its stores bound to one address, machines numbered by node rank (worker/agent.py)
+    # torch: torchrun's agent with its stores bound to one address (worker/agent.py)
     Internal("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
              "DynamicRendezvousHandler._create_tcp_store_server", "worker/agent.py",
              "replaced so the store's server listens on the backend's address only"),
     Internal("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend", "TCPStore", "worker/agent.py",
              "replaced so the rendezvous store listens on the backend's address only"),
-    Internal("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDescGenerator.generate",
-             "worker/agent.py", "wrapped so a rank's descriptor carries its machine's node rank"),
-    Internal("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
-             "_DistributedRendezvousOpExecutor._mark_rendezvous_complete", "worker/agent.py",
-             "wrapped to number the participants by node rank (rank 0 on the ComfyUI host)"),
-    Internal("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_DistributedRendezvousOpExecutor._state",
-             "worker/agent.py", "the rendezvous state whose participants are numbered", on_instances=True),
+    Internal("torch.distributed.elastic.rendezvous.static_tcp_rendezvous", "TCPStore", "worker/agent.py",
+             "replaced so the static rendezvous's store listens on the backend's address and carries the beacon"),
 )  # fmt: skip
 
 

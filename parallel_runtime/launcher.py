@@ -8,9 +8,11 @@ included) is removed.
 torchrun runs as ``python -m parallel_runtime.worker.agent``: the same agent, with its TCP stores bound to one address
 (loopback on one machine) instead of every interface, and the collectives' sockets on that interface too.
 
-Over several machines (``spec.nnodes`` > 1) this machine is node 0: its agent hosts the rendezvous store on the host
-of ``spec.rdzv_endpoint`` (and binds nothing else), under a fresh rendezvous id that only the beacon, sealed with the
-cluster secret (``rendezvous``), tells the joining machines.
+Over several machines (``spec.nnodes`` > 1) this machine is node 0: its agent hosts the store of torchrun's static
+rendezvous on ``spec.rdzv_endpoint`` (and binds nothing else), and publishes there the backend's beacon, sealed with
+the cluster secret (``rendezvous``), which tells the joining machines the token. No command line carries the token, the
+secret or the rendezvous id (``/proc/<pid>/cmdline`` is readable by every local user): the token is a 0600 file of
+the run directory, the rendezvous id is in torchrun's environment.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class LaunchedGroup:
     shm_prefix: str
     # Every rank pid seen so far: teardown must reach them even once their pid files are gone.
     known_pids: dict[int, int] = dataclasses.field(default_factory=dict)
-    rdzv_id: str | None = None  # over several machines: this backend's rendezvous id (never shown)
+    rdzv_id: str | None = None  # over several machines: this backend's rendezvous id (never on a command line)
 
     def remote_ranks(self) -> dict[int, dict]:
         """Rank → {node, host, pid} for the ranks on other machines (rank 0 writes them once they proved the secret)."""
@@ -245,7 +247,8 @@ def launch_joined(beacon: Beacon, rdzv_endpoint: str, node_rank: int, address: s
     env.update(rendezvous.node_environment(address, node_rank))
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:  # this machine's ranks poll node 0's store (see _environment)
         env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    args = rendezvous.rendezvous_arguments(rdzv_endpoint, beacon.nnodes, beacon.rdzv_id, host=False, local_addr=address)
+    env.update(rendezvous.rendezvous_environment(beacon.rdzv_id))
+    args = rendezvous.rendezvous_arguments(rdzv_endpoint, beacon.nnodes, node_rank)
     proc = _popen(torchrun_command(spec, run_dir, args), env, run_dir)
     return LaunchedGroup(
         spec=spec,
@@ -265,15 +268,15 @@ def launch(spec: BackendSpec, collective_timeout_s: float | None = None) -> Laun
     run_dir = _new_run_dir(token)
     shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
     rdzv_id, args = None, None
+    env = _environment(spec, run_dir, shm_prefix, collective_timeout_s)
     if spec.nnodes > 1:
         rdzv_id = secrets.token_hex(16)
-        host = split_endpoint(spec.rdzv_endpoint)[0]
-        args = rendezvous.rendezvous_arguments(spec.rdzv_endpoint, spec.nnodes, rdzv_id, host=True, local_addr=host)
+        args = rendezvous.rendezvous_arguments(spec.rdzv_endpoint, spec.nnodes, node_rank=0)
+        env.update(rendezvous.rendezvous_environment(rdzv_id))
         beacon = Beacon(rdzv_id, token, spec.nnodes, spec.ranks, spec.device, spec.memory_policy)
         fd = os.open(run_dir.beacon, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(seal(rendezvous.cluster_secret(), BEACON_KEY, beacon))
-    env = _environment(spec, run_dir, shm_prefix, collective_timeout_s)
     proc = _popen(torchrun_command(spec, run_dir, args), env, run_dir)
     return LaunchedGroup(spec=spec, proc=proc, run_dir=run_dir, token=token, shm_prefix=shm_prefix, rdzv_id=rdzv_id)
 

@@ -1,16 +1,22 @@
 """Several machines: the command that joins a machine, and what that command runs (``comfy-parallel join``).
 
-The ComfyUI host is node 0: rank 0 and the shared memory stay there, and its torchrun agent hosts the rendezvous
-store on ``rdzv_endpoint``. Every other machine runs ``comfy-parallel join <rdzv_endpoint> --node-rank <k>`` with the
-cluster secret in ``COMFY_PARALLEL_SECRET``. That command stays up and serves every backend the ComfyUI host starts:
-it waits for node 0's beacon (``rendezvous``), opens it with the secret, claims its node rank, runs torchrun's agent
-for that backend's rendezvous, and when that backend ends (shut down, a rank died) waits for the next one, so a
-restart needs nobody at the other machine.
+The ComfyUI host is node 0: rank 0 and the shared memory stay there, and its torchrun agent hosts the store of
+torchrun's static rendezvous on ``rdzv_endpoint``. Every other machine runs ``comfy-parallel join <rdzv_endpoint>
+--node-rank <k>`` with the cluster secret in ``COMFY_PARALLEL_SECRET`` (or ``--secret-file``, or typed at its prompt).
+That command stays up and serves every backend the ComfyUI host starts: it waits for node 0's beacon
+(``rendezvous``), opens it with the secret, claims its node rank, runs torchrun's agent for that backend, and when
+that backend ends (shut down, a rank died) waits for the next one, so a restart needs nobody at the other machine.
 
-The secret never travels in clear and is never logged: the ComfyUI host keeps it in ``COMFY_PARALLEL_SECRET`` or in a
-0600 file of its own (``rendezvous.cluster_secret``), shows it only in the join command (the Parallel Backend node's
-text, the status JSON, the Parallel tab), and the joining machine reads it from its environment (or a file), never
-from its command line, which other users of that machine could read.
+The secret never travels over the network and is never logged or put on a command line. The ComfyUI host keeps it in
+``COMFY_PARALLEL_SECRET`` or in a 0600 file of its own (``rendezvous.cluster_secret``); the join commands the node's
+text and the status show carry a placeholder and say where the secret is (``where_the_secret_is``); only the Parallel
+tab in a browser on the host itself shows the commands with it (``parallel_nodes/routes.py``). The joining machine
+reads it from its environment, a file or a prompt, never from its command line, which other users of that machine
+could read.
+
+A record in node 0's store that does not open with the secret is a stranger's (the store has no credentials): a
+machine that has opened a beacon there before ignores a forged one and waits for the next, and a forged claim of its
+node rank is overwritten. Only a machine that never opened one is refused, as its secret is then the likely culprit.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from .rendezvous import (
     cluster_secret,
     route_to,
     seal,
+    secret_file,
     split_endpoint,
     unseal,
 )
@@ -43,15 +50,28 @@ POLL_S = 1.0  # how often a joining machine looks for the next backend
 
 
 def join_command(rdzv_endpoint: str, node_rank: int, secret: str | None = None) -> str:
-    """The command to run on the machine of node ``node_rank``; ``secret`` None leaves a placeholder (for errors and
-    logs, which must not carry it)."""
-    value = secret if secret is not None else "<the secret the Parallel Backend node shows>"
+    """The command to run on the machine of node ``node_rank``; ``secret`` None leaves a placeholder (what every view
+    but the host's own browser gets, and errors and logs, which must not carry it)."""
+    value = secret if secret is not None else "<the cluster secret>"
     return f"{SECRET_ENV}={value} comfy-parallel join {rdzv_endpoint} --node-rank {node_rank}"
 
 
-def join_commands(rdzv_endpoint: str, nnodes: int, with_secret: bool = True) -> list[str]:
+def join_commands(rdzv_endpoint: str, nnodes: int, with_secret: bool = False) -> list[str]:
     secret = cluster_secret() if with_secret else None
     return [join_command(rdzv_endpoint, k, secret) for k in range(1, nnodes)]
+
+
+def where_the_secret_is() -> str:
+    """Where the user finds the cluster secret that the join commands leave out."""
+    source = (
+        f"the {SECRET_ENV} this ComfyUI was started with"
+        if os.environ.get(SECRET_ENV)
+        else f"in {secret_file()} on this machine"
+    )
+    return (
+        f"<the cluster secret> is {source}; the Parallel tab shows the commands with it only in a browser on this "
+        "machine. Keep it private: it lets a machine join"
+    )
 
 
 def _store(rdzv_endpoint: str, timeout_s: float):  # a TCPStore (torch.distributed is imported lazily)
@@ -85,9 +105,13 @@ class JoinRefused(Exception):
     """This machine cannot take part in the backend it found; the message says why and what to do."""
 
 
+class ForeignBeacon(JoinRefused):
+    """The beacon does not open with this machine's secret: sealed with another one, or written by a stranger."""
+
+
 def _read_beacon(rdzv_endpoint: str, secret: str) -> Beacon | None:
     """The beacon of the backend node 0 is starting; None when there is none (node 0 is not up, or between
-    backends). JoinRefused when it was sealed with another secret."""
+    backends). ForeignBeacon when it does not open with ``secret``."""
     host, port = split_endpoint(rdzv_endpoint)
     try:  # a plain connection first: torch's store client logs every failed attempt, and node 0 may be down for hours
         socket.create_connection((host, port), timeout=2.0).close()
@@ -100,7 +124,7 @@ def _read_beacon(rdzv_endpoint: str, secret: str) -> Beacon | None:
     try:
         return unseal(secret, BEACON_KEY, record, Beacon)
     except Tampered:
-        raise JoinRefused(
+        raise ForeignBeacon(
             f"the backend at {rdzv_endpoint} holds a different secret, so this machine may not join it: copy the join "
             "command again from the Parallel Backend node (or the Parallel tab) on the ComfyUI host"
         ) from None
@@ -109,13 +133,15 @@ def _read_beacon(rdzv_endpoint: str, secret: str) -> Beacon | None:
 def _claim(rdzv_endpoint: str, beacon: Beacon, node_rank: int, secret: str) -> None:
     key = claim_key(beacon.rdzv_id, node_rank)
     mine = seal(secret, key, Claim(node_rank, socket.gethostname(), os.getpid()))
-    held = _store(rdzv_endpoint, 5.0).compare_set(key, "", mine)
+    store = _store(rdzv_endpoint, 5.0)
+    held = store.compare_set(key, "", mine)
     if held != mine:
         try:
             other = unseal(secret, key, held, Claim)
-            holder = f"{other.host} (pid {other.pid})"
-        except Tampered:
-            holder = "a record that does not authenticate"
+        except Tampered:  # a stranger's record, not a machine's: the node rank is free
+            store.set(key, mine)
+            return
+        holder = f"{other.host} (pid {other.pid})"
         raise JoinRefused(
             f"node rank {node_rank} of this backend is already taken by {holder}: give each machine its "
             "own --node-rank (1..nnodes-1)"
@@ -137,11 +163,19 @@ def join(
     address = address or route_to(host, port)
     stopping: list[int] = []
     previous = {s: signal.signal(s, lambda sig, _: stopping.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
-    last, waiting = None, False
+    last, waiting, ignored = None, False, False
     try:
         while not stopping:
             try:
-                beacon = _read_beacon(rdzv_endpoint, secret)
+                try:
+                    beacon = _read_beacon(rdzv_endpoint, secret)
+                except ForeignBeacon:
+                    if last is None:  # never opened one: this machine's secret is the likely culprit
+                        raise
+                    if not ignored:
+                        say(f"ignored a beacon at {rdzv_endpoint} that does not open with this machine's secret")
+                        ignored = True
+                    beacon = None
                 if beacon is None or beacon.rdzv_id == last:
                     if not waiting:
                         say(f"waiting for a backend at {rdzv_endpoint} (node {node_rank}, this machine at {address})")
@@ -157,7 +191,7 @@ def join(
             except JoinRefused as e:
                 say(f"refused: {e}")
                 return 2
-            last, waiting = beacon.rdzv_id, False
+            last, waiting, ignored = beacon.rdzv_id, False, False
             first = node_rank * beacon.ranks
             say(
                 f"joining a backend of {beacon.nnodes} machines × {beacon.ranks} {beacon.device} ranks as node "
@@ -191,8 +225,8 @@ def _serve(group: launcher.LaunchedGroup, rdzv_endpoint: str, secret: str, stopp
             next_look = time.monotonic() + 2.0
             try:
                 beacon = _read_beacon(rdzv_endpoint, secret)
-            except JoinRefused:
-                return
+            except ForeignBeacon:
+                continue  # a stranger's record, not node 0 giving up
             if beacon is None or beacon.rdzv_id != group.rdzv_id:
                 return
 
@@ -202,12 +236,14 @@ def main_join(rdzv_endpoint: str, node_rank: int, address: str | None, secret_pa
     if secret_path:
         with open(secret_path) as f:
             secret = f.read().strip()
+        if os.stat(secret_path).st_mode & 0o077:
+            print(f"warning: other users may read {secret_path} (chmod 600 it): it lets a machine join", flush=True)
     elif os.environ.get(SECRET_ENV):
         secret = os.environ[SECRET_ENV]
     elif sys.stdin.isatty():
         import getpass
 
-        secret = getpass.getpass("the backend's secret (shown by the Parallel Backend node): ").strip()
+        secret = getpass.getpass("the cluster secret (the ComfyUI host's Parallel tab shows it): ").strip()
     else:
         secret = ""
     if not secret:

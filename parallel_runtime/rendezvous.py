@@ -1,16 +1,33 @@
-"""What the machines of a backend over several nodes tell each other in torchrun's rendezvous store, before any rank
-starts.
+"""What the machines of a backend over several tell each other in node 0's store, before any rank starts, and how
+torchrun's rendezvous is run so that nothing a stranger can write into that store is ever unpickled.
 
-The rendezvous store (a TCP store hosted by node 0's torchrun agent, on the ``rdzv_endpoint`` the user chose) has no
-credentials, so everything in it that matters is sealed (``sealed``) with the cluster secret, which only the ComfyUI
-host and the machines given the join command hold:
+The store (a TCP store hosted by node 0's torchrun agent, on the ``rdzv_endpoint`` the user chose) has no
+credentials: anyone who reaches its port can read, write and delete keys, and key names travel in clear. So:
+
+- **torchrun's rendezvous is the static one** (``--rdzv-backend static``, each machine's ``--node-rank``). torch's
+  default c10d rendezvous keeps its state in the store as a pickle and unpickles whatever it finds there
+  (``dynamic_rendezvous``): a stranger who knew the key ran code in every machine's agent (issue 21). The static
+  rendezvous pickles nothing, and torchrun's agent then reads only JSON (``_assign_worker_ranks``) and counters
+  (``store_util.barrier``) from the store. The cost is that it cannot number the machines itself; the pack's own
+  sealed exchange below does, and it also tells each machine where node 0 is and when a backend starts.
+- **everything of the pack's in the store that matters is sealed** (``sealed``) with the cluster secret, which only
+  the ComfyUI host and the machines given the secret hold:
 
     comfy-parallel/beacon                    Beacon  node 0 publishes the backend it is starting
     comfy-parallel/claim/<rdzv id>/<node>    Claim   a joining machine takes its node rank (one compare-and-set)
 
-A machine without the secret cannot open the beacon, so it never learns the rendezvous id (fresh for every backend)
-and cannot join the rendezvous: it is refused before it touches the group, which goes on undisturbed. The backend's
-token (which seals the ranks' op protocol) travels inside the beacon, never in clear.
+  A machine without the secret cannot open the beacon, so it never learns the backend's token, the node ranks taken
+  or the rendezvous id; a forged beacon or claim does not open and is ignored (``machines``). The backend's token
+  (which seals the ranks' op protocol and their hellos, ``worker/remote.py``) travels only inside the beacon.
+- **nothing that enables is on a command line** (``/proc/<pid>/cmdline`` is readable by every local user): torchrun
+  gets the rendezvous id in its environment (``PET_RDZV_ID``, which only the owner can read), the ranks read the
+  token from the 0700 run directory, and ``comfy-parallel join`` reads the secret from its environment, a file or a
+  prompt. The rendezvous id is no longer a key to anything (nothing unpickles): it only keeps one backend's
+  torchrun keys apart from the next one's.
+
+What is not protected here: availability (anyone who reaches the port can delete or overwrite keys and so make a
+start-up fail or a run end, with an error naming what failed), and the collectives' traffic between the machines
+(gloo and NCCL have no authentication and no encryption: the README's threat model says what that allows).
 
 Also here, because node 0's launcher and a joining machine (``machines``) both need them: the cluster secret
 (``cluster_secret``), torchrun's rendezvous arguments for one machine, and the environment that keeps its sockets on
@@ -44,7 +61,8 @@ class Beacon:
     """The backend node 0 is starting, as the joining machines need it.
 
     Args:
-        rdzv_id: torchrun's rendezvous id for this backend (fresh for each; only holders of the secret learn it).
+        rdzv_id: torchrun's rendezvous id for this backend (fresh for each): it keeps one backend's keys in the store
+            apart from the next one's, and names the joining machines' claims.
         token: the backend's token, which seals the ranks' op headers and outcomes.
         nnodes: machines in the backend.
         ranks: ranks on each machine.
@@ -165,24 +183,29 @@ def cluster_secret() -> str:
     return secret
 
 
-def rendezvous_arguments(rdzv_endpoint: str, nnodes: int, rdzv_id: str, *, host: bool, local_addr: str) -> list[str]:
-    """torchrun's arguments for one machine of a backend: node 0 (``host``) hosts the rendezvous store."""
-    # The rendezvous gives up a little after the host's own deadline, so no agent outlives it for long.
+def rendezvous_arguments(rdzv_endpoint: str, nnodes: int, node_rank: int) -> list[str]:
+    """torchrun's arguments for machine ``node_rank`` of a backend (node 0 hosts the store): the static rendezvous,
+    which pickles nothing (module docstring). Nothing secret: the rendezvous id goes in ``rendezvous_environment``."""
+    # The store waits for the other machines a little past the host's own deadline, so no agent outlives it for long.
     timeout = int(join_deadline() + 30)
     return [
         "--nnodes",
         str(nnodes),
+        "--node-rank",
+        str(node_rank),
         "--rdzv-backend",
-        "c10d",
+        "static",
         "--rdzv-endpoint",
         rdzv_endpoint,
-        "--rdzv-id",
-        rdzv_id,
         "--rdzv-conf",
-        f"is_host={int(host)},join_timeout={timeout}",
-        "--local-addr",
-        local_addr,
+        f"timeout={timeout}",
     ]
+
+
+def rendezvous_environment(rdzv_id: str) -> dict[str, str]:
+    """The rendezvous id for torchrun through its environment (``PET_RDZV_ID`` is ``--rdzv-id``), which only this
+    user can read, not its command line."""
+    return {"PET_RDZV_ID": rdzv_id}
 
 
 def node_environment(address: str, node_rank: int) -> dict[str, str]:

@@ -41,6 +41,10 @@ class Sealer:
     def _tag(self, context: str, nonce: bytes, ciphertext: bytes) -> bytes:
         return hmac.new(self._mac, context.encode() + b"\0" + nonce + ciphertext, hashlib.sha256).digest()
 
+    def name(self, label: str) -> str:
+        """A name for ``label`` that only holders of the secret can work out: a store key a stranger cannot name."""
+        return hmac.new(self._mac, b"name\0" + label.encode(), hashlib.sha256).hexdigest()[:32]
+
     def seal(self, context: str, plaintext: bytes) -> bytes:
         nonce = os.urandom(_NONCE)
         ciphertext = self._xor(nonce, plaintext)

@@ -5,18 +5,26 @@ Real torchrun agents meeting in torchrun's rendezvous, real ranks, real collecti
 the nodes' steps. What is checked: images equal one process; a remote rank never opens shared memory; a wrong secret,
 no secret or a node rank already taken is refused while the group in use goes on; a machine that never joins is
 named, with its command, within the deadline; a machine killed mid-run is named in ``BackendDied`` and the next
-prompt runs once it has joined again; nothing is left on either side.
+prompt runs once it has joined again; nothing is left on either side. And the threat model (README, *Security*):
+a stranger writing code-running pickles into every key of the store runs nothing; no process has a secret on its
+command line; the secret reaches no HTTP client but one on this machine; ranks refuse object collectives.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import json
+import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -28,6 +36,7 @@ from parallel_runtime import (
     BackendSpec,
     BackendStartError,
     InvalidInput,
+    ParallelRuntimeError,
     default_spec,
     get_backend,
     launcher,
@@ -36,7 +45,7 @@ from parallel_runtime.arena import SHM_DIR
 from parallel_runtime.launcher import SHM_PREFIX
 from parallel_runtime.machines import join_command
 from parallel_runtime.processes import process_alive
-from parallel_runtime.rendezvous import SECRET_ENV, cluster_secret, interface_of
+from parallel_runtime.rendezvous import BEACON_KEY, SECRET_ENV, claim_key, cluster_secret, interface_of, route_to
 from parallel_runtime.testing.tiny_models import make_tiny_flux
 from parallel_runtime.wire import StatusArgs, StepsArgs
 
@@ -232,12 +241,224 @@ def test_both_machines_listen_only_on_the_chosen_address(cluster):
     assert listening and all(ip == "127.0.0.1" for _, ip in listening), listening
 
 
-def test_the_join_command_is_in_the_status_and_names_the_machine(cluster):
-    view = get_backend(cluster["spec"]).snapshot()
-    assert view["join"] == [join_command(cluster["endpoint"], 1, SECRET)]
-    assert f"comfy-parallel join {cluster['endpoint']} --node-rank 1" in view["join"][0]
+def _other_address() -> str:
+    """An address of this machine that is not loopback: a client connecting from it is, to a server, another
+    machine."""
+    try:
+        address = route_to("192.0.2.1", 9)  # TEST-NET-1: nothing is sent, the kernel only picks the route
+    except OSError:
+        address = "127.0.0.1"
+    if ipaddress.ip_address(address).is_loopback:
+        pytest.skip("this machine has no address but loopback")
+    return address
+
+
+def test_the_secret_is_shown_only_to_a_browser_on_the_comfyui_host(cluster, nodes):
+    """The status (GET /parallel_diffusers/status, and the same snapshot broadcast after every node run) carries the
+    join command without the secret; POST /parallel_diffusers/join answers it with the secret to a client on this
+    machine only. The pack's own handlers on a real aiohttp server listening on every interface, as ComfyUI's with
+    ``--listen 0.0.0.0``."""
+    import aiohttp
+    from aiohttp import web
+
+    from parallel_nodes import routes
+
+    endpoint = cluster["endpoint"]
+    broadcast = routes.snapshot()
+    assert broadcast["join"] == [join_command(endpoint, 1)] and SECRET not in json.dumps(broadcast)
+    assert f"comfy-parallel join {endpoint} --node-rank 1" in broadcast["join"][0]
     assert "joining a backend of 2 machines × 1 cpu ranks as node 1" in cluster["machine"].output
     assert SECRET not in cluster["machine"].output  # never logged
+    other, port = _other_address(), free_port()
+
+    async def ask() -> dict:
+        app = web.Application()
+        app.router.add_get("/parallel_diffusers/status", routes.status)
+        app.router.add_post("/parallel_diffusers/join", routes.join)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "0.0.0.0", port).start()
+        answers = {}
+        try:
+            for client in ("127.0.0.1", other):
+                connector = aiohttp.TCPConnector(local_addr=(client, 0))
+                async with aiohttp.ClientSession(connector=connector) as session:
+                    async with session.get(f"http://{client}:{port}/parallel_diffusers/status") as r:
+                        answers[client, "status"] = (r.status, await r.text())
+                    async with session.post(f"http://{client}:{port}/parallel_diffusers/join") as r:
+                        answers[client, "join"] = (r.status, await r.text())
+        finally:
+            await runner.cleanup()
+        return answers
+
+    answers = asyncio.run(ask())
+    for client in ("127.0.0.1", other):
+        status, text = answers[client, "status"]
+        assert status == 200 and SECRET not in text and json.loads(text)["join"] == broadcast["join"]
+    status, text = answers["127.0.0.1", "join"]
+    assert status == 200 and json.loads(text)["join"] == [join_command(endpoint, 1, SECRET)]
+    status, text = answers[other, "join"]
+    assert status == 403 and SECRET not in text and "only in a browser on the ComfyUI host" in text
+
+
+def test_no_process_of_either_machine_has_a_secret_on_its_command_line(cluster):
+    """/proc/<pid>/cmdline is readable by every user of a machine: the cluster secret, the backend's token and the
+    rendezvous id are on none of the backend's (torchrun's agents, the ranks, ``comfy-parallel join``)."""
+    backend = get_backend(cluster["spec"])
+    group = backend._group
+    machine = cluster["machine"].processes()
+    pids = [backend.agent_pid, *backend.worker_pids.values(), *machine]
+    assert len(machine) >= 3  # comfy-parallel join, its agent and its rank
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read()
+        for name, value in [("secret", SECRET), ("token", group.token), ("rendezvous id", group.rdzv_id)]:
+            assert value.encode() not in command, (pid, name, command)
+    # The values looked for are the ones in use: both agents got this rendezvous id, through their environment.
+    agents = [backend.agent_pid, *[p for p in machine if b"worker.agent" in open(f"/proc/{p}/cmdline", "rb").read()]]
+    for pid in agents:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert f"PET_RDZV_ID={group.rdzv_id}".encode() in f.read().split(b"\0"), pid
+    assert len(agents) == 2
+
+
+class _Payload:
+    """What the review wrote into the store: a pickle that, once unpickled, runs code (here: creates ``marker``)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+class Stranger:
+    """A plain TCP store client without the secret, handed the rendezvous id of whichever backend is current: it
+    writes ``payload`` into every key of node 0's store it can name, again and again, until stopped."""
+
+    def __init__(self, endpoint: str, backend, payload: bytes):
+        self.host, self.port = endpoint.rsplit(":", 1)
+        self.backend, self.payload = backend, payload
+        self.writes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def keys(self) -> list[str]:
+        spec, group = self.backend.spec, self.backend._group
+        ids = ["none"] + ([group.rdzv_id] if group is not None and group.rdzv_id else [])
+        keys = [BEACON_KEY]
+        for rdzv_id in ids:  # c10d's pickled state (no longer read), the claims, torchrun's own keys
+            keys += [f"torch.rendezvous.{rdzv_id}", *(claim_key(rdzv_id, n) for n in range(spec.nnodes + 1))]
+            for n in range(spec.nnodes):
+                keys += [f"{rdzv_id}/torchelastic/role_info/{n}", f"{rdzv_id}/torchelastic/assigned_ranks/{n}"]
+        ranks = "default_pg/0//parallel_diffusers/"  # the ranks' op protocol (see test_faults)
+        for r in range(spec.world_size):
+            keys += [f"{ranks}hello/{r}", f"comfy-parallel/beat/{r}", f"comfy-parallel/traceback/{r}"]
+        for seq in range(1, 40):
+            keys += [f"{ranks}op/{seq}", f"{ranks}ack/{seq}", *(f"{ranks}done/{seq}/{r}" for r in range(2))]
+        return keys
+
+    def _run(self) -> None:
+        store = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    socket.create_connection((self.host, int(self.port)), timeout=1.0).close()
+                    store = torch.distributed.TCPStore(
+                        self.host, int(self.port), is_master=False, timeout=timedelta(seconds=2),
+                        wait_for_workers=False,
+                    )  # fmt: skip
+                for key in self.keys():
+                    store.set(key, self.payload)
+                    self.writes += 1
+            except (OSError, RuntimeError):  # nothing listens (between backends), or the store went away
+                store = None
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> Stranger:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _next_run(backend, args, outcomes: dict, cluster: dict):
+    try:
+        return backend.call(args)
+    except ParallelRuntimeError as e:
+        pytest.fail(
+            f"the run after the attack failed: {e}\nduring it: {outcomes}\nnode 1:\n{cluster['machine'].output}"
+        )
+
+
+def test_a_stranger_who_writes_pickles_into_every_key_runs_nothing(cluster, tmp_path, monkeypatch):
+    """The review's attack (issue 21), during a start-up and during a run: the marker its pickle would write is never
+    written (nothing of either machine unpickles what the store holds), the backend serves on or fails with an error,
+    and the next run works with the same joined machine."""
+    from parallel_runtime.watchdog import Deadlines
+
+    marker, probe = tmp_path / "ran", tmp_path / "probe"
+    pickle.loads(pickle.dumps(_Payload(str(probe))))
+    assert probe.exists()  # the payload is live: unpickled anywhere, it writes its marker
+    spec = cluster["spec"]
+    backend = get_backend(spec)
+    monkeypatch.setenv("COMFY_PARALLEL_JOIN_S", "45")  # a start-up the stranger spoils fails after this
+    deadlines = backend.deadlines
+    backend.deadlines = Deadlines(load_s=60, stall_floor_s=20, heartbeat_s=10, stopped_s=2, cancel_s=4)
+    outcomes = {}
+    try:
+        backend.shutdown()
+        with Stranger(cluster["endpoint"], backend, pickle.dumps(_Payload(str(marker)))) as stranger:
+            try:
+                backend.start()
+                outcomes["start-up"] = "served"
+            except ParallelRuntimeError as e:
+                outcomes["start-up"] = f"{type(e).__name__}: {e}"
+            written = stranger.writes
+        assert written > 0
+        assert _next_run(backend, StatusArgs(), outcomes, cluster).result.world_size == 2
+        with Stranger(cluster["endpoint"], backend, pickle.dumps(_Payload(str(marker)))) as stranger:
+            try:
+                assert backend.call(StepsArgs(steps=40, seconds_per_step=0.05)).result.completed == 40
+                outcomes["run"] = "served"
+            except ParallelRuntimeError as e:
+                outcomes["run"] = f"{type(e).__name__}: {e}"
+            time.sleep(1.0)
+            assert stranger.writes > written
+        assert _next_run(backend, StepsArgs(steps=2, seconds_per_step=0), outcomes, cluster).result.completed == 2
+    finally:
+        backend.deadlines = deadlines
+    assert not marker.exists(), outcomes
+    assert cluster["machine"].proc.poll() is None  # the joined machine serves on
+    for outcome in outcomes.values():
+        assert outcome == "served" or outcome.split(":")[0] in ("BackendStartError", "BackendDied"), outcomes
+
+
+def test_a_rank_refuses_object_collectives(tmp_path):
+    """torch's object collectives unpickle what a peer sends (gloo and NCCL authenticate nobody): in a rank they fail
+    instead; their weights_only form, which unpickles only plain data, still works."""
+    from torch.distributed import distributed_c10d
+
+    from parallel_runtime.worker.remote import refuse_object_collectives
+
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    unpickler = distributed_c10d._unpickler
+    try:
+        gathered: list = [None]
+        torch.distributed.all_gather_object(gathered, {"a": 1})
+        assert gathered == [{"a": 1}]  # what the refusal replaces does unpickle
+        refuse_object_collectives()
+        with pytest.raises(RuntimeError, match="unpickle what another rank sends"):
+            torch.distributed.all_gather_object(gathered, {"a": 1})
+        torch.distributed.all_gather_object(gathered, {"a": 2}, weights_only=True)
+        assert gathered == [{"a": 2}]
+    finally:
+        distributed_c10d._unpickler = unpickler
+        torch.distributed.destroy_process_group()
 
 
 REFUSALS = {  # (secret, node rank) → what the refused machine is told
@@ -423,13 +644,18 @@ def test_the_cluster_secret_is_made_once_and_kept_private(tmp_path, monkeypatch)
     assert cluster_secret() == "from-the-environment"
 
 
-def test_the_backend_node_shows_the_join_command_and_checks_the_endpoint(nodes, secret_env):
-    (spec,) = (
-        nodes["ParallelBackend"]
-        .execute(ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="127.0.0.1:29400")
-        .args
-    )
+def test_the_backend_node_shows_the_join_command_and_checks_the_endpoint(nodes, secret_env, caplog):
+    with caplog.at_level(logging.INFO, logger="parallel_nodes"):
+        (spec,) = (
+            nodes["ParallelBackend"]
+            .execute(ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+            .args
+        )
     assert (spec.nnodes, spec.rdzv_endpoint, spec.world_size) == (2, "127.0.0.1:29400", 2)
+    # The node's text goes to whoever queued the prompt and into the log, both served over HTTP: no secret in it.
+    (text,) = [r.getMessage() for r in caplog.records if "On each other machine run" in r.getMessage()]
+    assert join_command("127.0.0.1:29400", 1) in text and f"the {SECRET_ENV} this ComfyUI was started with" in text
+    assert SECRET not in text
     with pytest.raises(InvalidInput) as error:
         nodes["ParallelBackend"].execute(
             ranks=1, device="cpu", memory_policy="staged", nnodes=2, rdzv_endpoint="192.0.2.77:29400"

@@ -114,8 +114,21 @@ function render(root, status) {
   if (status.join && status.join.length) {  // a backend over several machines: what to run on the others
     body.push(el("h4", { textContent: "Other machines" }));
     body.push(el("p", { className: "pd-note",
-      textContent: "Run on each (it stays up and joins every backend this host starts; keep the secret private):" }));
-    for (const command of status.join) body.push(el("pre", { className: "pd-command", textContent: command }));
+      textContent: "Run on each (it stays up and joins every backend this host starts):" }));
+    const commands = status.join.map((command) => el("pre", { className: "pd-command", textContent: command }));
+    body.push(...commands);
+    body.push(el("p", { className: "pd-note", textContent: `Where ${status.join_secret}.` }));
+    // The secret is never in the status (every client of ComfyUI's port gets that): asked for, and answered only to
+    // a browser on the ComfyUI host itself (parallel_nodes/routes.py).
+    body.push(el("button", { textContent: "Show with the secret",
+      title: "Only in a browser on the ComfyUI host; keep the secret private: it lets a machine join",
+      onclick: async (event) => {
+        event.target.disabled = true;
+        const response = await api.fetchApi("/parallel_diffusers/join", { method: "POST" });
+        const answer = await response.json().catch(() => ({ error: `HTTP ${response.status}` }));
+        if (response.ok) answer.join.forEach((command, i) => { commands[i].textContent = command; });
+        else event.target.replaceWith(el("p", { className: "pd-error", textContent: answer.error }));
+      } }));
   }
   if (status.last_error) {
     const e = status.last_error;

@@ -22,6 +22,7 @@ check("worker/")
 from ..arena import remove_segments  # noqa: E402
 from ..processes import process_alive  # noqa: E402
 from ..rundir import RunDir  # noqa: E402
+from . import remote  # noqa: E402
 from .heartbeat import Heartbeat  # noqa: E402
 from .rank import Rank  # noqa: E402
 from .server import Server  # noqa: E402
@@ -80,6 +81,7 @@ def main() -> None:
         shutil.rmtree(run_dir.path, ignore_errors=True)
 
     _watch_for_orphaning(int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), clean_up=clean_up_for_the_dead_client)
+    remote.refuse_object_collectives()
     me = Rank()
     me.state["heartbeat"] = heartbeat
     me.init()

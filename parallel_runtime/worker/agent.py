@@ -2,41 +2,41 @@
 arguments>``.
 
 torch's TCP store has no credentials and its server listens on every interface, whatever host it is given. The
-agent hosts two of them (the rendezvous store, and the store it shares with the ranks, which carries the op protocol),
-so anyone who could reach those ports could read and write the backend's keys. Here each store server listens on a
-socket bound to ``COMFY_PARALLEL_BIND`` (loopback for a one-machine backend), handed to the store as its listening
-socket (``master_listen_fd``). The records themselves are sealed with the backend's secret (``sealed``), so even a
-local user who reaches loopback can neither read a prompt nor forge an op.
+agent hosts the store the ranks share (it carries the op protocol), so anyone who could reach its port could read and
+write the backend's keys. Here each store server listens on a socket bound to ``COMFY_PARALLEL_BIND`` (loopback for a
+one-machine backend), handed to the store as its listening socket (``master_listen_fd``). The records themselves are
+sealed with the backend's secret (``sealed``), so even a local user who reaches loopback can neither read a prompt nor
+forge an op.
 
-Over several machines (``COMFY_PARALLEL_NODE_RANK`` set) two more things change. Node 0's agent, which hosts the
-rendezvous store, publishes the backend's sealed beacon in it (``rendezvous``; the launcher seals it into the run
-directory's ``beacon`` file), so that only machines holding the cluster secret learn the rendezvous id. And the
-rendezvous numbers the machines by their node rank instead of by host name and pid (torch sorts the participants'
-descriptors), so rank 0 is always on node 0, the ComfyUI host that owns the shared memory: each descriptor's
-process-local id carries its node rank in its high bits.
+What the agent unpickles: over several machines, nothing. Their agents run torchrun's static rendezvous
+(``rendezvous.rendezvous_arguments``; node 0's agent hosts its store on ``rdzv_endpoint`` and publishes the backend's
+sealed beacon there, which the launcher sealed into the run directory's ``beacon`` file), and with it torchrun reads
+only JSON and counters from the store (``rendezvous``'s docstring). One machine alone runs ``--standalone``, torch's
+c10d rendezvous, whose state is a pickle in the store under a key named by a random id: that store listens on
+loopback only, and the id is on no command line and in no file (only in the agent's memory and its ranks'
+environment, which only this user can read), so no other user of the machine can name the key.
 
-Everything else is torchrun's own ``main``. The places patched are torch's store constructors in its elastic
-rendezvous (``c10d_rendezvous_backend.TCPStore`` and ``DynamicRendezvousHandler._create_tcp_store_server``) and its
-participant numbering (``_NodeDescGenerator.generate``, ``_DistributedRendezvousOpExecutor._mark_rendezvous_complete``);
+The places patched are torch's store constructors in its rendezvous (``static_tcp_rendezvous.TCPStore``,
+``c10d_rendezvous_backend.TCPStore`` and ``DynamicRendezvousHandler._create_tcp_store_server``);
 tests/test_faults.py and tests/test_nodes.py fail if torch renames them or the stores listen anywhere else.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import run
-from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous, static_tcp_rendezvous
 
 from ..internals import check
 from ..rendezvous import BEACON_KEY
+from ..rundir import RunDir
 
 _LISTENERS: list[socket.socket] = []  # the bound sockets live as long as the stores that listen on them
-_NODE_BITS = 20  # a descriptor's local id is node_rank << _NODE_BITS | torch's own counter
 
 
 def _bound_store(host_name: str, port: int, *args: Any, is_master: bool = False, **kwargs: Any) -> dist.TCPStore:
@@ -55,37 +55,25 @@ def _create_tcp_store_server(self: Any, master_addr: str, master_port: int) -> d
     return _bound_store(master_addr, master_port, is_master=True, multi_tenant=True)
 
 
-def _rendezvous_store(host_name: str, port: int, *args: Any, is_master: bool = False, **kwargs: Any) -> dist.TCPStore:
-    store = _bound_store(host_name, port, *args, is_master=is_master, **kwargs)
-    beacon = os.path.join(os.environ.get("COMFY_PARALLEL_RUN_DIR", ""), "beacon")
-    if is_master and os.path.isfile(beacon):
-        with open(beacon, "rb") as f:
-            store.set(BEACON_KEY, f.read())
+def _static_store(
+    host_name: str, port: int, world_size: int, is_master: bool, timeout: timedelta, **kwargs: Any
+) -> dist.TCPStore:
+    """The static rendezvous's store. Node 0's does not wait for the other machines' agents to connect (torch's
+    default): they learn that a backend is starting only from the beacon, published here as soon as the store
+    listens."""
+    if not is_master:
+        return dist.TCPStore(host_name, port, world_size, is_master=False, timeout=timeout, **kwargs)
+    store = _bound_store(host_name, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, **kwargs)
+    with open(RunDir(os.environ["COMFY_PARALLEL_RUN_DIR"]).beacon, "rb") as f:
+        store.set(BEACON_KEY, f.read())
     return store
 
 
-check("worker/agent.py")  # before the names below are read: one error naming what torch renamed
-_generate = dynamic_rendezvous._NodeDescGenerator.generate
-_mark_complete = dynamic_rendezvous._DistributedRendezvousOpExecutor._mark_rendezvous_complete
-
-
-def _generate_in_node(self: Any, local_addr: str | None = None) -> Any:
-    desc = _generate(self, local_addr)
-    node = int(os.environ["COMFY_PARALLEL_NODE_RANK"])
-    return dataclasses.replace(desc, local_id=(node << _NODE_BITS) | desc.local_id)
-
-
-def _mark_complete_in_node_order(self: Any) -> None:
-    _mark_complete(self)
-    participants = self._state.participants
-    for rank, node in enumerate(sorted(participants, key=lambda n: (n.local_id >> _NODE_BITS, n))):
-        participants[node] = rank
+check("worker/agent.py")  # before torch is patched: one error naming what torch renamed
 
 
 if __name__ == "__main__":
-    c10d_rendezvous_backend.TCPStore = _rendezvous_store
+    static_tcp_rendezvous.TCPStore = _static_store
+    c10d_rendezvous_backend.TCPStore = _bound_store
     dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = _create_tcp_store_server
-    if "COMFY_PARALLEL_NODE_RANK" in os.environ:
-        dynamic_rendezvous._NodeDescGenerator.generate = _generate_in_node
-        dynamic_rendezvous._DistributedRendezvousOpExecutor._mark_rendezvous_complete = _mark_complete_in_node_order
     run.main()

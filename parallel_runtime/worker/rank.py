@@ -88,7 +88,7 @@ class Rank:
         if self.rank == 0:
             check_in(self.group, self.run_dir)
         elif self.node != 0:
-            beat(self.rank)
+            beat(self.rank, self.group.sealer)
         # What the start-up imported lives as long as the rank: out of the collector's sight.
         flush(self.device, freeze=True)
         log.info(

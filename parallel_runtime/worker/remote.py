@@ -2,8 +2,18 @@
 the ranks on other machines (which have no run directory on the ComfyUI host) keep rank 0 informed through the store.
 
     hello/<rank>                         RankHello  sealed with the token: who the rank is, where it runs
-    comfy-parallel/beat/<rank>           a counter  a remote rank adds 1 every second (its heartbeat)
+    comfy-parallel/beat/<rank>/<name>    sealed     a remote rank's heartbeat: a count it raises every second
     comfy-parallel/traceback/<rank>      sealed     why a remote rank left the group
+
+The heartbeat is a sealed count that must grow, under a key named with the token (``Sealer.name``), not the store's
+own counter (``add``): a stranger cannot keep a dead machine alive by replaying an old beat, nor drown a live one's in
+forged records. A remote rank that loses node 0's store leaves the group at once: the backend ended there (or the
+network between the machines failed), and without the store it can be told nothing more; its agent, which torchrun's
+static rendezvous does not tell, then ends too, and ``comfy-parallel join`` waits for the next backend.
+
+What a rank unpickles: nothing. Every record above is sealed text, and torch's object collectives
+(``all_gather_object``, ``broadcast_object_list``, ...), which unpickle what a peer sends over gloo or NCCL (neither
+authenticates its peers), refuse to run in a rank (``refuse_object_collectives``); the pack calls none of them.
 
 Rank 0 checks every hello (one that does not open ends the start-up, naming the rank), writes ``rank<N>.node`` for
 each remote rank and, from a thread of its own, renews that rank's heartbeat file in the run directory whenever its
@@ -24,6 +34,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from ..rundir import RunDir
 from ..sealed import Sealer, Tampered
@@ -50,6 +61,26 @@ class RankHello:
     node: int
     host: str
     pid: int
+
+
+class _NoUnpickling:
+    """torch's unpickler for the object collectives, replaced: bytes a peer sent are never unpickled."""
+
+    def __init__(self, file: object) -> None:
+        pass
+
+    def load(self) -> object:
+        raise RuntimeError(
+            "an object collective (all_gather_object, broadcast_object_list, ...) ran in a rank of the parallel "
+            "backend: they unpickle what another rank sends, which over a network could be anyone's code, so the "
+            "backend refuses them; use a tensor collective"
+        )
+
+
+def refuse_object_collectives() -> None:
+    """Make torch's object collectives in this process fail instead of unpickling what they receive (their
+    ``weights_only=True`` form, which ``torch.load`` restricts to tensors and plain data, still works)."""
+    distributed_c10d._unpickler = _NoUnpickling
 
 
 def node_rank() -> int:
@@ -106,16 +137,20 @@ def check_in(group: Group, run_dir: RunDir) -> dict[int, RankHello]:
     return remote
 
 
-def beat(rank: int) -> None:
-    """A remote rank: add 1 to its heartbeat counter every second, from a thread and a connection of its own."""
+def beat(rank: int, sealer: Sealer) -> None:
+    """A remote rank: raise its heartbeat count every second, from a thread and a connection of its own."""
 
     def run() -> None:
         store = _connection()
+        key = _beat_key(rank, sealer)
+        count = 0
         while True:
+            count += 1
             try:
-                store.add(f"comfy-parallel/beat/{rank}", 1)
+                store.set(key, sealer.seal(key, str(count).encode()))
             except (RuntimeError, dist.DistError):
-                return  # the store is gone: the backend is ending
+                log.error("node 0's store is gone (the backend ended there, or the network failed): rank %d left", rank)
+                os._exit(1)
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=run, name="remote-heartbeat", daemon=True).start()
@@ -130,6 +165,20 @@ def leave(rank: int, sealer: Sealer, text: str) -> None:
         pass
 
 
+def _beat_key(rank: int, sealer: Sealer) -> str:
+    return f"comfy-parallel/beat/{rank}/{sealer.name(f'beat/{rank}')}"
+
+
+def _beat_count(store: dist.TCPStore, key: str, sealer: Sealer) -> int:
+    """The heartbeat count at ``key``; 0 when there is none yet or it is a stranger's record."""
+    if not store.check([key]):
+        return 0
+    try:
+        return int(sealer.open(key, store.get(key)))
+    except (Tampered, ValueError):
+        return 0
+
+
 def _relay(run_dir: RunDir, ranks: list[int], sealer: Sealer) -> None:
     store = _connection()
     counts: dict[int, int] = {}
@@ -137,18 +186,18 @@ def _relay(run_dir: RunDir, ranks: list[int], sealer: Sealer) -> None:
     while True:
         try:
             for r in ranks:
-                count = store.add(f"comfy-parallel/beat/{r}", 0)
-                if count != counts.get(r):
+                count = _beat_count(store, _beat_key(r, sealer), sealer)
+                if count > counts.get(r, 0):
                     counts[r] = count
                     os.utime(run_dir.rank_heartbeat(r))
                 key = f"comfy-parallel/traceback/{r}"
                 if r not in told and store.check([key]):
-                    told.add(r)
                     try:
                         text = sealer.open(key, store.get(key)).decode(errors="replace")
-                    except Tampered as e:
+                    except Tampered as e:  # the rank's own may still overwrite it
                         log.error("ignored a forged traceback of rank %d: %s", r, e)
                         continue
+                    told.add(r)
                     with open(run_dir.rank_traceback(r), "w") as f:
                         f.write(text)
         except OSError:
