@@ -71,13 +71,13 @@ def test_a_rank_without_a_diffusers_internal_says_which_and_the_versions():
 
 def test_torchruns_agent_without_a_torch_internal_says_which():
     done = _entry_point_without(
-        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
-        "_NodeDescGenerator.generate",
+        "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+        "TCPStore",
         "parallel_runtime.worker.agent",
     )
     assert done.returncode != 0 and "InternalsChanged" in done.stderr, done.stderr
     assert f"torch {internals.installed('torch')} lacks what this pack uses" in done.stderr
-    assert "dynamic_rendezvous._NodeDescGenerator.generate, used by worker/agent.py" in done.stderr
+    assert "static_tcp_rendezvous.TCPStore, used by worker/agent.py" in done.stderr
 
 
 def test_comfyui_start_up_warns_of_an_untested_diffusers(nodes, monkeypatch, caplog):
