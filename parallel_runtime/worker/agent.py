@@ -26,16 +26,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import run
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
 
+from ..processes import process_alive
 from ..rendezvous import BEACON_KEY
+from ..rundir import RunDir
 
 _LISTENERS: list[socket.socket] = []  # the bound sockets live as long as the stores that listen on them
 _NODE_BITS = 20  # a descriptor's local id is node_rank << _NODE_BITS | torch's own counter
+# How long an agent stopped by a signal waits to see whether its client goes too.
+CLIENT_GONE_S = 3.0
 
 
 def _bound_store(host_name: str, port: int, *args: Any, is_master: bool = False, **kwargs: Any) -> dist.TCPStore:
@@ -80,10 +86,28 @@ def _mark_complete_in_node_order(self: Any) -> None:
         participants[node] = rank
 
 
+def _clean_up_if_the_client_went_too() -> None:
+    """``systemctl stop`` signals every process of ComfyUI's service at once: the client dies without tearing its group
+    down, and the ranks die before their orphan watch notices. The agent outlives its ranks (torch stops them before
+    it re-raises the signal), so when the client is gone too it removes the group's segments and run directory. A
+    client that stops the group itself says so first (``RunDir.stopping``) and does that itself."""
+    run_dir = RunDir(os.environ["COMFY_PARALLEL_RUN_DIR"])
+    client, deadline = int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), time.monotonic() + CLIENT_GONE_S
+    while process_alive(client):
+        if os.path.exists(run_dir.stopping) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    run_dir.remove(os.environ.get("COMFY_PARALLEL_SHM_PREFIX"))
+
+
 if __name__ == "__main__":
     c10d_rendezvous_backend.TCPStore = _rendezvous_store
     dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = _create_tcp_store_server
     if "COMFY_PARALLEL_NODE_RANK" in os.environ:
         dynamic_rendezvous._NodeDescGenerator.generate = _generate_in_node
         dynamic_rendezvous._DistributedRendezvousOpExecutor._mark_rendezvous_complete = _mark_complete_in_node_order
-    run.main()
+    try:
+        run.main()
+    except SignalException:
+        _clean_up_if_the_client_went_too()
+        raise
