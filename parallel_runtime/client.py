@@ -170,8 +170,14 @@ class Backend:
                 channel.close()
                 reason = reply.reason if isinstance(reply, RefusedFrame) else f"answered {reply}"
                 raise BackendStartError(self._start_failure(f"did not accept the client: {reason}"))
-        except BaseException:
+        except BaseException as e:
+            aborted = self._aborted
             self._teardown()
+            if aborted:  # shutdown() killed the group: that, not its death, is what the caller needs to hear
+                raise BackendStartError(
+                    f"the parallel backend ({self.spec.ranks} {self.spec.device} ranks) was shut down while it started "
+                    "(the Parallel panel's Shut down, or another backend's settings); run the prompt again to start it"
+                ) from e
             raise
         self._channel = channel
         self._arena = Arena(f"{group.shm_prefix}-in")

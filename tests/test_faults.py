@@ -28,7 +28,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_runtime import Backend, BackendDied, BackendSpec, Cancelled, InvalidInput, OpFailed, jobs, launcher
+from parallel_runtime import (
+    Backend,
+    BackendDied,
+    BackendSpec,
+    BackendStartError,
+    Cancelled,
+    InvalidInput,
+    OpFailed,
+    jobs,
+    launcher,
+)
 from parallel_runtime.arena import SHM_DIR
 from parallel_runtime.processes import process_alive
 from parallel_runtime.protocol import Channel, Error, Hello, Refused
@@ -481,6 +491,34 @@ def test_sigterm_to_the_client_and_the_backend_at_once_leaves_nothing():
     finally:
         client.kill()
         client.wait()
+
+
+def test_shutdown_while_the_backend_starts_says_so():
+    """The Shut down button pressed while a backend starts: the prompt that started it failed with "exited during
+    start-up" and empty logs. Its ranks are held (SIGSTOP) once they run, so that the start is still under way."""
+    backend = Backend(SPEC, deadlines=FAST)
+    outcome = {}
+
+    def start() -> None:
+        try:
+            backend.start()
+        except BackendStartError as e:
+            outcome["error"] = e
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    deadline = time.monotonic() + 60
+    while (backend._group is None or len(backend._group.worker_pids()) < 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    group = backend._group
+    ranks = list(group.worker_pids().values())
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    assert not os.path.exists(group.run_dir.socket)
+    backend.shutdown()
+    starter.join(30)
+    assert "was shut down while it started" in str(outcome.get("error")), outcome
+    assert leftovers(group.proc.pid, ranks, group.shm_prefix, group.run_dir.path) == NOTHING
 
 
 def _child_memory_cgroup(limit: int) -> str | None:
