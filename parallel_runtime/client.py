@@ -391,7 +391,7 @@ class Backend:
         global _last_error
         with self._lock:
             try:
-                return self._call(args, tensors, on_progress, should_cancel, timeout)
+                result = self._call(args, tensors, on_progress, should_cancel, timeout)
             except (BackendDied, BackendStartError, DeadlineExceeded, OpFailed) as e:
                 _last_error = {
                     "op": args.op,
@@ -401,6 +401,10 @@ class Backend:
                     "time": time.time(),
                 }
                 raise
+            # The panel shows the error as past once work has succeeded after it (its own status polls do not count).
+            if _last_error is not None and "succeeded_since" not in _last_error and not isinstance(args, StatusArgs):
+                _last_error = {**_last_error, "succeeded_since": time.time()}
+            return result
 
     def _call(
         self,
@@ -569,7 +573,9 @@ class Backend:
 # -- the process-wide backend -------------------------------------------------------------------------
 _current: Backend | None = None
 _current_lock = threading.Lock()
-_last_error: dict | None = None  # the last failure of any backend, for the status panel
+# The last failure of any backend, for the status panel: op, type, message, rank, time, and succeeded_since (when an op
+# first succeeded after it).
+_last_error: dict | None = None
 
 
 def get_backend(spec: BackendSpec) -> Backend:
