@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 
-from comfyui_host import REPO_ROOT
+import pytest
+from comfyui_host import REPO_ROOT, ComfyUIServer
 from PIL import Image
 
 from parallel_runtime import model_folders
-from parallel_runtime.testing.examples import IMAGE_PLACEHOLDER, LORA_PLACEHOLDERS, PLACEHOLDERS
+from parallel_runtime.testing.examples import IMAGE_PLACEHOLDER, LORA_PLACEHOLDERS, PLACEHOLDERS, make_stand_ins
 
 COMMAND = [sys.executable, "-m", "parallel_runtime.testing.examples"]
 
@@ -66,3 +67,29 @@ def test_the_readme_names_every_node(nodes):
     for node_id, node in nodes.items():
         schema = node.define_schema()
         assert node_id in opening or schema.display_name in opening, node_id
+
+
+@pytest.mark.slow  # test_examples_comfyui runs every example on the same builders' models, under names of its own
+@pytest.mark.comfyui
+@pytest.mark.multirank
+def test_the_lora_and_img2img_examples_run_on_the_stand_ins_under_their_shipped_names(comfyui_dir, tmp_path):
+    """Only what a CPU machine needs changes (2 CPU ranks, 2 steps, 64x64, short prompts): the model, LoRA and
+    picture names stay as shipped."""
+    models, loras = tmp_path / "diffusers", tmp_path / "loras"
+    server = ComfyUIServer(comfyui_dir, diffusers_dir=models, loras_dir=loras)
+    make_stand_ins(str(models), str(loras), str(server.input_dir), {"FLUX.1-dev", "Qwen-Image"}, picture_size=128)
+    server.start()
+    try:
+        for name, tokens in (("flux1_lora_context_parallel", 32), ("qwenimage_img2img", 64)):
+            workflow = json.loads((REPO_ROOT / "example_workflows" / "api" / f"{name}_api.json").read_text())
+            changes = {
+                "ParallelBackend": {"ranks": 2, "device": "cpu"},
+                "EncodeOnBalancedGPUs": {"max_sequence_length": tokens},
+                "ParallelSampler": {"steps": 2, "width": 64, "height": 64},
+            }
+            for node in workflow.values():
+                node["inputs"].update(changes.get(node["class_type"], {}))
+            server.run(workflow, timeout=600)
+            assert list(server.output_dir.glob(f"parallel_{name}_*.png")), name
+    finally:
+        server.stop()
