@@ -28,17 +28,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO_ROOT / "example_workflows"
 DRIVER = REPO_ROOT / "tests" / "browser" / "run_template.mjs"
 THUMBNAIL_SIZE = (1024, 576)
-# The placeholder model names the examples ship with, and the tiny model of that family.
-PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}  # model -> family
-LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "FLUX.1-dev"}  # LoRA -> the model it is for
 
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
 from comfyui_host import ComfyUIServer  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from parallel_runtime.families import family  # noqa: E402
-from parallel_runtime.testing.tiny_loras import make_tiny_lora, save_diffusers_lora  # noqa: E402
+from parallel_runtime.testing.examples import LORA_PLACEHOLDERS, PLACEHOLDERS, make_stand_ins  # noqa: E402
 
 
 def placeholders(workflow: Path) -> set[str]:
@@ -76,18 +72,6 @@ def thumbnail(server: ComfyUIServer, name: str, work: Path, size: int, timeout: 
     return out
 
 
-def picture(path: Path, size: int) -> None:
-    """The picture an img2img example loads (ComfyUI ships an example.png; the test server's input folder is empty):
-    soft colour gradients with a disc, so its preview reads as an image."""
-    import numpy as np
-
-    y, x = np.mgrid[0:size, 0:size] / size
-    disc = ((x - 0.6) ** 2 + (y - 0.45) ** 2 < 0.06).astype(np.float32)
-    rgb = np.stack([0.9 * x + 0.1, 0.3 + 0.5 * y, 0.8 - 0.6 * x * y], axis=-1) * (1 - disc[..., None])
-    rgb += disc[..., None] * np.array([0.95, 0.75, 0.2])
-    Image.fromarray((255 * np.clip(rgb, 0, 1)).astype(np.uint8)).save(path)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="workflow names (default: every example_workflows/*.json)")
@@ -108,15 +92,10 @@ def main() -> int:
         work, models, loras = Path(tmp), Path(tmp) / "models", Path(tmp) / "loras"
         wanted = set().union(*(placeholders(WORKFLOWS / f"{n}.json") for n in names))
         wanted |= {LORA_PLACEHOLDERS[lora] for lora in wanted & set(LORA_PLACEHOLDERS)}
-        for model in sorted(wanted & set(PLACEHOLDERS)):
-            family(PLACEHOLDERS[model]).make_tiny_model(str(models / model))
         loras.mkdir()
-        for lora in sorted(wanted & set(LORA_PLACEHOLDERS)):
-            model = LORA_PLACEHOLDERS[lora]
-            lora_weights = make_tiny_lora(models / model, PLACEHOLDERS[model])
-            save_diffusers_lora(lora_weights, loras / lora, PLACEHOLDERS[model])
-        server = ComfyUIServer(args.comfyui, diffusers_dir=models, loras_dir=loras).start()
-        picture(server.input_dir / "example.png", args.size)
+        server = ComfyUIServer(args.comfyui, diffusers_dir=models, loras_dir=loras)
+        make_stand_ins(str(models), str(loras), str(server.input_dir), wanted & set(PLACEHOLDERS), args.size)
+        server.start()
         failed = []
         try:
             for name in names:

@@ -163,6 +163,8 @@ def _print_doctor(report: dict) -> None:
 
 T = TypeVar("T")
 DEFAULT_MODELS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "comfyui-parallel-diffusers", "models")
+# Beside the tiny model, not in the folder it is run from (often the pack's own checkout, which it littered).
+DEFAULT_DEMO_OUT = os.path.join(os.path.dirname(DEFAULT_MODELS_DIR), "demo.png")
 DEMO_MODEL = "tiny-flux"
 
 
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="generate an image with the nodes' steps on a tiny offline FLUX.1 model")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
-    p.add_argument("--out", default="demo.png", help="where to write the PNG")
+    p.add_argument("--out", default=DEFAULT_DEMO_OUT, help="where to write the PNG (default: %(default)s)")
     p.add_argument(
         "--models", default=DEFAULT_MODELS_DIR, help="folder of diffusers models (the tiny one is built here)"
     )

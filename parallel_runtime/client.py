@@ -170,8 +170,14 @@ class Backend:
                 channel.close()
                 reason = reply.reason if isinstance(reply, RefusedFrame) else f"answered {reply}"
                 raise BackendStartError(self._start_failure(f"did not accept the client: {reason}"))
-        except BaseException:
+        except BaseException as e:
+            aborted = self._aborted
             self._teardown()
+            if aborted:  # shutdown() killed the group: that, not its death, is what the caller needs to hear
+                raise BackendStartError(
+                    f"the parallel backend ({self.spec.ranks} {self.spec.device} ranks) was shut down while it started "
+                    "(the Parallel panel's Shut down, or another backend's settings); run the prompt again to start it"
+                ) from e
             raise
         self._channel = channel
         self._arena = Arena(f"{group.shm_prefix}-in")
@@ -385,7 +391,7 @@ class Backend:
         global _last_error
         with self._lock:
             try:
-                return self._call(args, tensors, on_progress, should_cancel, timeout)
+                result = self._call(args, tensors, on_progress, should_cancel, timeout)
             except (BackendDied, BackendStartError, DeadlineExceeded, OpFailed) as e:
                 _last_error = {
                     "op": args.op,
@@ -395,6 +401,10 @@ class Backend:
                     "time": time.time(),
                 }
                 raise
+            # The panel shows the error as past once work has succeeded after it (its own status polls do not count).
+            if _last_error is not None and "succeeded_since" not in _last_error and not isinstance(args, StatusArgs):
+                _last_error = {**_last_error, "succeeded_since": time.time()}
+            return result
 
     def _call(
         self,
@@ -567,7 +577,9 @@ class Backend:
 # -- the process-wide backend -------------------------------------------------------------------------
 _current: Backend | None = None
 _current_lock = threading.Lock()
-_last_error: dict | None = None  # the last failure of any backend, for the status panel
+# The last failure of any backend, for the status panel: op, type, message, rank, time, and succeeded_since (when an op
+# first succeeded after it).
+_last_error: dict | None = None
 
 
 def get_backend(spec: BackendSpec) -> Backend:

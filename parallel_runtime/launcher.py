@@ -314,6 +314,10 @@ def terminate(group: LaunchedGroup, grace: float = 5.0) -> None:
     """Stop every process of the group (SIGTERM, then SIGKILL after ``grace``), remove its shared-memory segments
     and its run directory."""
     if not wait_exit(group, 0):
+        try:  # the agent need not wait to see whether this client goes too (worker/agent.py)
+            open(group.run_dir.stopping, "w").close()
+        except OSError:
+            pass
         _signal_all(group, signal.SIGTERM)
         if not wait_exit(group, grace):
             kill(group)
@@ -322,5 +326,4 @@ def terminate(group: LaunchedGroup, grace: float = 5.0) -> None:
         group.proc.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         pass
-    remove_segments(group.shm_prefix)
-    shutil.rmtree(group.run_dir.path, ignore_errors=True)
+    group.run_dir.remove(group.shm_prefix)

@@ -9,6 +9,7 @@ ranks.
     beacon              over several machines: the backend's sealed beacon, which node 0's agent publishes
     rank<N>.node        a rank on another machine: {node, host, pid} (JSON); rank 0 renews its heartbeat file and
                         copies its traceback here from the store
+    stopping            the client is stopping the group itself (it then removes what the group leaves)
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import glob
 import json
 import os
 import re
+import shutil
+
+from .arena import remove_segments
 
 
 class RunDir:
@@ -57,6 +61,17 @@ class RunDir:
 
     def rank_heartbeat(self, rank: int) -> str:
         return self._at(f"rank{rank}.heartbeat")
+
+    @property
+    def stopping(self) -> str:
+        return self._at("stopping")
+
+    def remove(self, shm_prefix: str | None) -> None:
+        """Remove the run directory and the arena segments named ``shm_prefix`` (None or empty: a machine that joined
+        has none). Safe to repeat, and from several processes at once."""
+        if shm_prefix:
+            remove_segments(shm_prefix)
+        shutil.rmtree(self.path, ignore_errors=True)
 
     @property
     def beacon(self) -> str:

@@ -3,7 +3,9 @@
 tests/browser/run_template.mjs opens ComfyUI's template browser, picks this pack's flux1_device_map, makes it
 small (2 CPU ranks, 64x64, 3 steps), clicks Run, waits for the image, opens the pack's status panel and
 presses "Shut down backend"; it reports what the DOM showed as one JSON line, which this test checks. The
-shipped workflow loads unchanged: a tiny random FLUX.1 sits under its placeholder name, FLUX.1-dev.
+shipped workflow loads unchanged: a tiny random FLUX.1 sits under its placeholder name, FLUX.1-dev. Before it, a
+prompt over the API fails (a rank killed while the backend idles): the panel must show that error as past, with
+its time, wrapped to its width (it stayed in red as "Last error" after later runs succeeded, cut off at the edge).
 
 Screenshots land in the test's tmp dir; with PD_SAVE_SCREENSHOTS=1 they are also copied to docs/screenshots/.
 Needs COMFYUI_DIR, /usr/bin/chromium (or PD_CHROMIUM), node, and `npm ci` in tests/browser (.ci/run does all).
@@ -13,12 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 from comfyui_host import REPO_ROOT
+from comfyui_workflows import backend_status, small_workflow, worker_pids
 
 BROWSER_DIR = REPO_ROOT / "tests" / "browser"
 SCRIPT = BROWSER_DIR / "run_template.mjs"
@@ -57,6 +62,11 @@ def placeholder_model(comfyui_models_dir) -> Path:
 
 
 def test_template_runs_from_the_browser_and_the_panel_lists_two_ranks(comfyui_server, placeholder_model, tmp_path):
+    comfyui_server.run(small_workflow(seed=1, steps=1, model=PLACEHOLDER_MODEL), timeout=240)
+    os.kill(worker_pids(comfyui_server)[1], signal.SIGKILL)
+    comfyui_server.run(small_workflow(seed=2, steps=1, model=PLACEHOLDER_MODEL), timeout=240, expect="execution_error")
+    failed = backend_status(comfyui_server)["last_error"]
+    assert failed["type"] == "BackendDied" and "succeeded_since" not in failed, failed
     command = [
         "node",
         str(SCRIPT),
@@ -106,6 +116,14 @@ def test_template_runs_from_the_browser_and_the_panel_lists_two_ranks(comfyui_se
     assert [cells[0] for cells in panel["rank_cells"]] == ["0", "1"], context
     assert all(cells[1] == "cpu" and "free of" in cells[2] for cells in panel["rank_cells"]), context
     assert panel["models"] >= 1 and PLACEHOLDER_MODEL in panel["text"], context
+
+    # The error before the template's run is shown as past (folded, not red), with its time, and nothing of it is
+    # cut off at the panel's edge.
+    error = panel["error"]
+    assert error and error["past"] and not error["red"], context
+    past = r"Earlier error: BackendDied .* at \d{1,2}:\d\d:\d\d.*runs succeeded since"
+    assert re.match(past, error["heading"]), context
+    assert "the parallel backend failed" in error["message"] and not error["cut_off"], context
 
     # "Shut down backend" stopped it: the panel says so, and so does the route.
     assert "not running" in report["after_shutdown"]["text"], context

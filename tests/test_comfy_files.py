@@ -15,10 +15,12 @@ import time
 
 import pytest
 import torch
+from diffusers import AutoencoderKL, FluxTransformer2DModel
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import Cancelled, InvalidInput, comfy_files, default_spec, get_backend, jobs
 from parallel_runtime.families import flux_files
+from parallel_runtime.testing.tiny_comfy_files import _bfl_transformer, ldm_vae
 
 PROMPT = "a photo of a horse in the city"
 STEPS, TOKENS = 2, 32
@@ -251,6 +253,33 @@ def test_refusals_name_the_input(tiny):
     with pytest.raises(InvalidInput, match=r"diffusion_model: .* is a VAE or a text encoder"):
         jobs.validate_comfy_files(**{**names, "diffusion_model": "ae-linked.safetensors"})
     assert "flux1-dev-Q4_K_S.gguf" in comfy_files.list_files("diffusion_model")  # listed, so that picking it says why
+
+
+def test_flux1_files_that_would_fail_after_converting_are_refused_by_name(tiny):
+    """FLUX.1's rotary axes and its VAE's norm groups are not in the files: a transformer whose heads are not 128 wide,
+    or a VAE whose channels are not multiples of 32, converted and then failed at denoise or decode."""
+    _, models, made = tiny
+    names, _ = made["bf16"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        heads_64 = FluxTransformer2DModel(
+            in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=2,
+            joint_attention_dim=64, pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(8, 28, 28),
+        )  # fmt: skip
+        channels_16 = AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(16, 16, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=16,
+            use_quant_conv=False, use_post_quant_conv=False,
+        )  # fmt: skip
+    _write(str(models / "diffusion_models" / "heads_64.safetensors"), _bfl_transformer(heads_64.state_dict(), 1, 1))
+    _write(str(models / "vae" / "channels_16.safetensors"), ldm_vae(channels_16.state_dict(), 4))
+    for widget, value, message in (
+        ("diffusion_model", "heads_64.safetensors", r"attention heads 64 wide, .* cover 128: .* pick flux1-dev"),
+        ("vae", "channels_16.safetensors", r"has \[16, 16, 16, 16\] channels, .* multiple of 32: pick FLUX.1's VAE"),
+    ):
+        with pytest.raises(InvalidInput, match=message) as e:
+            jobs.validate_comfy_files(**{**names, widget: value})
+        assert e.value.widget == widget, e.value
 
 
 # -- every strategy on real CPU ranks ------------------------------------------------------------------------------

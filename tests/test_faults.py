@@ -28,7 +28,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_runtime import Backend, BackendDied, BackendSpec, Cancelled, InvalidInput, OpFailed, jobs, launcher
+from parallel_runtime import (
+    Backend,
+    BackendDied,
+    BackendSpec,
+    BackendStartError,
+    Cancelled,
+    InvalidInput,
+    OpFailed,
+    jobs,
+    launcher,
+)
 from parallel_runtime.arena import SHM_DIR
 from parallel_runtime.processes import process_alive
 from parallel_runtime.protocol import Channel, Error, Hello, Refused
@@ -445,6 +455,70 @@ def test_shutdown_never_waits_for_a_stuck_run(drill):
     caller.join(10)
     assert "was shut down while the op ran" in str(outcome.get("error")), outcome
     assert leftovers(agent, pids, prefix, run_dir) == NOTHING
+
+
+STOPPED_CLIENT = textwrap.dedent("""
+    import time, torch
+    from parallel_runtime import Backend, BackendSpec
+    from parallel_runtime.wire import EchoArgs
+    b = Backend(BackendSpec(ranks=2, device="cpu"))
+    b.call(EchoArgs(), tensors={"x": torch.ones(4)})  # both arenas have carried tensors
+    print(b.shm_prefix, b.run_dir, b.agent_pid, *b.worker_pids.values(), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_sigterm_to_the_client_and_the_backend_at_once_leaves_nothing():
+    """What ``systemctl stop`` does with its default KillMode: SIGTERM to every process of ComfyUI's service at once.
+    The client dies without tearing its group down and the ranks die before their orphan watch sees it; the review
+    found both arena segments and the run directory left until the next launch."""
+    client = subprocess.Popen([sys.executable, "-c", STOPPED_CLIENT], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": launcher.PACKAGE_ROOT})  # fmt: skip
+    try:
+        prefix, run_dir, *pids = client.stdout.readline().split()
+        agent, *ranks = [int(p) for p in pids]
+        assert len(ranks) == 2 and [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+        for pid in [client.pid, agent, *ranks]:
+            os.kill(pid, signal.SIGTERM)
+        client.wait(10)
+        deadline = time.monotonic() + 30
+        while leftovers(agent, ranks, prefix, run_dir) != NOTHING and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = leftovers(agent, ranks, prefix, run_dir)
+        launcher.remove_segments(prefix)  # no litter when it fails
+        shutil.rmtree(run_dir, ignore_errors=True)
+        assert left == NOTHING
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_shutdown_while_the_backend_starts_says_so():
+    """The Shut down button pressed while a backend starts: the prompt that started it failed with "exited during
+    start-up" and empty logs. Its ranks are held (SIGSTOP) once they run, so that the start is still under way."""
+    backend = Backend(SPEC, deadlines=FAST)
+    outcome = {}
+
+    def start() -> None:
+        try:
+            backend.start()
+        except BackendStartError as e:
+            outcome["error"] = e
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    deadline = time.monotonic() + 60
+    while (backend._group is None or len(backend._group.worker_pids()) < 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    group = backend._group
+    ranks = list(group.worker_pids().values())
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    assert not os.path.exists(group.run_dir.socket)
+    backend.shutdown()
+    starter.join(30)
+    assert "was shut down while it started" in str(outcome.get("error")), outcome
+    assert leftovers(group.proc.pid, ranks, group.shm_prefix, group.run_dir.path) == NOTHING
 
 
 def _child_memory_cgroup(limit: int) -> str | None:

@@ -1,6 +1,7 @@
 """Img2img, inpainting and the VAE encode at the family level, against diffusers: FLUX.1 and Qwen-Image against their
 Img2Img / Inpaint pipelines, FLUX.2 (diffusers 0.42.1 has no FLUX.2-dev img2img pipeline) against a reference loop
-written here from the scheduler calls those pipelines make. Single process, fp32, CPU, tiny models.
+written here from the scheduler calls those pipelines make. Single process, fp32, CPU, tiny models (one slow test runs
+a FLUX.1 whose VAE has 4 latent channels through the nodes on real ranks).
 
 "The same latents": diffusers' pipelines sample the VAE's posterior with the generator when given pixels, so both
 sides start from the posterior's mode (what VAEEncodeSingleGPU gives), normalised for the pipeline as its
@@ -8,6 +9,8 @@ sides start from the posterior's mode (what VAEEncodeSingleGPU gives), normalise
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -271,6 +274,81 @@ def test_inpaint_equals_diffusers_and_keeps_the_unmasked_area(family):
     half = samples.shape[-1] // 2
     assert (samples[..., : half - 1] - latent[..., : half - 1]).abs().max().item() <= 1e-5
     assert (samples[..., half + 1 :] - latent[..., half + 1 :]).abs().max().item() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def four_channels(tmp_path_factory):
+    """A tiny FLUX.1 whose VAE has 4 latent channels (its transformer takes 4 x 2x2), loaded once."""
+    from parallel_runtime.testing.tiny_models import make_tiny_flux
+
+    adapter = family_adapter("flux")
+    model_dir = make_tiny_flux(str(tmp_path_factory.mktemp("flux-4-channels")), latent_channels=4)
+    stages = (
+        adapter.load_text_encoders(model_dir, torch.float32, CPU),
+        adapter.load_transformer(model_dir, torch.float32, CPU),
+        adapter.load_vae(model_dir, torch.float32, "cpu"),
+    )
+    return adapter, model_dir, stages
+
+
+def test_img2img_with_a_vae_of_other_than_16_latent_channels_equals_diffusers(four_channels):
+    """The pipelines run without a VAE and took 16 latent channels for granted: a 4-channel latent was taken for an
+    image to encode ('NoneType' object has no attribute 'encode'). Inpainting, whose diffusers pipeline takes only
+    16-channel latents however it is built, is refused naming the model."""
+    adapter, model_dir, stages = four_channels
+    image = pixels()
+    latent = adapter.encode_image(stages[2], image)
+    assert latent.shape[1] == 4
+    samples = ours("flux", adapter, model_dir, stages, latent)
+    reference = reference_image("flux", adapter, model_dir, stages, posterior_mode("flux", stages[2], image), "img2img")
+    assert (adapter.decode(stages[2], samples) - reference).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match=r"flux-4-channels.* 4 latent channels.* 16"):
+        ours("flux", adapter, model_dir, stages, latent, mask=pixel_mask())
+
+
+@pytest.mark.slow  # the family-level test above is the default check; this one is the same through the nodes
+@pytest.mark.multirank
+def test_img2img_of_4_latent_channels_on_ranks_equals_diffusers(nodes, models_root, four_channels):
+    """VAEEncodeSingleGPU -> ParallelSampler (Ulysses over 2 CPU ranks) -> VAEDecodeSingleGPU on the 4-channel model
+    equals diffusers' FluxImg2ImgPipeline built with that VAE."""
+    _, model_dir, (_, _, vae) = four_channels
+    model = "flux-4-channels"
+    os.symlink(model_dir, models_root / model)
+    (backend,) = nodes["ParallelBackend"].execute(ranks=2, device="cpu", memory_policy="resident").args
+    (latent,) = nodes["VAEEncodeSingleGPU"].execute(pixels=pixels(), model=model, backend=backend).args
+    settings = FAMILIES["flux"]
+    (positive,) = (
+        nodes["EncodeOnBalancedGPUs"]
+        .execute(model=model, prompt=PROMPT, backend=backend, max_sequence_length=settings["max_sequence_length"])
+        .args
+    )
+    (transformer,) = (
+        nodes["LoadShardedTransformer"]
+        .execute(model=model, strategy="context_parallel", backend=backend, ulysses_degree=2, ring_degree=1)
+        .args
+    )
+    (samples,) = (
+        nodes["ParallelSampler"]
+        .execute(
+            transformer=transformer,
+            positive=positive,
+            seed=11,
+            steps=STEPS,
+            guidance_scale=GUIDANCE,
+            width=WIDTH,
+            height=HEIGHT,
+            batch_size=1,
+            latent_image=latent,
+            denoise=DENOISE,
+        )
+        .args
+    )
+    (image,) = nodes["VAEDecodeSingleGPU"].execute(samples=samples, model=model, backend=backend).args
+    assert latent["samples"].shape[1] == 4
+    mode = posterior_mode("flux", vae, pixels())
+    reference = diffusers_image("flux", model_dir, "img2img", pipeline_latents("flux", vae, mode))
+    # the ranks run their convolutions and attention with thread counts of their own
+    assert (image - reference).abs().max().item() <= 1e-4
 
 
 @pytest.mark.slow  # test_images_nodes checks batches per rank, test_images_comfyui EmptySD3LatentImage at denoise 1

@@ -32,6 +32,9 @@ function table(label, headers, rows) {
   return node;
 }
 
+// A server time (seconds since the epoch) as the browser's local time of day.
+const clock = (seconds) => new Date(seconds * 1000).toLocaleTimeString();
+
 const muted = (text) => el("div", { className: "pd-note", textContent: text });
 
 function device(rank) {
@@ -134,8 +137,15 @@ function render(root, status) {
     const e = status.last_error;
     const where = [e.op && `in ${e.op}`, e.rank !== null && e.rank !== undefined && `on rank ${e.rank}`]
       .filter(Boolean).join(" ");
-    body.push(el("h4", { textContent: `Last error: ${e.type || "error"} ${where}` }));
-    body.push(el("pre", { className: "pd-error", textContent: e.message }));
+    const what = `${e.type || "error"} ${where} at ${clock(e.time)}`;
+    if (e.succeeded_since) {  // work succeeded after it: past, folded away, not in red
+      body.push(el("details", { className: "pd-past-error" },
+        el("summary", { textContent: `Earlier error: ${what} (runs succeeded since ${clock(e.succeeded_since)})` }),
+        el("pre", { className: "pd-message", textContent: e.message })));
+    } else {
+      body.push(el("h4", { textContent: `Last error: ${what}` }));
+      body.push(el("pre", { className: "pd-message pd-error", textContent: e.message }));
+    }
   }
   body.push(el("div", { className: "pd-buttons" },
     el("button", { textContent: "Unload models", disabled: !status.running || status.busy,
@@ -175,7 +185,11 @@ const STYLE = `
 .pd-panel td .pd-note { font-size: 12px; }
 .pd-panel ul.pd-models { list-style: none; margin: 0; padding: 0; }
 .pd-panel ul.pd-models li { padding: 4px 0; border-bottom: 1px solid var(--border-color, #444); overflow-wrap: anywhere; }
-.pd-panel .pd-error { white-space: pre-wrap; color: var(--error-text, #f66); max-height: 14em; overflow: auto; }
+.pd-panel .pd-error { white-space: pre-wrap; overflow-wrap: anywhere; color: var(--error-text, #f66); }
+.pd-panel .pd-message { white-space: pre-wrap; overflow-wrap: anywhere; max-height: 14em; overflow: auto; margin: 4px 0;
+  font-size: 12px; }
+.pd-panel .pd-past-error { margin-top: 14px; color: var(--descrip-text, #999); }
+.pd-panel .pd-past-error summary { cursor: pointer; overflow-wrap: anywhere; }
 .pd-panel .pd-command { white-space: pre-wrap; overflow-wrap: anywhere; font-size: 12px; margin: 4px 0;
   padding: 4px 6px; background: var(--comfy-input-bg, #333); border-radius: 4px; user-select: all; }
 .pd-panel .pd-buttons { display: flex; gap: 8px; margin-top: 14px; }

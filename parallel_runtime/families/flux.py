@@ -10,6 +10,7 @@ Between the stages travel ComfyUI's types:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -98,6 +99,8 @@ class Flux1(FamilyAdapter):
             transformer=transformer,
         )
         pipe.set_progress_bar_config(disable=True)
+        if image is not None:
+            _latent_channels_of_the_vae(pipe, vae_config["latent_channels"], model_dir, masked=noise_mask is not None)
         device = pipe._execution_device
         # Passed-in embeddings are used as given (the pipeline repeats only the ones it encodes itself), and their
         # dtype sets the latents' dtype.
@@ -164,3 +167,21 @@ class Flux1(FamilyAdapter):
         from ..testing.tiny_models import make_tiny_flux
 
         return make_tiny_flux(out_dir, seed)
+
+
+def _latent_channels_of_the_vae(pipe: Any, channels: int, model_dir: str, masked: bool) -> None:
+    """Built without a VAE, FLUX.1's img2img and inpaint pipelines take 16 latent channels for granted and treat any
+    other latent as pixels to encode (with the VAE they do not have). Tell the img2img pipeline the model's own; the
+    inpaint pipeline takes only 16-channel latents however it is built, so a model with other ones is refused."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    if channels == pipe.latent_channels:
+        return
+    if masked:
+        raise ValueError(
+            f"the model {os.path.basename(os.path.normpath(model_dir))!r} has a VAE of {channels} latent channels, and "
+            "diffusers' FLUX.1 inpainting takes only 16: use it without a noise mask (img2img), or pick a FLUX.1 "
+            "model with FLUX.1's VAE"
+        )
+    pipe.latent_channels = channels
+    pipe.image_processor = VaeImageProcessor(vae_scale_factor=pipe.vae_scale_factor * 2, vae_latent_channels=channels)

@@ -49,6 +49,8 @@ SCHEDULER_SCHNELL = {**SCHEDULER_DEV, "shift": 1.0, "use_dynamic_shifting": Fals
 # FLUX.1's VAE normalisation (not in ae.safetensors: the diffusers config of black-forest-labs/FLUX.1-dev).
 VAE_SCALING_FACTOR = 0.3611
 VAE_SHIFT_FACTOR = 0.1159
+# The group norms' group count of FLUX.1's VAE (not in ae.safetensors either; ComfyUI assumes it too).
+VAE_NORM_GROUPS = 32
 
 
 def is_transformer(shapes: Shapes) -> bool:
@@ -205,8 +207,8 @@ def is_vae(shapes: Shapes) -> bool:
 
 
 def vae_config(shapes: Shapes) -> dict:
-    """``AutoencoderKL``'s config for FLUX.1's VAE at the file's sizes (no quant convs; 32 norm groups, as in
-    ae.safetensors and diffusers' default)."""
+    """``AutoencoderKL``'s config for FLUX.1's VAE at the file's sizes (no quant convs; ``VAE_NORM_GROUPS`` norm
+    groups, as in ae.safetensors and diffusers' default)."""
     levels = count(shapes, r"encoder\.down\.(\d+)\.")
     channels = [shapes[f"encoder.down.{i}.block.0.conv1.weight"][0] for i in range(levels)]
     return {
@@ -219,7 +221,7 @@ def vae_config(shapes: Shapes) -> dict:
         "up_block_types": ["UpDecoderBlock2D"] * levels,
         "layers_per_block": count(shapes, r"encoder\.down\.0\.block\.(\d+)\."),
         "act_fn": "silu",
-        "norm_num_groups": 32,
+        "norm_num_groups": VAE_NORM_GROUPS,
         "sample_size": 1024,
         "scaling_factor": VAE_SCALING_FACTOR,
         "shift_factor": VAE_SHIFT_FACTOR,
@@ -305,6 +307,24 @@ class Flux1Files(FilesLayout):
                 vae.widget,
                 f"{vae.name!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
                 f"{configs['transformer']['in_channels'] // 4}: pick the VAE of this model (FLUX.1: ae.safetensors)",
+            )
+        # What the files do not carry is FLUX.1's own; a file that does not fit it converted, then failed at denoise
+        # or decode.
+        head = configs["transformer"]["attention_head_dim"]
+        if head != sum(AXES_DIMS_ROPE):
+            raise InvalidInput(
+                transformer.widget,
+                f"{transformer.name!r} has attention heads {head} wide, but FLUX.1's rotary position axes "
+                f"{AXES_DIMS_ROPE} (which the file does not carry) cover {sum(AXES_DIMS_ROPE)}: this is not FLUX.1's "
+                "transformer; pick flux1-dev or flux1-schnell",
+            )
+        channels = configs["vae"]["block_out_channels"]
+        if any(c % VAE_NORM_GROUPS for c in channels):
+            raise InvalidInput(
+                vae.widget,
+                f"{vae.name!r} has {channels} channels, but FLUX.1's VAE normalises them in {VAE_NORM_GROUPS} groups "
+                f"(which the file does not carry), so each must be a multiple of {VAE_NORM_GROUPS}: pick FLUX.1's VAE "
+                "(ae.safetensors)",
             )
         if configs["text_encoder_2"]["d_model"] != configs["transformer"]["joint_attention_dim"]:
             raise InvalidInput(t5[0].widget, f"{t5[0].name!r} does not fit this transformer (its width differs)")

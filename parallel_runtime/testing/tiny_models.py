@@ -160,8 +160,9 @@ def _t5_tokenizer() -> T5TokenizerFast:
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
-def make_tiny_flux(out_dir: str, seed: int = 0) -> str:
-    """Build a tiny FLUX.1 pipeline (CLIP + T5 + Flux transformer + 16-channel VAE) and save it to `out_dir`."""
+def make_tiny_flux(out_dir: str, seed: int = 0, latent_channels: int = 16) -> str:
+    """Build a tiny FLUX.1 pipeline (CLIP + T5 + Flux transformer + VAE of ``latent_channels``, FLUX.1's 16 unless
+    a test needs another) and save it to `out_dir`."""
     tokenizer = _clip_tokenizer()
     tokenizer_2 = _t5_tokenizer()
 
@@ -200,7 +201,7 @@ def make_tiny_flux(out_dir: str, seed: int = 0) -> str:
         )
         transformer = FluxTransformer2DModel(
             patch_size=1,
-            in_channels=64,  # 16 latent channels x 2x2 packing
+            in_channels=latent_channels * 4,  # 2x2 packing
             num_layers=2,
             num_single_layers=2,
             attention_head_dim=16,
@@ -217,7 +218,7 @@ def make_tiny_flux(out_dir: str, seed: int = 0) -> str:
             up_block_types=("UpDecoderBlock2D",) * 4,
             block_out_channels=(8, 8, 16, 16),
             layers_per_block=1,
-            latent_channels=16,
+            latent_channels=latent_channels,
             norm_num_groups=4,
             sample_size=64,
             scaling_factor=_FLUX_VAE_SCALING_FACTOR,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -76,9 +75,7 @@ def main() -> None:
         # Whichever rank of the client's machine notices first cleans up: torchrun's agent stops the others as
         # soon as one exits, possibly before they get to it. Both steps are safe to repeat. On a machine that
         # joined, the client is ``comfy-parallel join``: its run directory goes too.
-        if shm_prefix:
-            remove_segments(shm_prefix)
-        shutil.rmtree(run_dir.path, ignore_errors=True)
+        run_dir.remove(shm_prefix)
 
     _watch_for_orphaning(int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), clean_up=clean_up_for_the_dead_client)
     remote.refuse_object_collectives()

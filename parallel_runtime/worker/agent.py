@@ -25,18 +25,23 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import run
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous, static_tcp_rendezvous
 
 from ..internals import check
+from ..processes import process_alive
 from ..rendezvous import BEACON_KEY
 from ..rundir import RunDir
 
 _LISTENERS: list[socket.socket] = []  # the bound sockets live as long as the stores that listen on them
+# How long an agent stopped by a signal waits to see whether its client goes too.
+CLIENT_GONE_S = 3.0
 
 
 def _bound_store(host_name: str, port: int, *args: Any, is_master: bool = False, **kwargs: Any) -> dist.TCPStore:
@@ -72,8 +77,26 @@ def _static_store(
 check("worker/agent.py")  # before torch is patched: one error naming what torch renamed
 
 
+def _clean_up_if_the_client_went_too() -> None:
+    """``systemctl stop`` signals every process of ComfyUI's service at once: the client dies without tearing its group
+    down, and the ranks die before their orphan watch notices. The agent outlives its ranks (torch stops them before
+    it re-raises the signal), so when the client is gone too it removes the group's segments and run directory. A
+    client that stops the group itself says so first (``RunDir.stopping``) and does that itself."""
+    run_dir = RunDir(os.environ["COMFY_PARALLEL_RUN_DIR"])
+    client, deadline = int(os.environ["COMFY_PARALLEL_CLIENT_PID"]), time.monotonic() + CLIENT_GONE_S
+    while process_alive(client):
+        if os.path.exists(run_dir.stopping) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    run_dir.remove(os.environ.get("COMFY_PARALLEL_SHM_PREFIX"))
+
+
 if __name__ == "__main__":
     static_tcp_rendezvous.TCPStore = _static_store
     c10d_rendezvous_backend.TCPStore = _bound_store
     dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = _create_tcp_store_server
-    run.main()
+    try:
+        run.main()
+    except SignalException:
+        _clean_up_if_the_client_went_too()
+        raise

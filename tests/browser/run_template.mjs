@@ -200,6 +200,24 @@ try {
       models: await panel.getByRole("list", { name: "Resident models" }).getByRole("listitem").count(),
       text: await panel.innerText(),
     };
+    // The last error: unfolded when it is shown as past, and whether any of it is cut off at the panel's edge.
+    const past = panel.locator(".pd-past-error");
+    if (await past.count()) {
+      await past.locator("summary").click();
+      await past.locator(".pd-message").waitFor({ state: "visible" });
+    }
+    report.panel.error = await panel.evaluate((p) => {
+      const message = p.querySelector(".pd-message");
+      const heading = p.querySelector(".pd-past-error summary") || [...p.querySelectorAll("h4")].pop();
+      const cut = (n) => n.scrollWidth > n.clientWidth + 1;
+      return message && {
+        past: Boolean(p.querySelector(".pd-past-error")),
+        red: message.classList.contains("pd-error"),
+        heading: heading.innerText,
+        message: message.innerText,
+        cut_off: cut(p) || cut(message) || cut(heading),
+      };
+    });
     await shot("status_panel.png", panel);
     await shot("status_panel_page.png");
 
