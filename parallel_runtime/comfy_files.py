@@ -29,17 +29,20 @@ weight, or ``weight_scale`` with ``_quantization_metadata``) is dequantized (wei
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Callable, Iterator
 
 from .errors import Cancelled, InvalidInput
 from .families import FILES_LAYOUTS, FilesLayout
 from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
+from .processes import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +64,16 @@ REFUSED_SUFFIXES = {
 }
 USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
 SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
+PARTIAL = ".partial-"  # a conversion's folder while it is written: <name>.partial-<host>-<pid>
 CONVERSION_VERSION = 1  # part of every cache key: a change of what the conversion writes makes new folders
 _FLOAT8 = ("F8_E4M3", "F8_E5M2")
 _FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
+# Every dtype safetensors 0.8 writes, by its bits per element.
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+    "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64,
+    "I64": 64, "U64": 64,
+}  # fmt: skip
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F64": 8}
 _STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "first_stage_model.", "vae.")
 # Tokenizer data ComfyUI keeps inside a text encoder file (uint8 tensors): read by a family's tokenizer, never weights.
@@ -211,9 +221,13 @@ def read_file(role: str, name: str, widget: str) -> SourceFile:
     if suffix in REFUSED_SUFFIXES:
         raise InvalidInput(widget, f"{name!r} is {REFUSED_SUFFIXES[suffix]}; {USE_INSTEAD}")
     try:
-        header, metadata = _header(path)
-    except (OSError, ValueError) as e:
-        raise InvalidInput(widget, f"{name!r} is not a readable safetensors file ({e}); pick another file") from None
+        header, metadata = read_header(path)
+    except OSError as e:
+        raise InvalidInput(widget, f"{name!r} cannot be read ({e.strerror}); check the file") from None
+    except ValueError as e:
+        raise InvalidInput(
+            widget, f"{name!r} is not a readable safetensors file ({e}); download it again, or pick another file"
+        ) from None
     prefixes = _STRIP_PREFIXES + (_TEXT_PREFIXES if role.startswith("text_encoder") else ())
     keys = {_strip(k, prefixes): k for k in header}
     stat = os.stat(path)
@@ -232,20 +246,75 @@ def read_file(role: str, name: str, widget: str) -> SourceFile:
     return file
 
 
-def _header(path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
-    """The safetensors header: each tensor's (dtype, shape), and the metadata. Reads only the header."""
+def read_header(path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
+    """The safetensors header: each tensor's (dtype, shape), and the metadata; ValueError saying what is wrong.
+
+    Reads only the header, and checks it as safetensors' loader will (so that a file that passes here does not fail
+    later on the ranks): every entry an object with a known dtype, a shape of non-negative integers and two offsets;
+    each tensor's bytes its shape × dtype; the tensors back to back, without overlap, filling the file exactly (a file
+    cut short fails here)."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise ValueError("shorter than a safetensors header")
         length = int.from_bytes(head, "little")
-        if length > 100 << 20 or length + 8 > os.fstat(f.fileno()).st_size:
+        size = os.fstat(f.fileno()).st_size
+        if length > 100 << 20 or length + 8 > size:
             raise ValueError("its header length is not plausible")
-        data = json.loads(f.read(length))
+        try:
+            data = json.loads(f.read(length))
+        except RecursionError:
+            raise ValueError("its header nests too deep to be a safetensors header") from None
+        except UnicodeDecodeError:
+            raise ValueError("its header is not text") from None
     if not isinstance(data, dict):
         raise ValueError("its header is not a JSON object")
     metadata = data.pop("__metadata__", None) or {}
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in data.items()}, metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("its __metadata__ is not an object of strings")
+    tensors, spans = {}, []
+    for key, entry in data.items():
+        tensors[key] = _entry(key, entry, spans)
+    end = 0
+    for start, stop, key in sorted(spans):
+        if start != end:
+            what = "overlaps the tensor before it" if start < end else "leaves a gap before it"
+            raise ValueError(f"the bytes of {key!r} start at {start}, which {what} (at {end}): the header is damaged")
+        end = stop
+    if end != size - 8 - length:
+        raise ValueError(
+            f"its tensors take {end} bytes but the file holds {size - 8 - length} after the header: it is cut short "
+            "or damaged (download it again)"
+        )
+    return tensors, metadata
+
+
+def _entry(key: str, entry: object, spans: list[tuple[int, int, str]]) -> tuple[str, tuple[int, ...]]:
+    """One tensor's header entry checked: (dtype, shape); its byte span is added to ``spans``."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"its header entry for {key!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _DTYPE_BITS:
+        raise ValueError(f"{key!r} has the dtype {dtype!r}, which safetensors does not know")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"{key!r} has the shape {shape!r}, not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise ValueError(f"{key!r} has the data_offsets {offsets!r}, not two increasing byte offsets")
+    n = 1
+    for d in shape:
+        n *= d
+    if n * _DTYPE_BITS[dtype] != 8 * (offsets[1] - offsets[0]):
+        raise ValueError(
+            f"{key!r} is {dtype} of shape {tuple(shape)} but {offsets[1] - offsets[0]} bytes long: the header is "
+            "damaged"
+        )
+    spans.append((offsets[0], offsets[1], key))
+    return dtype, tuple(shape)
 
 
 def _check_format(file: SourceFile) -> None:
@@ -450,11 +519,14 @@ def convert(
     should_cancel: Callable[[], bool] | None = None,
 ) -> str:
     """Write ``plan``'s diffusers folder (once) and return its model name. The folder appears complete or not at all:
-    it is written beside, then renamed; a failed or cancelled conversion leaves nothing behind."""
+    it is written beside (``<name>.partial-<host>-<pid>``, its ``model_index.json`` last, so that it is no model
+    folder until complete), then renamed; a failed or cancelled conversion leaves nothing behind, and one that was
+    killed leaves a partial folder that the next conversion removes (``sweep_partials``) and nothing lists."""
     if plan.converted:
         return plan.name
     root = os.path.dirname(plan.folder)
     os.makedirs(root, exist_ok=True)
+    sweep_partials(root)
     free = shutil.disk_usage(root).free
     need = plan.write_bytes + (256 << 20)
     if free < need:
@@ -472,20 +544,53 @@ def convert(
             + "), which was not found; run inside ComfyUI or set COMFYUI_DIR",
         )
     log.info("parallel_diffusers: converting %s to %s (%s)", plan.transformer.name, plan.folder, _gib(plan.write_bytes))
-    partial = f"{plan.folder}.partial-{os.getpid()}"
+    from safetensors import SafetensorError
+
+    partial = f"{plan.folder}{PARTIAL}{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
         _write_folder(plan.contents, partial, comfy_dir, on_progress, should_cancel)
         os.rename(partial, plan.folder)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         shutil.rmtree(partial, ignore_errors=True)
         if plan.converted:  # another process finished the same conversion first
             return plan.name
+        if getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e):
+            raise InvalidInput(
+                "diffusion_model",
+                f"the disk of {root} filled up while converting {plan.transformer.name!r}, which writes "
+                f"{_gib(plan.write_bytes)} there ({_gib(free)} were free when it started; nothing was kept); free "
+                "some space, or set COMFY_PARALLEL_CONVERTED to a folder on a larger disk",
+            ) from None
         raise InvalidInput("diffusion_model", f"could not write the converted model to {root}: {e}") from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return plan.name
+
+
+def is_partial(name: str) -> bool:
+    """Whether a folder (its name or path) is a conversion being written, or one whose writer was killed."""
+    return PARTIAL in os.path.basename(name.rstrip("/"))
+
+
+def sweep_partials(root: str) -> list[str]:
+    """Remove the folders in ``root`` that a conversion on this machine was writing when it was killed (its process is
+    gone); returns their paths. A conversion that runs, or one of another machine sharing the folder, is left alone."""
+    swept = []
+    host = socket.gethostname()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return swept
+    for name in names:
+        writer_host, _, pid = name.rpartition(PARTIAL)[2].rpartition("-")
+        if is_partial(name) and writer_host == host and pid.isdigit() and not process_alive(int(pid)):
+            path = os.path.join(root, name)
+            log.warning("parallel_diffusers: removing %s, left by a conversion that was killed", path)
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(path)
+    return swept
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -516,9 +621,9 @@ def _write_folder(
     on_progress: Progress | None,
     should_cancel: Callable[[], bool] | None,
 ) -> None:
-    """The family layout's folder: model_index, scheduler and tokenizers, then each component in turn."""
+    """The family layout's folder: scheduler and tokenizers, each component in turn, and model_index.json last (what
+    makes a folder a model: a folder cut short by a kill has none)."""
     steps = _Steps(sum(_units(c) for c in contents.components) + 1, on_progress, should_cancel)
-    _write_json(os.path.join(out, "model_index.json"), contents.model_index)
     _write_json(os.path.join(out, "scheduler", "scheduler_config.json"), contents.scheduler)
     for tokenizer in contents.tokenizers:
         _write_tokenizer(out, comfy_dir, tokenizer)
@@ -535,6 +640,7 @@ def _write_folder(
             steps(f"converting {component.name}")
         else:
             _write_whole(component, folder, steps)
+    _write_json(os.path.join(out, "model_index.json"), contents.model_index)
     steps("converted")
 
 
