@@ -9,6 +9,7 @@ with diffusers' converters, and each compared with the same deltas in diffusers'
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -657,6 +658,11 @@ def test_a_bad_lora_is_a_400_that_names_lora_name(comfyui_server, comfyui_models
     }
     save_file(qwen_like, comfyui_loras_dir / "other-model-e2e.safetensors")
     save_diffusers_lora(make_tiny_lora(model, "flux", seed=12), comfyui_loras_dir / "good-e2e.safetensors", "flux")
+    kohya = comfyui_loras_dir / "negative-alpha-e2e.safetensors"
+    save_bfl_lora(make_tiny_lora(model, "flux", layers=FLUX_BFL_LAYERS, seed=15), kohya, model, "flux", layout="kohya")
+    tensors = load_file(kohya)
+    tensors["lora_unet_double_blocks_0_img_attn_proj.alpha"] = torch.tensor(-1.0)
+    save_file(tensors, kohya)
     workflow = json.loads((REPO_ROOT / "example_workflows/api/flux1_lora_context_parallel_api.json").read_text())
     for node in workflow.values():
         if "model" in node["inputs"]:
@@ -666,15 +672,37 @@ def test_a_bad_lora_is_a_400_that_names_lora_name(comfyui_server, comfyui_models
     cases = [
         ("pickled-e2e.pt", 64, "7", "lora_name: pickled-e2e.pt is a .pt file; only .safetensors LoRAs are loaded"),
         ("other-model-e2e.safetensors", 64, "7", "lora_name: other-model-e2e.safetensors changes transformer_blocks"),
+        # diffusers' kohya converter looped forever on it, on ComfyUI's event loop: the whole server hung
+        (
+            "negative-alpha-e2e.safetensors",
+            64,
+            "7",
+            "lora_name: negative-alpha-e2e.safetensors has the alpha lora_unet_double_blocks_0_img_attn_proj.alpha "
+            "= -1",
+        ),
         # a good LoRA, and a size Ulysses cannot split: the sampler checks the handle computed through the loader
         ("good-e2e.safetensors", 48, "4", "width: 48×48 makes 9 image tokens, which do not split over 2 ranks"),
     ]
     for lora, size, node, hint in cases:
         workflow["7"]["inputs"]["lora_name"] = lora
         workflow["4"]["inputs"].update(width=size, height=size)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            posted = pool.submit(_post, comfyui_server, workflow)
+            while not posted.done():  # the server answers others while it checks the LoRA
+                assert comfyui_server.system_stats()["system"], lora
+                time.sleep(0.05)
         with pytest.raises(PromptRejected) as rejected:
-            comfyui_server.post_prompt(workflow)
+            raise posted.result()
         assert rejected.value.status == 400
         assert list(rejected.value.node_errors) == [node], rejected.value.node_errors
         (error,) = rejected.value.node_errors[node]["errors"]
         assert error["type"] == "custom_validation_failed" and hint in error["details"], error
+
+
+def _post(server, workflow: dict) -> Exception:
+    """What POST /prompt raised (a PromptRejected, or the request's own error when the server did not answer)."""
+    try:
+        server.post_prompt(workflow)
+    except Exception as e:
+        return e
+    return AssertionError("the prompt was accepted")
