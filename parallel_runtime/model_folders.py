@@ -33,6 +33,7 @@ from .wire import ModelRef
 log = logging.getLogger(__name__)
 
 _UNSAFE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_WEIGHTS = (".safetensors", ".sft", ".gguf", *_UNSAFE_WEIGHTS)  # files that make a folder look like a model
 MAX_DEPTH = 3  # folder levels searched below a root: "name" and "org/name" are the usual layouts
 _warned: set[str] = set()
 
@@ -79,16 +80,17 @@ def pipeline_class(model_dir: str) -> str | None:
 
 
 def _model_folders(root: str) -> Iterator[tuple[str, str, bool]]:
-    """Folders below ``root`` that hold a model_index.json (True), or files or a ``transformer/`` folder without one
+    """Folders below ``root`` that hold a model_index.json (True), or weights or a ``transformer/`` folder without one
     (False: what a user put there as a model, which is no diffusers pipeline), as (name, path, has the index).
     Symbolic links are followed, except one that leads back to a folder it sits in (a loop); the depth limit bounds
     the rest; hidden folders and a conversion's partial folders are not models."""
     for here, dirs, files in os.walk(root, followlinks=True):
         depth = 0 if here == root else os.path.relpath(here, root).count(os.sep) + 1
-        indexed = "model_index.json" in files
-        if indexed or (depth > 0 and (files or "transformer" in dirs)):
-            dirs[:] = []  # a pipeline's components are not pipelines of their own
+        indexed, components = "model_index.json" in files, "transformer" in dirs
+        if indexed or (depth > 0 and (components or any(f.endswith(_WEIGHTS) for f in files))):
             yield os.path.relpath(here, root).replace(os.sep, "/"), here, indexed
+        if indexed or components:
+            dirs[:] = []  # a pipeline's components are not pipelines of their own
             continue
         real = os.path.realpath(here)
         dirs[:] = (

@@ -79,6 +79,9 @@ def odd_root(tmp_path_factory):
     for file in os.listdir(base / "no-weights" / "transformer"):
         if file.endswith(".safetensors"):
             os.remove(base / "no-weights" / "transformer" / file)
+    (base / "org").mkdir()  # an organisation's folder: not a model itself, though it holds a file
+    (base / "org" / "README.md").write_text("our models")
+    family("flux").make_tiny_model(str(base / "org" / "listed"))
     family("flux").make_tiny_model(str(base / "ten-thousand-layers"))
     config_path = base / "ten-thousand-layers" / "transformer" / "config.json"
     config = json.loads(config_path.read_text())
@@ -95,7 +98,7 @@ def odd(odd_root, monkeypatch):
 def test_a_folder_that_is_no_pipeline_is_named_with_why(odd, nodes):
     """ComfyUI says only "Value not in list": the model widget's tooltip lists what was skipped and why, and naming the
     folder anyway says it too."""
-    assert "flux1-dev" not in model_folders.list_models()
+    assert "flux1-dev" not in model_folders.list_models() and "org/listed" in model_folders.list_models()
     assert dict(model_folders.skipped_models()) == {"flux1-dev": model_folders.NO_INDEX}
     hint = r"model: 'flux1-dev' has no model_index.json, .* ParallelModelFromComfyFiles"
     with pytest.raises(InvalidInput, match=hint):

@@ -137,8 +137,9 @@ def _pinned(path: str, expected_sha256: str | None) -> Iterator[tuple[str, str]]
             digest = hashlib.file_digest(f, "sha256").hexdigest()
         if expected_sha256 is not None and digest != expected_sha256:
             raise LoraError(
-                "changed since it was checked (its content is another file's now); queue the prompt again, and "
-                "replace a LoRA only while no prompt that uses it is queued"
+                "changed since it was checked, or is another file on this machine than on ComfyUI's (its content "
+                "differs); queue the prompt again, replace a LoRA only while no prompt that uses it is queued, and "
+                "give every machine the same copy"
             )
         yield f"/proc/self/fd/{fd}", digest
         after = os.fstat(fd)
