@@ -334,7 +334,7 @@ def _check_format(file: SourceFile) -> None:
         try:
             layers = json.loads(meta).get("layers", {})
             formats = {str(v.get("format")) for v in layers.values()}
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             formats = {"unreadable"}
         unknown = sorted(formats - {"float8_e4m3fn", "float8_e5m2"})
         if unknown:

@@ -255,6 +255,16 @@ def test_hostile_headers_are_refused_by_name(tiny):
         assert e.value.widget == "diffusion_model", label
         assert f"'hostile-{label}.safetensors' is not a readable safetensors file" in str(e.value), label
         assert "download it again, or pick another file" in str(e.value), label
+    deep = {"_quantization_metadata": "[" * 100_000 + "]" * 100_000}  # a sound header, its metadata not
+    _raw(
+        models / "diffusion_models" / "hostile-metadata.safetensors",
+        {"__metadata__": deep, "a": _f32([1], 0, 4)},
+        bytes(4),
+    )
+    with pytest.raises(
+        InvalidInput, match=r"diffusion_model: 'hostile-metadata.safetensors' is quantized as unreadable"
+    ):
+        jobs.validate_comfy_files(**{**names, "diffusion_model": "hostile-metadata.safetensors"})
 
 
 # A conversion in a process of its own, which stops for good once it has written part of the folder ("WRITING"), so
