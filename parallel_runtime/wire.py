@@ -92,7 +92,6 @@ class LoraRef:
         name: what the user picked (the ``lora_name`` widget): errors and the node's text name it.
         path: the resolved ``.safetensors`` file.
         strength: its multiplier; 0 leaves the transformer as it is, a negative one pushes the other way.
-        size: the file's size in bytes when it was checked.
         sha256: the digest of the file's content when it was checked: what identifies it. Every rank reads the file
             through one opening and refuses it unless its digest is this one, so the ranks apply the file the client
             checked or none does; a file replaced on disk is read again while an unchanged one is never read twice.
@@ -101,7 +100,6 @@ class LoraRef:
     name: str
     path: str
     strength: float
-    size: int
     sha256: str
 
     @property

@@ -69,7 +69,6 @@ class LoraWeights:
     scales: dict[str, float]
     text_encoder_keys: int = 0
     notes: tuple[str, ...] = ()
-    sha256: str = ""
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -123,25 +122,24 @@ def sha256(path: str) -> str:
 
 
 @contextlib.contextmanager
-def _pinned(path: str, expected_sha256: str | None) -> Iterator[tuple[str, str]]:
-    """The file opened once: ``(a path that reads that very opening, its sha256)``. A file replaced under its name
-    (a rename) is not seen through the opening; one rewritten in place while it is read changes its modification time,
-    which is compared after; LoraError when either changes what was expected."""
+def _pinned(path: str, expected_sha256: str | None) -> Iterator[str]:
+    """The file opened once, as a path that reads that very opening, its content checked against ``expected_sha256``
+    when given. A file replaced under its name (a rename) is not seen through the opening; one rewritten in place while
+    it is read changes its modification time, which is compared after; LoraError when either changes what was
+    expected."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise LoraError(f"cannot be read ({e.strerror}); check the file") from None
     try:
         before = os.fstat(fd)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        if expected_sha256 is not None and digest != expected_sha256:
+        if expected_sha256 is not None and sha256(f"/proc/self/fd/{fd}") != expected_sha256:
             raise LoraError(
                 "changed since it was checked, or is another file on this machine than on ComfyUI's (its content "
                 "differs); queue the prompt again, replace a LoRA only while no prompt that uses it is queued, and "
                 "give every machine the same copy"
             )
-        yield f"/proc/self/fd/{fd}", digest
+        yield f"/proc/self/fd/{fd}"
         after = os.fstat(fd)
         if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
             raise LoraError("was rewritten while it was read; queue the prompt again once the file is complete")
@@ -231,8 +229,8 @@ def read_lora(family: FamilyAdapter, path: str, config: dict, expected_sha256: s
     LoRA pair (lora_A / lora_B) for a linear layer the transformer has, of that layer's shape, with equal ranks on both
     sides and finite values."""
     _check_suffix(path)
-    with _pinned(path, expected_sha256) as (opened, digest):
-        return dataclasses.replace(_read(family, opened, config), sha256=digest)
+    with _pinned(path, expected_sha256) as opened:
+        return _read(family, opened, config)
 
 
 def _read(family: FamilyAdapter, path: str, config: dict) -> LoraWeights:

@@ -139,7 +139,7 @@ def validate_lora(handle: TransformerHandle | None, *, lora_name: str, strength:
         raise InvalidInput("lora_name", f"{lora_name} {e}") from None
     except OSError as e:
         raise InvalidInput("lora_name", f"{lora_name} cannot be read ({e.strerror}); check the file") from None
-    ref = LoraRef(name=lora_name, path=path, strength=float(strength), size=stat.st_size, sha256=digest)
+    ref = LoraRef(name=lora_name, path=path, strength=float(strength), sha256=digest)
     if handle is not None:
         _check(handle, ref)
     return ref
