@@ -116,9 +116,12 @@ def _keys(path: str) -> list[str]:
 
 
 def sha256(path: str) -> str:
-    """The file's content identity: the hex sha256 of its bytes (about 0.1 s per 100 MB)."""
+    """The file's content identity: the hex sha256 of its bytes (0.1–0.2 s per 100 MB)."""
+    digest = hashlib.sha256()  # read in blocks, not hashlib.file_digest: the pack runs on Python 3.10 too
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager
