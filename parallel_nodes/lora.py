@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import os
 
 from comfy_api.latest import io
@@ -75,19 +76,22 @@ class ParallelLoraLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, input_types: dict) -> bool | str:
-        """The file, and its content against the chained transformer, before anything runs."""
-        return comfy.validate(cls, input_types, _check)
+    async def validate_inputs(cls, input_types: dict) -> bool | str:
+        """The file, and its content against the chained transformer, before anything runs; in a thread, so that
+        ComfyUI's event loop answers other requests while a large LoRA is read (the reading has a deadline,
+        ``jobs.lora.CHECK_SECONDS``)."""
+        return await asyncio.to_thread(comfy.validate, cls, input_types, _check)
 
     @classmethod
     def fingerprint_inputs(cls, **inputs) -> object:
-        """The file's size and modification time: a LoRA replaced under the same name is a new input, so ComfyUI runs
-        the node (and the sampler after it) again instead of reusing the handle of the file that was."""
+        """What a file replaced under the same name changes (size, modification and change times, inode): it is a new
+        input, so ComfyUI runs the node (and the sampler after it) again instead of reusing the handle of the file that
+        was. (Its content is what the ranks check; this only tells ComfyUI to look again.)"""
         try:
             stat = os.stat(model_folders.resolve_lora(inputs.get("lora_name") or ""))
         except (InvalidInput, OSError):
             return None
-        return (stat.st_size, stat.st_mtime_ns)
+        return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:

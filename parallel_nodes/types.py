@@ -44,6 +44,12 @@ def max_memory_input() -> io.Input:
 
 
 def model_input(tooltip: str) -> io.Input:
+    """The model combo; its tooltip also names the folders under the model folders that are not listed, and why
+    (ComfyUI itself says only "Value not in list" of a model missing from it)."""
     from parallel_runtime import model_folders
 
+    skipped = model_folders.skipped_models()
+    if skipped:
+        shown = "; ".join(f"{name} ({why})" for name, why in skipped[:5])
+        tooltip += f" Not listed: {shown}" + (f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "")
     return io.Combo.Input("model", options=model_folders.list_models(), tooltip=tooltip)

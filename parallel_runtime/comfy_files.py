@@ -29,11 +29,13 @@ weight, or ``weight_scale`` with ``_quantization_metadata``) is dequantized (wei
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Callable, Iterator
 
@@ -41,7 +43,17 @@ from .errors import Cancelled, InvalidInput
 from .families import FILES_LAYOUTS, FilesLayout
 from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
 from .families.lora import SAFETENSORS_SUFFIXES
-from .model_folders import REFUSED_SUFFIXES, comfyui_folders, confined, converted_root, refused_because
+from .headers import read_header
+from .model_folders import (
+    PARTIAL,
+    REFUSED_SUFFIXES,
+    comfyui_folders,
+    confined,
+    converted_root,
+    is_partial,
+    refused_because,
+)
+from .processes import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,7 @@ SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion
 CONVERSION_VERSION = 1  # part of every cache key: a change of what the conversion writes makes new folders
 _FLOAT8 = ("F8_E4M3", "F8_E5M2")
 _FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
+# Every dtype safetensors 0.8 writes, by its bits per element.
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F64": 8}
 _STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "first_stage_model.", "vae.")
 # Tokenizer data ComfyUI keeps inside a text encoder file (uint8 tensors): read by a family's tokenizer, never weights.
@@ -181,9 +194,13 @@ def read_file(role: str, name: str, widget: str) -> SourceFile:
     if refused is not None:
         raise InvalidInput(widget, f"{name!r} is {refused}; only safetensors are loaded: {USE_INSTEAD}")
     try:
-        header, metadata = _header(path)
-    except (OSError, ValueError) as e:
-        raise InvalidInput(widget, f"{name!r} is not a readable safetensors file ({e}); pick another file") from None
+        header, metadata = read_header(path)
+    except OSError as e:
+        raise InvalidInput(widget, f"{name!r} cannot be read ({e.strerror}); check the file") from None
+    except ValueError as e:
+        raise InvalidInput(
+            widget, f"{name!r} is not a readable safetensors file ({e}); download it again, or pick another file"
+        ) from None
     prefixes = _STRIP_PREFIXES + (_TEXT_PREFIXES if role.startswith("text_encoder") else ())
     keys = {_strip(k, prefixes): k for k in header}
     stat = os.stat(path)
@@ -200,22 +217,6 @@ def read_file(role: str, name: str, widget: str) -> SourceFile:
     )
     _check_format(file)
     return file
-
-
-def _header(path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
-    """The safetensors header: each tensor's (dtype, shape), and the metadata. Reads only the header."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("shorter than a safetensors header")
-        length = int.from_bytes(head, "little")
-        if length > 100 << 20 or length + 8 > os.fstat(f.fileno()).st_size:
-            raise ValueError("its header length is not plausible")
-        data = json.loads(f.read(length))
-    if not isinstance(data, dict):
-        raise ValueError("its header is not a JSON object")
-    metadata = data.pop("__metadata__", None) or {}
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in data.items()}, metadata
 
 
 def _check_format(file: SourceFile) -> None:
@@ -235,7 +236,7 @@ def _check_format(file: SourceFile) -> None:
         try:
             layers = json.loads(meta).get("layers", {})
             formats = {str(v.get("format")) for v in layers.values()}
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             formats = {"unreadable"}
         unknown = sorted(formats - {"float8_e4m3fn", "float8_e5m2"})
         if unknown:
@@ -420,11 +421,14 @@ def convert(
     should_cancel: Callable[[], bool] | None = None,
 ) -> str:
     """Write ``plan``'s diffusers folder (once) and return its model name. The folder appears complete or not at all:
-    it is written beside, then renamed; a failed or cancelled conversion leaves nothing behind."""
+    it is written beside (``<name>.partial-<host>-<pid>``, its ``model_index.json`` last, so that it is no model
+    folder until complete), then renamed; a failed or cancelled conversion leaves nothing behind, and one that was
+    killed leaves a partial folder that the next conversion removes (``sweep_partials``) and nothing lists."""
     if plan.converted:
         return plan.name
     root = os.path.dirname(plan.folder)
     os.makedirs(root, exist_ok=True)
+    sweep_partials(root)
     free = shutil.disk_usage(root).free
     need = plan.write_bytes + (256 << 20)
     if free < need:
@@ -442,20 +446,48 @@ def convert(
             + "), which was not found; run inside ComfyUI or set COMFYUI_DIR",
         )
     log.info("parallel_diffusers: converting %s to %s (%s)", plan.transformer.name, plan.folder, _gib(plan.write_bytes))
-    partial = f"{plan.folder}.partial-{os.getpid()}"
+    from safetensors import SafetensorError
+
+    partial = f"{plan.folder}{PARTIAL}{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
         _write_folder(plan.contents, partial, comfy_dir, on_progress, should_cancel)
         os.rename(partial, plan.folder)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         shutil.rmtree(partial, ignore_errors=True)
         if plan.converted:  # another process finished the same conversion first
             return plan.name
+        if getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e):
+            raise InvalidInput(
+                "diffusion_model",
+                f"the disk of {root} filled up while converting {plan.transformer.name!r}, which writes "
+                f"{_gib(plan.write_bytes)} there ({_gib(free)} were free when it started; nothing was kept); free "
+                "some space, or set COMFY_PARALLEL_CONVERTED to a folder on a larger disk",
+            ) from None
         raise InvalidInput("diffusion_model", f"could not write the converted model to {root}: {e}") from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return plan.name
+
+
+def sweep_partials(root: str) -> list[str]:
+    """Remove the folders in ``root`` that a conversion on this machine was writing when it was killed (its process is
+    gone); returns their paths. A conversion that runs, or one of another machine sharing the folder, is left alone."""
+    swept = []
+    host = socket.gethostname()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return swept
+    for name in names:
+        writer_host, _, pid = name.rpartition(PARTIAL)[2].rpartition("-")
+        if is_partial(name) and writer_host == host and pid.isdigit() and not process_alive(int(pid)):
+            path = os.path.join(root, name)
+            log.warning("parallel_diffusers: removing %s, left by a conversion that was killed", path)
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(path)
+    return swept
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -486,9 +518,9 @@ def _write_folder(
     on_progress: Progress | None,
     should_cancel: Callable[[], bool] | None,
 ) -> None:
-    """The family layout's folder: model_index, scheduler and tokenizers, then each component in turn."""
+    """The family layout's folder: scheduler and tokenizers, each component in turn, and model_index.json last (what
+    makes a folder a model: a folder cut short by a kill has none)."""
     steps = _Steps(sum(_units(c) for c in contents.components) + 1, on_progress, should_cancel)
-    _write_json(os.path.join(out, "model_index.json"), contents.model_index)
     _write_json(os.path.join(out, "scheduler", "scheduler_config.json"), contents.scheduler)
     for tokenizer in contents.tokenizers:
         _write_tokenizer(out, comfy_dir, tokenizer)
@@ -505,6 +537,7 @@ def _write_folder(
             steps(f"converting {component.name}")
         else:
             _write_whole(component, folder, steps)
+    _write_json(os.path.join(out, "model_index.json"), contents.model_index)
     steps("converted")
 
 

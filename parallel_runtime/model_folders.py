@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from . import families
 from .errors import InvalidInput
 from .families.lora import SAFETENSORS_SUFFIXES
+from .headers import read_header
 from .wire import ModelRef
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ REFUSED_SUFFIXES = {
 }
 # What a loras folder lists besides LoRAs: the pickles (LoRA files are refused by ``families.lora.check_file``).
 PICKLE_SUFFIXES = tuple(suffix for suffix, why in REFUSED_SUFFIXES.items() if why in (_PICKLE, _PICKLE_ARCHIVE))
+_WEIGHTS = (".safetensors", ".sft", *REFUSED_SUFFIXES)  # files that make a folder look like a model
 MAX_DEPTH = 3  # folder levels searched below a root: "name" and "org/name" are the usual layouts
 _warned: set[str] = set()
 
@@ -84,6 +86,15 @@ def converted_root() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "comfyui-parallel-diffusers", "converted")
 
 
+PARTIAL = ".partial-"  # a conversion's folder while it is written: <name>.partial-<host>-<pid> (``comfy_files``)
+
+
+def is_partial(name: str) -> bool:
+    """Whether a folder (its name or path) is a conversion being written, or one whose writer was killed: never a
+    model, never listed."""
+    return PARTIAL in os.path.basename(name.rstrip("/"))
+
+
 def _warn_once(path: str, why: str) -> None:
     if path not in _warned:
         _warned.add(path)
@@ -108,37 +119,69 @@ def pipeline_class(model_dir: str) -> str | None:
     return name
 
 
-def _pipeline_folders(root: str) -> Iterator[tuple[str, str]]:
-    """Folders below ``root`` that hold a model_index.json, as (name, path). Symbolic links are followed, except one
-    that leads back to a folder it sits in (a loop); the depth limit bounds the rest."""
+def _model_folders(root: str) -> Iterator[tuple[str, str, bool]]:
+    """Folders below ``root`` that hold a model_index.json (True), or weights or a ``transformer/`` folder without one
+    (False: what a user put there as a model, which is no diffusers pipeline), as (name, path, has the index).
+    Symbolic links are followed, except one that leads back to a folder it sits in (a loop); the depth limit bounds
+    the rest; hidden folders and a conversion's partial folders are not models."""
     for here, dirs, files in os.walk(root, followlinks=True):
         depth = 0 if here == root else os.path.relpath(here, root).count(os.sep) + 1
-        if "model_index.json" in files:
+        indexed, components = "model_index.json" in files, "transformer" in dirs
+        if indexed or (depth > 0 and (components or any(f.endswith(_WEIGHTS) for f in files))):
+            yield os.path.relpath(here, root).replace(os.sep, "/"), here, indexed
+        if indexed or components:
             dirs[:] = []  # a pipeline's components are not pipelines of their own
-            yield os.path.relpath(here, root).replace(os.sep, "/"), here
             continue
         real = os.path.realpath(here)
         dirs[:] = (
             []
             if depth >= MAX_DEPTH
             else sorted(
-                d for d in dirs if not (real + os.sep).startswith(os.path.realpath(os.path.join(here, d)) + os.sep)
+                d
+                for d in dirs
+                if not d.startswith(".")
+                and not is_partial(d)
+                and not (real + os.sep).startswith(os.path.realpath(os.path.join(here, d)) + os.sep)
             )
         )
 
 
+# Why a folder a user put among the models is not one (the node's tooltip and the refusal say it).
+NO_INDEX = (
+    "has no model_index.json, so it is not a diffusers pipeline folder (save_pretrained writes one, with a folder "
+    "per component); a single .safetensors file goes in models/diffusion_models, for ParallelModelFromComfyFiles"
+)
+
+
 def list_models() -> list[str]:
     """Names of the supported pipelines found under the roots, sorted. One broken folder is skipped (with a warning
-    naming it), never a reason for the node list to fail."""
+    naming it, and in ``skipped_models``), never a reason for the node list to fail."""
     names = set()
     for root in roots():
-        for name, path in _pipeline_folders(root):
-            class_name = pipeline_class(path)
+        for name, path, indexed in _model_folders(root):
+            class_name = pipeline_class(path) if indexed else None
             if families.for_pipeline(class_name) is not None:
                 names.add(name)
             elif class_name is not None:
                 _warn_once(path, f"{class_name} is not a supported pipeline ({families.supported()})")
     return sorted(names)
+
+
+def skipped_models() -> list[tuple[str, str]]:
+    """The folders under the roots that are not listed, as (name, why), sorted: ComfyUI itself says only "Value not in
+    list" of a model that is missing from the list, so the model widget's tooltip names them."""
+    skipped = {}
+    for root in roots():
+        for name, path, indexed in _model_folders(root):
+            if not indexed:
+                skipped.setdefault(name, NO_INDEX)
+                continue
+            class_name = pipeline_class(path)
+            if class_name is None:
+                skipped.setdefault(name, "has a model_index.json without a readable _class_name")
+            elif families.for_pipeline(class_name) is None:
+                skipped.setdefault(name, f"is a {class_name}, not a supported pipeline ({families.supported()})")
+    return sorted(skipped.items())
 
 
 def confined(name: str, widget: str, what: str = "a model name; pick a folder name from the list") -> str:
@@ -159,6 +202,10 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
             "models/diffusers or COMFY_PARALLEL_MODELS and pick it here",
         )
     relative = confined(name, widget)
+    if is_partial(relative):
+        raise InvalidInput(
+            widget, f"{name!r} is a conversion that was cut short (a partial folder), not a model; pick another model"
+        )
     # Last: ComfyUI's own files converted by ParallelModelFromComfyFiles (not listed: that node names them).
     model_dir = next(
         (
@@ -169,6 +216,8 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
         None,
     )
     if model_dir is None:
+        if any(os.path.isdir(os.path.join(root, relative)) for root in roots()):
+            raise InvalidInput(widget, f"{name!r} {NO_INDEX}")
         where = ", ".join(roots()) or "no model folder is configured (set COMFY_PARALLEL_MODELS)"
         raise InvalidInput(widget, f"unknown model {name!r}; models are diffusers folders in: {where}")
     class_name = pipeline_class(model_dir)
@@ -188,6 +237,14 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
                 f"{name}/{component} has no safetensors weights, only {refused[0]}, {refused_because(refused[0])}; "
                 "only safetensors are loaded — re-save it with save_pretrained(safe_serialization=True)",
             )
+        if "config.json" in files and not any(f.endswith(".safetensors") for f in files):
+            expected = _weights_name(os.path.join(sub, "config.json"))
+            raise InvalidInput(
+                widget,
+                f"{name}/{component}/ has a config.json but no weights: {expected} "
+                "(or its shards and their .index.json) is expected beside it; copy the component's weights there, or "
+                "save the pipeline again with save_pretrained",
+            )
     return ModelRef(name=name, path=model_dir, family=adapter.key)
 
 
@@ -196,9 +253,60 @@ def refused_because(file_name: str) -> str | None:
     return REFUSED_SUFFIXES.get(os.path.splitext(file_name)[1].lower())
 
 
+def _weights_name(config_path: str) -> str:
+    """The weights file a component's config.json goes with: diffusers' name, or transformers' for its models."""
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        config = {}
+    transformers = isinstance(config, dict) and "transformers_version" in config
+    return "model.safetensors" if transformers else "diffusion_pytorch_model.safetensors"
+
+
 def read_config(model: ModelRef, component: str) -> dict:
     with open(os.path.join(model.path, component, "config.json")) as f:
         return json.load(f)
+
+
+def transformer_config(model: ModelRef, widget: str = "model") -> dict:
+    """The transformer's config.json, checked against its weights (their safetensors headers and index only): each
+    block count the family's ``block_lists`` names is the number of blocks the weights hold. Nothing is built from a
+    config before this (a config that asks for 10,000 layers would cost minutes and gigabytes to build)."""
+    config = read_config(model, "transformer")
+    if not isinstance(config, dict):
+        raise InvalidInput(widget, f"{model.name}/transformer/config.json is not a JSON object; save the model again")
+    keys = _weight_keys(os.path.join(model.path, "transformer"), model.name, widget)
+    for field, prefix in families.family(model.family).block_lists.items():
+        if field not in config:
+            continue
+        held = len({key.split(".")[1] for key in keys if key.startswith(prefix + ".")})
+        if config[field] != held:
+            raise InvalidInput(
+                widget,
+                f"{model.name}/transformer/config.json says {field} = {config[field]!r}, but its weights hold {held} "
+                f"{prefix}: the config belongs to another model or was edited; put the model's own config.json back, "
+                "or save the model again with save_pretrained",
+            )
+    return config
+
+
+def _weight_keys(folder: str, name: str, widget: str) -> set[str]:
+    """The tensor names of a component's weights: its index's weight map, else its safetensors files' headers."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith((".safetensors", ".safetensors.index.json")))
+    index = next((f for f in files if f.endswith(".index.json")), None)
+    try:
+        if index is not None:
+            with open(os.path.join(folder, index)) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map")
+            return set(weight_map)
+        return {key for file in files for key in read_header(os.path.join(folder, file))[0]}
+    except (OSError, ValueError, RecursionError, AttributeError) as e:
+        raise InvalidInput(
+            widget, f"{name}/transformer/ has weights that cannot be read ({e}); save the model again"
+        ) from None
 
 
 # -- LoRA files --------------------------------------------------------------------------------------------------

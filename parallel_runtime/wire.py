@@ -97,21 +97,20 @@ class LoraRef:
         name: what the user picked (the ``lora_name`` widget): errors and the node's text name it.
         path: the resolved ``.safetensors`` file.
         strength: its multiplier; 0 leaves the transformer as it is, a negative one pushes the other way.
-        size: the file's size in bytes when it was checked.
-        mtime_ns: the file's modification time when it was checked. With ``path`` and ``size`` it says which content
-            the ranks hold, so a file replaced on disk is read again while an unchanged one is never read twice.
+        sha256: the digest of the file's content when it was checked: what identifies it. Every rank reads the file
+            through one opening and refuses it unless its digest is this one, so the ranks apply the file the client
+            checked or none does; a file replaced on disk is read again while an unchanged one is never read twice.
     """
 
     name: str
     path: str
     strength: float
-    size: int
-    mtime_ns: int
+    sha256: str
 
     @property
-    def file(self) -> tuple[str, int, int]:
+    def file(self) -> tuple[str, str]:
         """What identifies the file's content: the ranks keep one reading per file, whatever its strength."""
-        return (self.path, self.size, self.mtime_ns)
+        return (self.path, self.sha256)
 
 
 class LoraMode(str, enum.Enum):

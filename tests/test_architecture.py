@@ -34,6 +34,7 @@ CLIENT = {
     "parallel_runtime.jobs",
     "parallel_runtime.model_folders",
     "parallel_runtime.comfy_files",
+    "parallel_runtime.headers",
     "parallel_runtime.cli",
     "parallel_runtime.watchdog",
     "parallel_runtime.machines",

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -18,7 +23,16 @@ import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 from safetensors.torch import load_file, save_file
 
-from parallel_runtime import Cancelled, InvalidInput, comfy_files, default_spec, get_backend, jobs
+from parallel_runtime import (
+    Cancelled,
+    InvalidInput,
+    comfy_files,
+    default_spec,
+    get_backend,
+    jobs,
+    launcher,
+    model_folders,
+)
 from parallel_runtime.families import flux_files
 from parallel_runtime.testing.tiny_comfy_files import _bfl_transformer, ldm_vae
 
@@ -192,6 +206,153 @@ def test_no_disk_space_is_refused_before_writing(tiny, monkeypatch):
 
 class _Usage:
     total, used, free = 1 << 30, 1 << 30, 1 << 20
+
+
+def _raw(path, header: dict | str, data: bytes = b"") -> None:
+    """A file in safetensors' framing with any header: the length, the JSON text, the bytes."""
+    text = (header if isinstance(header, str) else json.dumps(header)).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + data)
+
+
+def _f32(shape, start, end):
+    return {"dtype": "F32", "shape": shape, "data_offsets": [start, end]}
+
+
+HOSTILE_HEADERS = {
+    "entry-not-an-object": ({"a.weight": 1}, b"", r"its header entry for 'a.weight' is not an object"),
+    "missing-dtype": ({"a.weight": {"shape": [1], "data_offsets": [0, 4]}}, bytes(4), r"the dtype None"),
+    "string-shape": (
+        {"a.weight": {"dtype": "F32", "shape": "12", "data_offsets": [0, 4]}},
+        bytes(4),
+        r"the shape '12', not a list of non-negative integers",
+    ),
+    "deep-nesting": ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", b"", r"nests too deep"),
+    "past-the-end": ({"a.weight": _f32([4], 0, 16)}, bytes(4), r"tensors take 16 bytes but the file holds 4"),
+    "overlapping": (
+        {"a.weight": _f32([2], 0, 8), "b.weight": _f32([2], 4, 12)},
+        bytes(12),
+        r"'b.weight' start at 4, which overlaps the tensor before it",
+    ),
+    "cut-short": ({"a.weight": _f32([4], 0, 16)}, bytes(10), r"holds 10 after the header: it is cut short"),
+    "unknown-dtype": (
+        {"a.weight": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}},
+        bytes(1),
+        r"the dtype 'F7', which safetensors does not know",
+    ),
+    "size-mismatch": ({"a.weight": _f32([2], 0, 4)}, bytes(4), r"is F32 of shape \(2,\) but 4 bytes long"),
+    "metadata-not-strings": ({"__metadata__": {"a": 1}}, b"", r"__metadata__ is not an object of strings"),
+}
+
+
+def test_hostile_headers_are_refused_by_name(tiny):
+    """Each is a refusal naming the input and what is wrong, from the header alone (no tensor is read), never a raw
+    exception nor a file that passes here and fails on the ranks."""
+    _, models, made = tiny
+    names, _ = made["bf16"]
+    for label, (header, data, message) in HOSTILE_HEADERS.items():
+        _raw(models / "diffusion_models" / f"hostile-{label}.safetensors", header, data)
+        with pytest.raises(InvalidInput, match=message) as e:
+            jobs.validate_comfy_files(**{**names, "diffusion_model": f"hostile-{label}.safetensors"})
+        assert e.value.widget == "diffusion_model", label
+        assert f"'hostile-{label}.safetensors' is not a readable safetensors file" in str(e.value), label
+        assert "download it again, or pick another file" in str(e.value), label
+    deep = {"_quantization_metadata": "[" * 100_000 + "]" * 100_000}  # a sound header, its metadata not
+    _raw(
+        models / "diffusion_models" / "hostile-metadata.safetensors",
+        {"__metadata__": deep, "a": _f32([1], 0, 4)},
+        bytes(4),
+    )
+    with pytest.raises(
+        InvalidInput, match=r"diffusion_model: 'hostile-metadata.safetensors' is quantized as unreadable"
+    ):
+        jobs.validate_comfy_files(**{**names, "diffusion_model": "hostile-metadata.safetensors"})
+
+
+# A conversion in a process of its own, which stops for good once it has written part of the folder ("WRITING"), so
+# that the test can kill it there; or, given a fill file, fills the disk at that point and goes on.
+_CONVERSION = """
+import json, os, sys, time
+from parallel_runtime import InvalidInput, comfy_files, jobs
+names, fill = json.loads(sys.argv[1]), sys.argv[2]
+plan = jobs.validate_comfy_files(**names)
+def progress(done, total, text):
+    if done != 2:
+        return
+    if not fill:
+        print("WRITING", flush=True)
+        time.sleep(600)
+    try:
+        with open(fill, "wb") as f:
+            while True:
+                f.write(bytes(1 << 20))
+                f.flush()
+    except OSError:
+        pass
+try:
+    comfy_files.convert(plan, on_progress=progress)
+    print("CONVERTED")
+except InvalidInput as e:
+    print("REFUSED:", e)
+print("LEFT:", sorted(p for p in os.listdir(os.path.dirname(plan.folder)) if p != os.path.basename(fill)))
+"""
+
+
+def test_a_killed_conversion_is_never_a_model_and_the_next_one_sweeps_it(tiny, monkeypatch):
+    """SIGKILL mid-way leaves a partial folder: it has no model_index.json (written last), no model widget lists or
+    resolves it, and the next conversion removes it because its writer is gone."""
+    _, models, made = tiny
+    names, _ = made["bf16"]
+    os.utime(os.path.join(models, "vae", names["vae"]), ns=(3, 3))  # a key no other test converts
+    plan = jobs.validate_comfy_files(**names)
+    env = {**os.environ, "PYTHONPATH": launcher.PACKAGE_ROOT}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CONVERSION, json.dumps(names), ""], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout.readline().strip() == "WRITING"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    root = os.path.dirname(plan.folder)
+    (partial,) = [p for p in os.listdir(root) if p.startswith(plan.name + ".partial-")]
+    assert partial.endswith(f"-{proc.pid}") and os.listdir(os.path.join(root, partial))
+    assert not os.path.exists(os.path.join(root, partial, "model_index.json")) and not plan.converted
+    with pytest.raises(InvalidInput, match=r"model: .* is a conversion that was cut short \(a partial folder\)"):
+        model_folders.resolve(partial)
+    monkeypatch.setenv("COMFY_PARALLEL_MODELS", root)  # even where a models folder holds it, it is no model
+    assert partial not in model_folders.list_models() and partial not in dict(model_folders.skipped_models())
+    assert jobs.model_from_comfy_files(**names)[0] == plan.name
+    assert sorted(p for p in os.listdir(root) if p.startswith(plan.name)) == [plan.name]
+    assert model_folders.resolve(plan.name).family == "flux"
+
+
+def test_a_disk_that_fills_during_a_conversion_is_said_the_packs_way(tiny, tmp_path):
+    """A disk with room when the conversion starts, filled by someone else while it writes: the refusal says where
+    and how much, and nothing of the conversion is kept. In a mount namespace of its own, on a small tmpfs."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to give a conversion a small disk of its own")
+    _, models, made = tiny
+    names, _ = made["fp8_scaled"]
+    os.utime(os.path.join(models, "vae", names["vae"]), ns=(4, 4))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f'mount -t tmpfs -o size=300m tmpfs {disk} && exec {sys.executable} -c "$0" "$1" "$2"'
+    proc = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, _CONVERSION, json.dumps(names),
+         str(disk / "filler")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": launcher.PACKAGE_ROOT, "COMFY_PARALLEL_CONVERTED": str(disk / "converted")},
+    )  # fmt: skip
+    if "mount:" in proc.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
+    refused = next(line for line in proc.stdout.splitlines() if line.startswith("REFUSED:"))
+    assert f"diffusion_model: the disk of {disk / 'converted'} filled up while converting" in refused, refused
+    assert re.search(r"writes [\d.]+ MiB there \([\d.]+ [GM]iB were free when it started; nothing was kept\)", refused)
+    assert "COMFY_PARALLEL_CONVERTED" in refused
+    assert "os error" not in refused and "LEFT: []" in proc.stdout, proc.stdout
 
 
 def _write(path, tensors, metadata=None):

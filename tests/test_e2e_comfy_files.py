@@ -8,6 +8,7 @@ and the input, before anything runs.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -91,6 +92,18 @@ def test_a_refused_file_is_a_400_naming_the_input(comfyui_server, files, comfyui
     assert set(e.value.node_errors) == {"1"}, e.value.node_errors
     details = e.value.node_errors["1"]["errors"][0]["details"]
     assert "diffusion_model: " in details and "GGUF" in details, details
+    # Hostile safetensors headers (test_comfy_files has every kind): refused by name, never a raw exception.
+    from test_comfy_files import HOSTILE_HEADERS, _raw
+
+    for label in ("string-shape", "deep-nesting", "overlapping"):
+        header, data, message = HOSTILE_HEADERS[label]
+        _raw(comfyui_files_dir / "diffusion_models" / f"e2e-{label}.safetensors", header, data)
+        with pytest.raises(PromptRejected) as e:
+            comfyui_server.post_prompt(workflow({**names, "diffusion_model": f"e2e-{label}.safetensors"}, seed=1))
+        assert e.value.status == 400 and set(e.value.node_errors) == {"1"}, e.value.node_errors
+        details = e.value.node_errors["1"]["errors"][0]["details"]
+        assert f"diffusion_model: 'e2e-{label}.safetensors' is not a readable safetensors file" in details, details
+        assert re.search(message, details), (label, details)
 
 
 @pytest.mark.multirank

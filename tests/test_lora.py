@@ -9,11 +9,14 @@ with diffusers' converters, and each compared with the same deltas in diffusers'
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
 import os
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -475,6 +478,13 @@ def bad_loras(models_dir, loras, loras_dir) -> None:
     kohya["lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight"] = torch.zeros(4, 32)
     kohya["lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight"] = torch.zeros(32, 4)
     save_file(kohya, loras_dir / "with_text_encoder.safetensors")
+    # diffusers' kohya converter loops forever on a negative alpha; a huge one overflows the weights into NaN
+    for name, alpha in (("negative_alpha", -1.0), ("huge_alpha", 1e30), ("nan_alpha", math.nan)):
+        tensors = load_file(loras_dir / "flux_kohya.safetensors")
+        tensors["lora_unet_double_blocks_0_img_attn_proj.alpha"] = torch.tensor(alpha)
+        save_file(tensors, loras_dir / f"{name}.safetensors")
+    negative = make_tiny_lora(models_dir / "tiny-flux", "flux", alpha=-2.0, seed=9)
+    save_diffusers_lora(negative, loras_dir / "negative_lora_alpha.safetensors", "flux")
 
 
 @pytest.mark.parametrize(
@@ -491,6 +501,26 @@ def bad_loras(models_dir, loras, loras_dir) -> None:
         ("flux", "lora_name", "wider_model.safetensors", r"is for another model: .* is 64×64 in this transformer"),
         ("flux", "lora_name", "text_encoder_only.safetensors", "only text-encoder weights"),
         ("flux", "lora_name", "with_bias.safetensors", r"a bias on lora_B \(PEFT's lora_bias\)"),
+        (
+            "flux",
+            "lora_name",
+            "negative_alpha.safetensors",
+            r"negative_alpha\.safetensors has the alpha lora_unet_double_blocks_0_img_attn_proj\.alpha = -1; an alpha "
+            "must be positive .* set the loader's strength negative instead",
+        ),
+        (
+            "flux",
+            "lora_name",
+            "huge_alpha.safetensors",
+            r"the alpha lora_unet_double_blocks_0_img_attn_proj\.alpha = 1e\+30, more than 1000 × its rank \(2\)",
+        ),
+        ("flux", "lora_name", "nan_alpha.safetensors", r"the alpha lora_unet_\S+\.alpha = nan, which is not a finite"),
+        (
+            "flux",
+            "lora_name",
+            "negative_lora_alpha.safetensors",
+            r"the alpha transformer\.lora_alpha \(adapter metadata\) = -2",
+        ),
         ("qwenimage", "lora_name", "flux_a.safetensors", r"another model.*\(checked against tiny-qwenimage"),
         ("flux2", "lora_name", "qwenimage_a.safetensors", "another model"),
         ("flux", "strength", math.nan, "not a number the sampler can use"),
@@ -504,6 +534,37 @@ def test_bad_lora_input_is_refused_before_anything_runs(models_dir, bad_loras, k
         jobs.add_lora(transformer, **args)
     assert info.value.widget == widget
     assert str(info.value).startswith(f"{widget}: ")
+
+
+def test_a_lora_check_that_runs_away_is_refused_at_its_deadline(models_dir, loras_dir, monkeypatch):
+    """ComfyUI validates on its event loop: a reading that never ends (as diffusers' did on a negative alpha) is a
+    refusal naming the file at the deadline, and its outcome, once it has one, is what the next prompt gets."""
+    from parallel_runtime.jobs import lora as lora_step
+
+    release = threading.Event()
+
+    def stuck(*args, **kwargs):
+        release.wait(60)
+        raise LoraError("was read at last")
+
+    save_diffusers_lora(
+        make_tiny_lora(models_dir / "tiny-flux", "flux", seed=13), loras_dir / "stuck.safetensors", "flux"
+    )
+    monkeypatch.setattr(lora_step, "read_lora", stuck)  # the reading stands still; the deadline is what is tested
+    monkeypatch.setattr(lora_step, "CHECK_SECONDS", 0.5)
+    transformer = jobs.plan_transformer(backend(), model="tiny-flux", strategy="data_parallel")
+    with pytest.raises(InvalidInput, match=r"stuck\.safetensors took more than 0\.5 s to check") as info:
+        jobs.add_lora(transformer, lora_name="stuck.safetensors")
+    assert info.value.widget == "lora_name"
+    release.set()
+    deadline = time.monotonic() + 30
+    while True:
+        with pytest.raises(InvalidInput) as info:
+            jobs.add_lora(transformer, lora_name="stuck.safetensors")
+        if "was read at last" in str(info.value) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert "stuck.safetensors was read at last" in str(info.value)
 
 
 def test_fusing_is_refused_when_the_kept_originals_would_not_fit_host_memory():
@@ -544,16 +605,19 @@ def test_text_encoder_parts_are_named_as_not_applied(models_dir, bad_loras):
 def test_a_lora_that_fails_on_the_ranks_leaves_the_backend_and_its_transformer_up(
     models_dir, loras, loras_dir, conditioning, one_shot
 ):
-    """A file that changed after it was checked fails on every rank before denoising; the backend stays up with its
-    transformer resident (no reload), and the next prompt without that LoRA runs."""
+    """A file replaced after it was checked by another of the same size (its content differs, nothing else) fails on
+    every rank before denoising, none applying it; the backend stays up with its transformer resident (no reload), and
+    the next prompt without that LoRA runs."""
     spec = backend()
     generate(spec, conditioning, "flux", "tensor_parallel")
     pids, counts = get_backend(spec).worker_pids, get_backend(spec).status().ranks[0].load_counts
     changing = loras_dir / "changing.safetensors"
     shutil.copy(loras_dir / "flux_a.safetensors", changing)
     checked = handle(spec, "flux", "tensor_parallel", (("changing.safetensors", 1.0),))
-    shutil.copy(loras_dir / "flux_b.safetensors", changing)  # another size: the checked file is gone
-    with pytest.raises(InvalidInput, match=r"changing\.safetensors is \d+ bytes on .*, not the \d+ that were checked"):
+    ranks = {"transformer_blocks.0.attn.to_out.0": 2, "proj_out": 3}  # flux_a's, with other values
+    save_diffusers_lora(make_tiny_lora(models_dir / "tiny-flux", "flux", ranks=ranks, seed=14), changing, "flux")
+    assert changing.stat().st_size == (loras_dir / "flux_a.safetensors").stat().st_size
+    with pytest.raises(InvalidInput, match=r"changing\.safetensors on .* changed since it was checked"):
         jobs.sample(checked, conditioning(spec, "flux"), seed=3, steps=STEPS, width=64, height=64, guidance_scale=3.5)
     image = generate(spec, conditioning, "flux", "tensor_parallel")
     assert get_backend(spec).worker_pids == pids
@@ -594,6 +658,11 @@ def test_a_bad_lora_is_a_400_that_names_lora_name(comfyui_server, comfyui_models
     }
     save_file(qwen_like, comfyui_loras_dir / "other-model-e2e.safetensors")
     save_diffusers_lora(make_tiny_lora(model, "flux", seed=12), comfyui_loras_dir / "good-e2e.safetensors", "flux")
+    kohya = comfyui_loras_dir / "negative-alpha-e2e.safetensors"
+    save_bfl_lora(make_tiny_lora(model, "flux", layers=FLUX_BFL_LAYERS, seed=15), kohya, model, "flux", layout="kohya")
+    tensors = load_file(kohya)
+    tensors["lora_unet_double_blocks_0_img_attn_proj.alpha"] = torch.tensor(-1.0)
+    save_file(tensors, kohya)
     workflow = json.loads((REPO_ROOT / "example_workflows/api/flux1_lora_context_parallel_api.json").read_text())
     for node in workflow.values():
         if "model" in node["inputs"]:
@@ -603,15 +672,37 @@ def test_a_bad_lora_is_a_400_that_names_lora_name(comfyui_server, comfyui_models
     cases = [
         ("pickled-e2e.pt", 64, "7", "lora_name: pickled-e2e.pt is a .pt file; only .safetensors LoRAs are loaded"),
         ("other-model-e2e.safetensors", 64, "7", "lora_name: other-model-e2e.safetensors changes transformer_blocks"),
+        # diffusers' kohya converter looped forever on it, on ComfyUI's event loop: the whole server hung
+        (
+            "negative-alpha-e2e.safetensors",
+            64,
+            "7",
+            "lora_name: negative-alpha-e2e.safetensors has the alpha lora_unet_double_blocks_0_img_attn_proj.alpha "
+            "= -1",
+        ),
         # a good LoRA, and a size Ulysses cannot split: the sampler checks the handle computed through the loader
         ("good-e2e.safetensors", 48, "4", "width: 48×48 makes 9 image tokens, which do not split over 2 ranks"),
     ]
     for lora, size, node, hint in cases:
         workflow["7"]["inputs"]["lora_name"] = lora
         workflow["4"]["inputs"].update(width=size, height=size)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            posted = pool.submit(_post, comfyui_server, workflow)
+            while not posted.done():  # the server answers others while it checks the LoRA
+                assert comfyui_server.system_stats()["system"], lora
+                time.sleep(0.05)
         with pytest.raises(PromptRejected) as rejected:
-            comfyui_server.post_prompt(workflow)
+            raise posted.result()
         assert rejected.value.status == 400
         assert list(rejected.value.node_errors) == [node], rejected.value.node_errors
         (error,) = rejected.value.node_errors[node]["errors"]
         assert error["type"] == "custom_validation_failed" and hint in error["details"], error
+
+
+def _post(server, workflow: dict) -> Exception:
+    """What POST /prompt raised (a PromptRejected, or the request's own error when the server did not answer)."""
+    try:
+        server.post_prompt(workflow)
+    except Exception as e:
+        return e
+    return AssertionError("the prompt was accepted")

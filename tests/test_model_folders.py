@@ -143,3 +143,71 @@ def test_model_folders_and_comfyui_files_come_from_the_same_roots(tmp_path, monk
     ]  # fmt: skip
     assert comfy_files._roots("vae") == []  # no ComfyUI folder of that kind, none in the models directories
     assert model_folders.converted_root() == str(tmp_path / "comfyui" / "parallel_diffusers_converted")
+
+
+# -- what a newcomer puts in the models folder ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def odd_root(tmp_path_factory):
+    """A models folder with what users put there: a single file in a folder, a pipeline whose transformer/ lost its
+    weights, and one whose config asks for far more layers than its weights hold."""
+    base = tmp_path_factory.mktemp("odd-models")
+    (base / "flux1-dev").mkdir()
+    (base / "flux1-dev" / "flux1-dev.safetensors").write_bytes(b"")
+    family("flux").make_tiny_model(str(base / "no-weights"))
+    for file in os.listdir(base / "no-weights" / "transformer"):
+        if file.endswith(".safetensors"):
+            os.remove(base / "no-weights" / "transformer" / file)
+    (base / "org").mkdir()  # an organisation's folder: not a model itself, though it holds a file
+    (base / "org" / "README.md").write_text("our models")
+    family("flux").make_tiny_model(str(base / "org" / "listed"))
+    family("flux").make_tiny_model(str(base / "ten-thousand-layers"))
+    config_path = base / "ten-thousand-layers" / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_layers": 10_000}))
+    return base
+
+
+@pytest.fixture
+def odd(odd_root, monkeypatch):
+    monkeypatch.setenv("COMFY_PARALLEL_MODELS", str(odd_root))
+    return odd_root
+
+
+def test_a_folder_that_is_no_pipeline_is_named_with_why(odd, nodes):
+    """ComfyUI says only "Value not in list": the model widget's tooltip lists what was skipped and why, and naming the
+    folder anyway says it too."""
+    assert "flux1-dev" not in model_folders.list_models() and "org/listed" in model_folders.list_models()
+    assert dict(model_folders.skipped_models()) == {"flux1-dev": model_folders.NO_INDEX}
+    hint = r"model: 'flux1-dev' has no model_index.json, .* ParallelModelFromComfyFiles"
+    with pytest.raises(InvalidInput, match=hint):
+        model_folders.resolve("flux1-dev")
+    (model,) = [i for i in nodes["LoadShardedTransformer"].define_schema().inputs if i.id == "model"]
+    assert "Not listed: flux1-dev (has no model_index.json" in model.tooltip, model.tooltip
+
+
+def test_a_component_without_weights_is_named_with_the_file_expected(odd):
+    hint = r"model: no-weights/transformer/ has a config.json but no weights: diffusion_pytorch_model.safetensors"
+    with pytest.raises(InvalidInput, match=hint):
+        model_folders.resolve("no-weights")
+
+
+def test_a_config_that_disagrees_with_the_weights_is_refused_before_anything_is_built(odd):
+    """10,000 layers in the config, 2 in the weights: refused from the headers, with low memory (building the model
+    on the meta device from that config took minutes and gigabytes)."""
+    import tracemalloc
+
+    from parallel_runtime import default_spec, jobs
+
+    hint = (
+        r"model: ten-thousand-layers/transformer/config.json says num_layers = 10000, but its weights hold 2 "
+        r"transformer_blocks"
+    )
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInput, match=hint):
+            spec = default_spec(ranks=2, device="cpu")
+            jobs.plan_transformer(spec, model="ten-thousand-layers", strategy="data_parallel")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"{peak / 2**20:.0f} MiB"

@@ -91,6 +91,9 @@ class FamilyAdapter(abc.ABC):
         min_steps, min_steps_reason: the fewest steps that give an image, and why (for the error).
         latent: the LATENT layout.
         pixels_per_token: image pixels per transformer token along each side (8x VAE, 2x2 patches: 16).
+        block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
+            DiT convention by default): the client checks them against the weights before it builds anything from
+            the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
     """
 
     key: ClassVar[str]
@@ -104,6 +107,10 @@ class FamilyAdapter(abc.ABC):
     min_steps_reason: ClassVar[str] = "would not denoise anything"
     latent: ClassVar[LatentLayout]
     pixels_per_token: ClassVar[int] = 16
+    block_lists: ClassVar[dict[str, str]] = {
+        "num_layers": "transformer_blocks",
+        "num_single_layers": "single_transformer_blocks",
+    }
 
     # -- stages (on the ranks) --------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -3,7 +3,10 @@ share, so the LoRA that passed validation is the LoRA the ranks apply.
 
 The family's diffusers pipeline converts the layouts LoRAs are published in (diffusers / PEFT, kohya ``lora_unet_…``,
 BFL / ComfyUI ``diffusion_model.…``, xlabs for FLUX.1) to diffusers' module names (``FamilyAdapter.lora_state_dict``).
-What is left is family-agnostic and happens here: the file must be safetensors with a sound header; the parts that
+What is left is family-agnostic and happens here: the file must be safetensors with a sound header, its content the
+one the caller expects (its sha256, read through one open descriptor, so a file replaced under its name is never read
+half old, half new); its alphas finite, positive and at most ``MAX_ALPHA_PER_RANK`` times their rank, checked before
+diffusers' converters see them (one of them loops forever on a negative alpha); the parts that
 are not the transformer's (kohya ``lora_te*`` text-encoder weights) are set aside; every remaining key must be a
 LoRA pair for a linear layer of this transformer, of its shape, with matching ranks and finite values; and the scale
 PEFT gives each layer (alpha / rank, with diffusers' rules for network alphas and adapter metadata) is read from PEFT
@@ -12,10 +15,15 @@ itself, on a skeleton of the transformer built on the meta device (no weights, n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
+import math
 import os
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +39,9 @@ _PAIR = ("lora_A.weight", "lora_B.weight")
 # Keys of a file that belong to a text encoder (kohya's lora_te / lora_te1 / lora_te2, ComfyUI's text_encoders.…, and
 # diffusers' own text_encoder / text_encoder_2 prefixes after conversion).
 _TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder")
+# A layer's scale is alpha / rank; published LoRAs keep it near 1 (alpha = rank, or a few times it). Far beyond, the
+# merged delta overflows the weights' dtype (a kohya alpha of 1e30 gives an all-NaN latent).
+MAX_ALPHA_PER_RANK = 1000.0
 
 
 class LoraError(ValueError):
@@ -69,11 +80,8 @@ class LoraWeights:
         return self.state_dict[key + "lora_A.weight"], self.state_dict[key + "lora_B.weight"]
 
 
-def check_file(path: str) -> list[str]:
-    """The keys of a safetensors file whose header reads and covers the file; LoraError saying what is wrong otherwise.
-
-    Only the header is read (``safe_open`` checks that the tensors' offsets cover the file exactly), so a file cut
-    short by a failed download is caught here."""
+def _check_suffix(path: str) -> None:
+    """A pickle's suffix refused, with the reason."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in SAFETENSORS_SUFFIXES:
         raise LoraError(
@@ -81,6 +89,18 @@ def check_file(path: str) -> list[str]:
             "files are Python pickles that can run code when they are read. Get the .safetensors release of the "
             "LoRA, or convert it (load it with torch.load where you trust it, save it with safetensors' save_file)"
         )
+
+
+def check_file(path: str) -> list[str]:
+    """The keys of a safetensors file whose header reads and covers the file; LoraError saying what is wrong otherwise.
+
+    Only the header is read (``safe_open`` checks that the tensors' offsets cover the file exactly), so a file cut
+    short by a failed download is caught here."""
+    _check_suffix(path)
+    return _keys(path)
+
+
+def _keys(path: str) -> list[str]:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -95,6 +115,107 @@ def check_file(path: str) -> list[str]:
     return keys
 
 
+def sha256(path: str) -> str:
+    """The file's content identity: the hex sha256 of its bytes (0.1–0.2 s per 100 MB)."""
+    digest = hashlib.sha256()  # read in blocks, not hashlib.file_digest: the pack runs on Python 3.10 too
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _pinned(path: str, expected_sha256: str | None) -> Iterator[str]:
+    """The file opened once, as a path that reads that very opening, its content checked against ``expected_sha256``
+    when given. A file replaced under its name (a rename) is not seen through the opening; one rewritten in place while
+    it is read changes its modification time, which is compared after; LoraError when either changes what was
+    expected."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise LoraError(f"cannot be read ({e.strerror}); check the file") from None
+    try:
+        before = os.fstat(fd)
+        if expected_sha256 is not None and sha256(f"/proc/self/fd/{fd}") != expected_sha256:
+            raise LoraError(
+                "changed since it was checked, or is another file on this machine than on ComfyUI's (its content "
+                "differs); queue the prompt again, replace a LoRA only while no prompt that uses it is queued, and "
+                "give every machine the same copy"
+            )
+        yield f"/proc/self/fd/{fd}"
+        after = os.fstat(fd)
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise LoraError("was rewritten while it was read; queue the prompt again once the file is complete")
+    finally:
+        os.close(fd)
+
+
+def _number(value: object) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _check_alpha(where: str, alpha: float | None, rank: int | None) -> None:
+    if alpha is None or not math.isfinite(alpha):
+        raise LoraError(f"has the alpha {where} = {alpha}, which is not a finite number; the file is damaged")
+    if alpha <= 0:
+        raise LoraError(
+            f"has the alpha {where} = {alpha:g}; an alpha must be positive (a LoRA's scale is alpha / rank): the "
+            "file is damaged — to apply a LoRA the other way, set the loader's strength negative instead"
+        )
+    bound = MAX_ALPHA_PER_RANK * (rank or 1)
+    if alpha > bound:
+        raise LoraError(
+            f"has the alpha {where} = {alpha:g}, more than {MAX_ALPHA_PER_RANK:g} × its rank ({rank or 1}); such a "
+            "scale overflows the weights (a black or NaN image): the file is damaged"
+        )
+
+
+def check_alphas(path: str) -> None:
+    """The file's alphas (kohya / BFL ``<module>.alpha`` tensors, and ``lora_alpha`` / ``alpha_pattern`` in diffusers'
+    adapter metadata) finite, positive and at most ``MAX_ALPHA_PER_RANK`` × their rank; LoraError naming the key
+    otherwise. Reads the header and the alpha scalars only."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        for key in sorted(k for k in keys if k.endswith(".alpha")):
+            if f.get_slice(key).get_shape() not in ([], [1]):
+                raise LoraError(f"has the alpha {key} of shape {f.get_slice(key).get_shape()}; an alpha is one number")
+            stem = key.removesuffix(".alpha")
+            down = next((f"{stem}.{p}" for p in ("lora_down.weight", "lora_A.weight") if f"{stem}.{p}" in keys), None)
+            rank = f.get_slice(down).get_shape()[0] if down is not None else None
+            _check_alpha(key, _number(f.get_tensor(key).float().item()), rank)
+        raw = (f.metadata() or {}).get("lora_adapter_metadata")
+    if raw is None:
+        return
+    try:
+        metadata = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise LoraError("has adapter metadata (lora_adapter_metadata) that is not JSON; the file is damaged") from None
+    if not isinstance(metadata, dict):
+        raise LoraError("has adapter metadata (lora_adapter_metadata) that is not a JSON object; the file is damaged")
+    # diffusers writes each component's fields with its prefix ("transformer.lora_alpha"); PEFT's own, without.
+    adapters: dict[str, dict] = {}
+    for key, value in metadata.items():
+        prefix, _, field = key.rpartition(".")
+        adapters.setdefault(prefix, {})[field] = value
+    for prefix, fields in sorted(adapters.items()):
+        name = f"{prefix}." if prefix else ""
+        rank = fields.get("r") if isinstance(fields.get("r"), int) else None
+        if "lora_alpha" in fields:
+            _check_alpha(f"{name}lora_alpha (adapter metadata)", _number(fields["lora_alpha"]), rank)
+        patterns = fields.get("alpha_pattern") or {}
+        ranks = fields.get("rank_pattern") if isinstance(fields.get("rank_pattern"), dict) else {}
+        if not isinstance(patterns, dict):
+            raise LoraError(f"has an {name}alpha_pattern (adapter metadata) that is not a JSON object; it is damaged")
+        for module, alpha in sorted(patterns.items()):
+            module_rank = ranks.get(module) if isinstance(ranks.get(module), int) else rank
+            _check_alpha(f"{name}alpha_pattern[{module!r}] (adapter metadata)", _number(alpha), module_rank)
+
+
 def meta_transformer(family: FamilyAdapter, config: dict) -> torch.nn.Module:
     """The family's transformer built from its config on the meta device: every layer and shape, no weights."""
     cls = family.transformer_class()
@@ -103,13 +224,21 @@ def meta_transformer(family: FamilyAdapter, config: dict) -> torch.nn.Module:
         return cls.from_config(config)
 
 
-def read_lora(family: FamilyAdapter, path: str, config: dict) -> LoraWeights:
+def read_lora(family: FamilyAdapter, path: str, config: dict, expected_sha256: str | None = None) -> LoraWeights:
     """Read and check a LoRA file for the transformer whose config.json is ``config``; LoraError saying what is wrong.
 
-    Checked: a safetensors file with a sound header; at least one key for the transformer; every such key a LoRA pair
-    (lora_A / lora_B) for a linear layer the transformer has, of that layer's shape, with equal
-    ranks on both sides and finite values."""
-    raw_keys = check_file(path)
+    Checked: a safetensors file with a sound header, whose content is ``expected_sha256`` when given (read through one
+    opening, see ``_pinned``); sane alphas (``check_alphas``); at least one key for the transformer; every such key a
+    LoRA pair (lora_A / lora_B) for a linear layer the transformer has, of that layer's shape, with equal ranks on both
+    sides and finite values."""
+    _check_suffix(path)
+    with _pinned(path, expected_sha256) as opened:
+        return _read(family, opened, config)
+
+
+def _read(family: FamilyAdapter, path: str, config: dict) -> LoraWeights:
+    raw_keys = _keys(path)
+    check_alphas(path)
     text_encoder_keys = sum(key.startswith(_TEXT_ENCODER_PREFIXES) for key in raw_keys)
     notes = _Warnings()
     converter = logging.getLogger("diffusers.loaders.lora_conversion_utils")

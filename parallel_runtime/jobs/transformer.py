@@ -53,7 +53,7 @@ def plan_transformer(
     step_cache = _step_cache(cache, cache_threshold)
     ref = model_folders.resolve(model)
     budget = parse_max_memory(max_memory)
-    config = model_folders.read_config(ref, "transformer")
+    config = model_folders.transformer_config(ref)
     plan = StrategyPlan.from_widgets(
         TransformerFacts.from_config(config),
         spec.world_size,

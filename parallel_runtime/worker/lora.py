@@ -24,14 +24,15 @@ strength of 0 is no LoRA. How (``LoraMode``):
   rank's slice to the gathered whole).
 
 Every rank reads the files and agrees on the outcome before anything changes, so a bad file is an error on every
-rank at once (the backend stays up, the transformer as it was) rather than one rank missing from a collective.
+rank at once (the backend stays up, the transformer as it was) rather than one rank missing from a collective. A file
+is read only if its content is the one the client checked (``LoraRef.sha256``), so a LoRA replaced under its name is
+refused on every rank rather than applied unchecked, or applied by some ranks and not others.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import socket
 
@@ -46,7 +47,7 @@ from .ops import OpContext, OpError, WidgetError
 log = logging.getLogger(__name__)
 
 _STATE = "_parallel_diffusers_loras"  # the state's attribute on the transformer: it lives and dies with the model
-File = tuple[str, int, int]  # LoraRef.file: what identifies a file's content
+File = tuple[str, str]  # LoraRef.file: what identifies a file's content
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,20 +138,12 @@ def apply_loras(ctx: OpContext, transformer: torch.nn.Module, spec: TransformerS
 
 
 def _read(ref: LoraRef, adapter: FamilyAdapter, transformer: torch.nn.Module) -> LoraWeights:
+    """The file the client checked, or a refusal: its content must have the checked digest on this rank (every rank
+    compares with the same one, so no two ranks merge different files)."""
     try:
-        size = os.stat(ref.path).st_size
-    except OSError as e:
-        raise WidgetError("lora_name", f"{ref.name} cannot be read on {socket.gethostname()} ({e.strerror})") from None
-    if size != ref.size:
-        raise WidgetError(
-            "lora_name",
-            f"{ref.name} is {size} bytes on {socket.gethostname()}, not the {ref.size} that were checked: "
-            "the file changed (or differs between machines); queue the prompt again",
-        )
-    try:
-        return read_lora(adapter, ref.path, dict(transformer.config))
+        return read_lora(adapter, ref.path, dict(transformer.config), expected_sha256=ref.sha256)
     except LoraError as e:
-        raise WidgetError("lora_name", f"{ref.name} {e}") from None
+        raise WidgetError("lora_name", f"{ref.name} on {socket.gethostname()} {e}") from None
 
 
 def check_host_memory(
