@@ -22,7 +22,7 @@ from parallel_runtime.worker.ops import REGISTRY
 FACTS = TransformerFacts("FluxTransformer2DModel", heads=4, has_cp_plan=True, has_tp_plan=True)
 PLAN = StrategyPlan(Strategy.TP_CP, ranks=4, transformer=FACTS, ulysses_degree=2, tp_degree=2)
 MODEL = ModelRef("org/FLUX.1-dev", "/models/org/FLUX.1-dev", "flux")
-LORA = wire.LoraRef("style.safetensors", "/loras/style.safetensors", -0.75, 2 << 20, 1_733_000_000_123_456_789)
+LORA = wire.LoraRef("style.safetensors", "/loras/style.safetensors", -0.75, "9f" * 32)
 DENOISE = DenoiseArgs(
     transformer=TransformerSpec(
         MODEL,
