@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import Cancelled, InvalidInput, comfy_files, default_spec, get_backend, jobs
-from parallel_runtime.families import flux_files
+from parallel_runtime.families.flux import files as flux_files
 
 PROMPT = "a photo of a horse in the city"
 STEPS, TOKENS = 2, 32
@@ -507,7 +507,7 @@ def test_qwenimage_configs_at_the_real_sizes():
     from diffusers import QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from parallel_runtime.families import qwenimage_files
+    from parallel_runtime.families.qwenimage import files as qwenimage_files
     from parallel_runtime.testing.tiny_comfy_files import published_qwen_layout
 
     def shapes_of(model, layout=dict):

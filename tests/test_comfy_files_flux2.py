@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from test_comfy_files import converted_and_one_shot, generate
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs
-from parallel_runtime.families import flux2_files
+from parallel_runtime.families.flux2 import files as flux2_files
 
 PROMPT = "a photo of a horse in the city"
 STEPS, TOKENS = 2, 64

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_steps
 from .files import FilesLayout
-from .flux import Flux1
-from .flux2 import Flux2
-from .flux2_files import Flux2Files
-from .flux_files import Flux1Files
-from .qwenimage import QwenImage
-from .qwenimage_files import QwenImageFiles
+from .flux import Flux1, Flux1Files
+from .flux2 import Flux2, Flux2Files
+from .qwenimage import QwenImage, QwenImageFiles
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),

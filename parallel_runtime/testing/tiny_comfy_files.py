@@ -45,7 +45,8 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from ..families import flux_files, qwenimage_files
+from ..families.flux import files as flux_files
+from ..families.qwenimage import files as qwenimage_files
 
 FORMATS = ("bf16", "fp8", "fp8_scaled")
 
@@ -667,7 +668,7 @@ def make_tiny_flux2_files(
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
     from transformers.integrations.mistral import convert_tekken_tokenizer
 
-    from ..families import flux2_files
+    from ..families.flux2 import files as flux2_files
     from .tiny_models import _WORDS
 
     if not formats or set(formats) - set(FORMATS):

@@ -59,7 +59,9 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from ..families import flux2_files, flux_files, qwenimage_files
+from ..families.flux import files as flux_files
+from ..families.flux2 import files as flux2_files
+from ..families.qwenimage import files as qwenimage_files
 
 # Words that get whole-word tokens in the tiny tokenizers; anything else still tokenizes (per character or byte),
 # so every prompt is accepted. Distinct prompts give distinct token ids, which is all the tests need.

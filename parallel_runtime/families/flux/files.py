@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import InvalidInput
-from .files import (
+from ...errors import InvalidInput
+from ..files import (
     Component,
     FilesContents,
     FilesLayout,

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import math
 
-from ..errors import InvalidInput
-from .files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, configs_from_shapes, count
+from ...errors import InvalidInput
+from ..files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, configs_from_shapes, count
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json: dynamic shifting over a long reference sequence, to a terminal
 # sigma.

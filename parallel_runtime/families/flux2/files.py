@@ -36,8 +36,8 @@ import json
 import os
 from collections.abc import Callable
 
-from ..errors import InvalidInput
-from .files import (
+from ...errors import InvalidInput
+from ..files import (
     Component,
     FilesContents,
     FilesLayout,
@@ -48,7 +48,7 @@ from .files import (
     configs_from_shapes,
     count,
 )
-from .flux_files import is_vae
+from ..flux.files import is_vae
 
 # FLUX.2's rotary axes (diffusers' config; ComfyUI's ``axes_dim``): not in the weights; their sum is the head size.
 AXES_DIMS_ROPE = (32, 32, 32, 32)

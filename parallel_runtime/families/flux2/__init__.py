@@ -1,0 +1,7 @@
+"""FLUX.2, in one folder: its adapter (``adapter.py``), the layout of its ComfyUI files (``files.py``) and its tiny
+builders (``tiny.py``, which tests and the demo import through ``FamilyAdapter.make_tiny_model`` or by name)."""
+
+from .adapter import Flux2
+from .files import Flux2Files
+
+__all__ = ["Flux2", "Flux2Files"]
