@@ -38,7 +38,7 @@ from comfyui_host import ComfyUIServer  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from parallel_runtime.families import family  # noqa: E402
-from parallel_runtime.testing.tiny_loras import make_tiny_lora, save_diffusers_lora  # noqa: E402
+from parallel_runtime.families.tiny import make_tiny_lora, save_diffusers_lora  # noqa: E402
 
 
 def placeholders(workflow: Path) -> set[str]:

@@ -41,15 +41,13 @@ LAYERS = {
     "shared": SHARED,
     "client": CLIENT,
     "worker": {"parallel_runtime.worker"},
-    "testing": {"parallel_runtime.testing"},
     "nodes": {"parallel_nodes"},
 }
 # What each layer may import from the pack.
 ALLOWED = {
-    "shared": {"shared", "testing"},  # a family names its tiny model builder (imported when a test calls it)
+    "shared": {"shared"},
     "worker": {"shared", "worker"},
     "client": {"shared", "client"},
-    "testing": {"shared", "testing"},
     "nodes": {"shared", "client", "nodes"},
 }
 COMFYUI_MODULES = {"comfy", "comfy_api", "comfy_execution", "server", "folder_paths", "nodes", "execution"}

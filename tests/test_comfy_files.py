@@ -3,7 +3,7 @@ the converted folder bit for bit against the same model's diffusers folder in ev
 the cache, refusals that name the input, and every strategy on real CPU ranks from the converted model equal to
 diffusers' one-shot pipeline on the diffusers folder.
 
-The tiny files come from ``parallel_runtime.testing.tiny_comfy_files`` (the inverse of the key mapping); the tokenizers
+The tiny files come from the families' ``tiny.py`` (the inverse of the key mapping); the tokenizers
 from the ComfyUI installation (COMFYUI_DIR), as in a real ComfyUI.
 """
 
@@ -508,7 +508,7 @@ def test_qwenimage_configs_at_the_real_sizes():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from parallel_runtime.families.qwenimage import files as qwenimage_files
-    from parallel_runtime.testing.tiny_comfy_files import published_qwen_layout
+    from parallel_runtime.families.qwenimage.tiny import published_qwen_layout
 
     def shapes_of(model, layout=dict):
         return {k: tuple(v.shape) for k, v in layout(model.state_dict()).items()}

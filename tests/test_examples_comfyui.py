@@ -173,7 +173,7 @@ def tiny_models(comfyui_models_dir) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tiny_loras(tiny_models, comfyui_loras_dir) -> dict[str, Path]:
     """A tiny random LoRA per family named by an example, in the server's loras folder under a name of its own."""
-    from parallel_runtime.testing.tiny_loras import make_tiny_lora, save_diffusers_lora
+    from parallel_runtime.families.tiny import make_tiny_lora, save_diffusers_lora
 
     made = {}
     for family in set(LORA_PLACEHOLDERS.values()):

@@ -1,8 +1,9 @@
-"""The model families the pack runs, one module each behind ``FamilyAdapter`` (base.py), listed once here.
+"""The model families the pack runs, one folder each (``families/<key>/``, named by the family's key), listed once here.
 
-The client and the ranks read this same registry: the client validates widgets against a family's declarations, the
-ranks run its stages. Adding a family is one module (a ``FamilyAdapter``), one line in ``REGISTRY``, its tiny model
-in ``parallel_runtime.testing`` and its tests (docs/ARCHITECTURE.md has the recipe).
+A family's folder holds its ``FamilyAdapter`` (base.py), the layout of its ComfyUI files (a ``FilesLayout``, files.py)
+and its tiny builders; what families share stays beside them here (base.py, files.py, lora.py, tiny.py). The client
+and the ranks read this same registry: the client validates widgets against a family's declarations, the ranks run its
+stages. Adding a family is its folder, its line here and its tests (docs/ARCHITECTURE.md has the recipe).
 """
 
 from __future__ import annotations

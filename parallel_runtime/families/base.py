@@ -174,7 +174,7 @@ class FamilyAdapter(abc.ABC):
     # -- tests and the demo -----------------------------------------------------------------------------------
     @abc.abstractmethod
     def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        """Build a tiny random-weight pipeline of this family offline (``parallel_runtime.testing``); its folder."""
+        """Build a tiny random-weight pipeline of this family offline (its folder's ``tiny.py``); its folder."""
 
 
 # -- what the adapters share -------------------------------------------------------------------------------------

@@ -161,6 +161,6 @@ class Flux1(FamilyAdapter):
         return posterior.mode().float().cpu()
 
     def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        from ...testing.tiny_models import make_tiny_flux
+        from .tiny import make_tiny_flux
 
         return make_tiny_flux(out_dir, seed)

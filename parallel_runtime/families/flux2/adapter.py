@@ -167,7 +167,7 @@ class Flux2(FamilyAdapter):
         return ((latents - bn_mean) / bn_std).cpu()
 
     def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        from ...testing.tiny_models import make_tiny_flux2
+        from .tiny import make_tiny_flux2
 
         return make_tiny_flux2(out_dir, seed)
 

@@ -88,7 +88,7 @@ HIDDEN_STATES_LAYERS = (10, 20, 30)
 # given to the text encoder use it, which this pack does not do), the chat template for what Flux2Pipeline sends (a
 # system message, then the prompt; Mistral's whole template also handles tools and assistant turns), and left padding,
 # as transformers' Llama tokenizer (which Mistral's converted tokenizers are) and ComfyUI's Mistral tokenizer pad.
-# (The tiny FLUX.2 pipeline, testing/tiny_models.py, uses the same template.)
+# (The tiny FLUX.2 pipeline, tiny.py, uses the same template.)
 PIXTRAL_PATCH_SIZE = 14
 PIXTRAL_SPATIAL_MERGE_SIZE = 2
 PIXTRAL_LONGEST_EDGE = 1540
