@@ -146,7 +146,7 @@ def build(
     from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from parallel_runtime.families.flux.tiny import make_tiny_flux
+    from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 
     make_tiny_flux(out_dir, seed=seed)
     config = dict(FluxTransformer2DModel.load_config(os.path.join(out_dir, "transformer")), **transformer)

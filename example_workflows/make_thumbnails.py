@@ -37,8 +37,11 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 from comfyui_host import ComfyUIServer  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from parallel_runtime.families import family  # noqa: E402
-from parallel_runtime.families.tiny import make_tiny_lora, save_diffusers_lora  # noqa: E402
+from parallel_runtime.families.tiny import (  # noqa: E402
+    make_tiny_lora,
+    make_tiny_model,
+    save_diffusers_lora,
+)
 
 
 def placeholders(workflow: Path) -> set[str]:
@@ -109,7 +112,7 @@ def main() -> int:
         wanted = set().union(*(placeholders(WORKFLOWS / f"{n}.json") for n in names))
         wanted |= {LORA_PLACEHOLDERS[lora] for lora in wanted & set(LORA_PLACEHOLDERS)}
         for model in sorted(wanted & set(PLACEHOLDERS)):
-            family(PLACEHOLDERS[model]).make_tiny_model(str(models / model))
+            make_tiny_model(PLACEHOLDERS[model], str(models / model))
         loras.mkdir()
         for lora in sorted(wanted & set(LORA_PLACEHOLDERS)):
             model = LORA_PLACEHOLDERS[lora]

@@ -26,6 +26,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from parallel_runtime.families import Placement, img2img_steps
 from parallel_runtime.families import family as family_adapter
+from parallel_runtime.families.tiny import make_tiny_model
 from parallel_runtime.wire import Prompts, Sampling
 
 PROMPT = "a photo of a cat"
@@ -56,7 +57,7 @@ def load(tmp_path_factory):
     def get(name: str):
         if name not in loaded:
             adapter = family_adapter(name)
-            model_dir = adapter.make_tiny_model(str(tmp_path_factory.mktemp(name)), 0)
+            model_dir = make_tiny_model(adapter.key, str(tmp_path_factory.mktemp(name)), 0)
             stages = (
                 adapter.load_text_encoders(model_dir, torch.float32, CPU),
                 adapter.load_transformer(model_dir, torch.float32, CPU),

@@ -24,7 +24,7 @@ from parallel_runtime.families import family
 from parallel_runtime.families.flux.tiny import save_xlabs_flux_lora
 from parallel_runtime.families.lora import LoraError, read_lora
 from parallel_runtime.families.qwenimage.tiny import save_qwenimage_lora
-from parallel_runtime.families.tiny import make_tiny_lora, save_bfl_lora, save_diffusers_lora
+from parallel_runtime.families.tiny import make_tiny_lora, make_tiny_model, save_bfl_lora, save_diffusers_lora
 from parallel_runtime.wire import LoraMode
 
 PROMPT = "a photo of a horse in the city"
@@ -104,7 +104,7 @@ FLUX2_BFL_LAYERS = (
 @pytest.fixture(scope="module")
 def models_dir(models_root):
     for key, settings in FAMILIES.items():
-        family(key).make_tiny_model(str(models_root / settings["model"]))
+        make_tiny_model(key, str(models_root / settings["model"]))
     return models_root
 
 

@@ -10,20 +10,20 @@ import os
 import pytest
 
 from parallel_runtime import InvalidInput, model_folders
-from parallel_runtime.families import family
+from parallel_runtime.families.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     base = tmp_path_factory.mktemp("models")
-    family("flux").make_tiny_model(str(base / "tiny-flux"))
+    make_tiny_model("flux", str(base / "tiny-flux"))
     broken = {"a-list": "[1, 2]", "a-null": "null", "deep": "[" * 100000 + "]" * 100000, "not-json": "{nope",
               "no-class": "{}", "other": json.dumps({"_class_name": "StableDiffusionPipeline"})}  # fmt: skip
     for name, index in broken.items():
         os.makedirs(base / name)
         (base / name / "model_index.json").write_text(index)
     elsewhere = tmp_path_factory.mktemp("other-disk")
-    family("flux").make_tiny_model(str(elsewhere / "kept-elsewhere"))
+    make_tiny_model("flux", str(elsewhere / "kept-elsewhere"))
     os.symlink(elsewhere / "kept-elsewhere", base / "linked-flux")
     os.makedirs(base / "org")
     os.symlink(elsewhere / "kept-elsewhere", base / "org" / "FLUX.1-tiny")

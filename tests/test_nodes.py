@@ -33,7 +33,7 @@ from parallel_runtime import (
     launcher,
 )
 from parallel_runtime.arena import SHM_DIR
-from parallel_runtime.families.flux.tiny import make_tiny_flux
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 from parallel_runtime.launcher import SHM_PREFIX
 from parallel_runtime.machines import join_command
 from parallel_runtime.processes import process_alive

@@ -4,8 +4,8 @@ in-memory vocabularies, the writers of ComfyUI's files in each storage format, a
 Tests, examples, benchmarks and the CPU demo need complete models that load with the real pipeline classes, yet
 nothing may come from the Hub, so the tiny builders construct every component from an explicit config. A family's
 builders live with the family (``families/<key>/tiny.py``, found by the family's key) and import diffusers' models
-at their import, so nothing imports them at ComfyUI's start-up: the adapter's ``make_tiny_model`` and the tests do,
-when they build one.
+at their import, so nothing imports them at ComfyUI's start-up: ``make_tiny_model`` and the tests do, when they build
+one; the adapters never do.
 
 Tiny LoRAs: a ``TinyLora`` holds, per layer of the transformer (diffusers' module names), the factors A [rank, in]
 and B [out, rank] and an alpha: the layer's delta at strength s is ``s * alpha / rank * B @ A``, the PEFT convention.
@@ -43,6 +43,12 @@ from .lora import meta_transformer
 def family_tiny(family_key: str) -> ModuleType:
     """The tiny builders of the family whose key this is: ``families/<key>/tiny.py``."""
     return importlib.import_module(f"{__package__}.{family(family_key).key}.tiny")
+
+
+def make_tiny_model(family_key: str, out_dir: str, seed: int = 0) -> str:
+    """Build a tiny random-weight pipeline of the family offline into ``out_dir`` (a ``save_pretrained`` folder, which
+    the family's real pipeline class loads); ``out_dir``. Deterministic for a seed; the caller's RNG is left alone."""
+    return family_tiny(family_key).make_tiny_model(out_dir, seed)
 
 
 # -- tokenizers ----------------------------------------------------------------------------------------------------

@@ -159,8 +159,3 @@ class Flux1(FamilyAdapter):
         """The posterior's mode, un-normalised (ComfyUI's FLUX.1 LATENT; the pipelines scale and shift it)."""
         posterior = vae.encode(vae_pixels(pixels, vae.device, vae.dtype)).latent_dist
         return posterior.mode().float().cpu()
-
-    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        from .tiny import make_tiny_flux
-
-        return make_tiny_flux(out_dir, seed)

@@ -1,4 +1,4 @@
-"""FLUX.1's tiny builders: a random-weight FluxPipeline folder (``make_tiny_flux``), the same kind of model written as
+"""FLUX.1's tiny builders: a random-weight FluxPipeline folder (``make_tiny_model``), the same kind of model written as
 ComfyUI distributes FLUX.1 (``make_tiny_flux_files``), and what its tiny LoRAs change and how BFL names those layers.
 
 The tiny pipeline keeps what the pipelines and the parallel strategies depend on and shrinks everything else: 16
@@ -58,7 +58,7 @@ _FLUX_VAE_SCALING_FACTOR = flux_files.VAE_SCALING_FACTOR
 _FLUX_VAE_SHIFT_FACTOR = flux_files.VAE_SHIFT_FACTOR
 
 
-def make_tiny_flux(out_dir: str, seed: int = 0) -> str:
+def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     """Build a tiny FLUX.1 pipeline (CLIP + T5 + Flux transformer + 16-channel VAE) and save it to `out_dir`."""
     tokenizer = clip_tokenizer()
     tokenizer_2 = t5_tokenizer()

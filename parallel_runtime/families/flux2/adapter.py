@@ -166,11 +166,6 @@ class Flux2(FamilyAdapter):
         )
         return ((latents - bn_mean) / bn_std).cpu()
 
-    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        from .tiny import make_tiny_flux2
-
-        return make_tiny_flux2(out_dir, seed)
-
 
 def _from_image(
     scheduler: Any,

@@ -1,4 +1,4 @@
-"""FLUX.2's tiny builders: a random-weight Flux2Pipeline folder (``make_tiny_flux2``), the same kind of model written as
+"""FLUX.2's tiny builders: a random-weight Flux2Pipeline folder (``make_tiny_model``), the same kind of model written as
 ComfyUI distributes FLUX.2-dev (``make_tiny_flux2_files``), and what its tiny LoRAs change and how BFL names those
 layers.
 
@@ -91,7 +91,7 @@ def _mistral_processor() -> PixtralProcessor:
     )
 
 
-def make_tiny_flux2(out_dir: str, seed: int = 0) -> str:
+def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     """Build a tiny FLUX.2 pipeline (Mistral3 + Flux2 transformer + 32-channel VAE with batch-norm) in `out_dir`."""
     processor = _mistral_processor()
     tokenizer = processor.tokenizer

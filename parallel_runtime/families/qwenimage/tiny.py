@@ -1,4 +1,4 @@
-"""Qwen-Image's tiny builders: a random-weight QwenImagePipeline folder (``make_tiny_qwenimage``), the same kind of
+"""Qwen-Image's tiny builders: a random-weight QwenImagePipeline folder (``make_tiny_model``), the same kind of
 model written as ComfyUI distributes Qwen-Image (``make_tiny_qwenimage_files``), and what its tiny LoRAs change and
 the layouts they are published in.
 
@@ -56,7 +56,7 @@ def _qwen2_tokenizer() -> Qwen2Tokenizer:
     return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]))
 
 
-def make_tiny_qwenimage(out_dir: str, seed: int = 0) -> str:
+def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     """Build a tiny Qwen-Image pipeline (Qwen2.5-VL + QwenImage transformer + Qwen-Image VAE) in `out_dir`."""
     tokenizer = _qwen2_tokenizer()
     special_id = tokenizer.convert_tokens_to_ids
