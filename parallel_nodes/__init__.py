@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
+from . import comfy
 from .backend import ParallelBackend
 from .comfy_files import ParallelModelFromComfyFiles
 from .encode import EncodeOnBalancedGPUs
@@ -29,7 +30,8 @@ NODES: list[type[io.ComfyNode]] = [
     VAEEncodeSingleGPU,
     ParallelModelFromComfyFiles,
 ]
-NODES_BY_ID: dict[str, type[io.ComfyNode]] = {node.define_schema().node_id: node for node in NODES}
+NODES_BY_ID = comfy.NODES_BY_ID  # filled here, read by comfy's validation
+NODES_BY_ID.update({node.define_schema().node_id: node for node in NODES})
 
 
 class ParallelDiffusersExtension(ComfyExtension):
