@@ -7,8 +7,8 @@ same files again reuses it and a file replaced on disk makes a new one. The fold
 every strategy loads it exactly as it loads any other (tensor parallel through diffusers' ``parallel_config``, which
 reads each rank's slices; bench/comfy_files_memory.py measures what a rank holds at its peak).
 
-What differs between families is the family's ``FilesLayout`` (``families/files.py``; FLUX.1's in
-``families/flux_files.py``, all listed in ``families.FILES_LAYOUTS``): it recognises its transformer, names the
+What differs between families is the family's ``FilesLayout`` (``families/files.py``; each family's in its folder's
+``files.py``, all listed in ``families.FILES_LAYOUTS``): it recognises its transformer, names the
 text-encoder widgets it takes (a family with one leaves ``text_encoder_2`` at "none") and describes the folder from the
 headers' shapes (``FilesContents``). What is the same for all is here:
 
