@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 from .errors import Cancelled, InvalidInput
-from .families import FILES_LAYOUTS, FilesLayout
+from .families import FILES_LAYOUTS, FilesLayout, join_words
 from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
 
 log = logging.getLogger(__name__)
@@ -336,6 +336,10 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
         if variant is not None:
             return layout, variant
     examples = " or ".join(layout.example_files.split(", ")[0] for layout in FILES_LAYOUTS)
+    by_layout: dict[str, list[str]] = {}
+    for layout in FILES_LAYOUTS:
+        by_layout.setdefault(layout.transformer_layout, []).append(layout.name)
+    recognised = ", ".join(f"{join_words(names, 'or')} {keys}" for keys, names in by_layout.items())
     if any(
         k.startswith(("encoder.", "decoder.", "text_model.", "shared.", "model.layers.", "visual.")) for k in shapes
     ):
@@ -346,8 +350,8 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
         )
     raise InvalidInput(
         transformer.widget,
-        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 or FLUX.2 in Black Forest Labs' "
-        f"layout, Qwen-Image in diffusers'); pick {examples} from models/diffusion_models, or use a diffusers folder",
+        f"{transformer.name!r} is not a transformer this pack recognises ({recognised}); pick {examples} from "
+        "models/diffusion_models, or use a diffusers folder",
     )
 
 

@@ -8,6 +8,8 @@ stages. Adding a family is its folder, its line here and its tests (docs/ARCHITE
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_steps
 from .files import FilesLayout
 from .flux import Flux1, Flux1Files
@@ -37,6 +39,17 @@ def for_pipeline(class_name: str | None) -> FamilyAdapter | None:
     return next((adapter for adapter in REGISTRY if adapter.pipeline == class_name), None)
 
 
+def join_words(words: Sequence[str], last: str = "and") -> str:
+    """Words as a sentence lists them: "A", "A and B", "A, B and C"."""
+    return words[-1] if len(words) < 2 else f"{', '.join(words[:-1])} {last} {words[-1]}"
+
+
+def names(which: Callable[[FamilyAdapter], bool] = lambda adapter: True, last: str = "and") -> str:
+    """The names of the registry's families that ``which`` selects, for tooltips and messages ("FLUX.1 and FLUX.2"),
+    so that none of them names the families itself."""
+    return join_words([adapter.name for adapter in REGISTRY if which(adapter)], last) or "none"
+
+
 def supported() -> str:
     """The families for an error message: "FLUX.1 (FluxPipeline), ..."."""
     return ", ".join(f"{adapter.name} ({adapter.pipeline})" for adapter in REGISTRY)
@@ -53,5 +66,7 @@ __all__ = [
     "family",
     "for_pipeline",
     "img2img_steps",
+    "join_words",
+    "names",
     "supported",
 ]

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 from ...errors import InvalidInput
 from ..files import (
@@ -341,7 +342,13 @@ class Flux2Files(FilesLayout):
     family = "flux2"
     name = "FLUX.2"
     text_encoder_widgets = ("text_encoder",)
-    example_files = "flux2_dev_bf16.safetensors, mistral_3_small_flux2_bf16.safetensors, flux2-vae.safetensors"
+    variants = "FLUX.2-dev"
+    transformer_layout = "in Black Forest Labs' layout"
+    widget_files: ClassVar[Mapping[str, str]] = {
+        "diffusion_model": "flux2_dev_bf16.safetensors",
+        "text_encoder": "Mistral (mistral_3_small_flux2_bf16.safetensors, or its fp8 version)",
+        "vae": "flux2-vae.safetensors",
+    }
 
     def variant(self, shapes: Shapes) -> str | None:
         if not is_transformer(shapes):
