@@ -137,7 +137,7 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     return os.fspath(out_dir)
 
 
-# -- ComfyUI's files ----------------------------------------------------------------------------------------------
+# -- ComfyUI's files ---------------------------------------------------------------------------------------------------
 def bfl_transformer(sd: dict[str, torch.Tensor], num_layers: int, num_single_layers: int) -> dict[str, torch.Tensor]:
     """diffusers' FluxTransformer2DModel state dict in BFL's layout."""
     out: dict[str, torch.Tensor] = {}
@@ -335,7 +335,7 @@ def make_tiny_flux_files(
     )
 
 
-# -- LoRAs --------------------------------------------------------------------------------------------------------
+# -- LoRAs -------------------------------------------------------------------------------------------------------------
 # Layers the tiny LoRA changes by default: column- and row-sharded ones, packed ones, replicated ones (AdaLN,
 # embedders) and the context-parallel gather layer (proj_out), so every way a strategy holds a weight is covered.
 LORA_LAYERS = (
@@ -368,15 +368,11 @@ _FLUX1_DOUBLE = {
     "txt_mlp.2": ("ff_context.net.2",),
     "txt_mod.lin": ("norm1_context.linear",),
 }
-
-
 _FLUX1_SINGLE = {
     "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
     "linear2": ("proj_out",),
     "modulation.lin": ("norm.linear",),
 }
-
-
 _FLUX1_TOP = {
     "img_in": "x_embedder",
     "txt_in": "context_embedder",

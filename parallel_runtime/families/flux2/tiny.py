@@ -431,6 +431,7 @@ LORA_LAYERS = (
     "proj_out",
 )
 
+# BFL's FLUX.2 layer names -> diffusers' layers (several: a fused BFL layer), for block 0..n of each kind.
 _FLUX2_DOUBLE = {
     "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
     "img_attn.proj": ("attn.to_out.0",),
@@ -441,11 +442,7 @@ _FLUX2_DOUBLE = {
     "txt_mlp.0": ("ff_context.linear_in",),
     "txt_mlp.2": ("ff_context.linear_out",),
 }
-
-
 _FLUX2_SINGLE = {"linear1": ("attn.to_qkv_mlp_proj",), "linear2": ("attn.to_out",)}
-
-
 _FLUX2_TOP = {
     "img_in": "x_embedder",
     "txt_in": "context_embedder",
