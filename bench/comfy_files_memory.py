@@ -7,7 +7,7 @@ full replica (context parallel), in one run.
 A FLUX.1 transformer with random weights, wide enough that its weights dwarf a rank's baseline (``--width`` 1024:
 8 heads × 128, 2 double + 4 single blocks, ~140M parameters, ~0.56 GB in float32 as the CPU ranks hold it), is
 written as ComfyUI's bf16 file in Black Forest Labs' layout beside the tiny CLIP / T5 / VAE files
-(``parallel_runtime.testing.tiny_comfy_files``), converted by ``comfy_files`` (as ParallelModelFromComfyFiles
+(``parallel_runtime.families.flux.tiny``), converted by ``comfy_files`` (as ParallelModelFromComfyFiles
 does), then generated from on a fresh CPU backend per strategy. Each backend first runs the whole path on the tiny
 model (imports and first-run buffers), then the big one. Measured per rank: its resident memory before the big model
 (``VmRSS`` in ``/proc/<pid>/status``) and the kernel's high-water mark after its image (``VmHWM``); the difference
@@ -56,7 +56,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from parallel_runtime import comfy_files, default_spec, get_backend, jobs, shutdown_backend
-    from parallel_runtime.testing import tiny_comfy_files
+    from parallel_runtime.families.flux import tiny as flux_tiny
 
     comfy_dir = comfy_files.comfy_package_dir()
     if comfy_dir is None:
@@ -65,7 +65,7 @@ def main() -> None:
     atexit.register(shutil.rmtree, work, ignore_errors=True)  # the files and their conversion: GiBs at real widths
     os.environ["COMFY_PARALLEL_COMFY_MODELS"] = os.path.join(work, "models")
     os.environ["COMFY_PARALLEL_CONVERTED"] = os.path.join(work, "converted")
-    names, _ = tiny_comfy_files.make_tiny_flux_files(
+    names, _ = flux_tiny.make_tiny_flux_files(
         os.path.join(work, "models"), os.path.join(work, "reference"), comfy_dir, formats=("bf16",)
     )["bf16"]
     with torch.random.fork_rng(devices=[]):
@@ -82,7 +82,7 @@ def main() -> None:
             axes_dims_rope=(16, 56, 56),
         )
     full_bytes = sum(p.numel() * 4 for p in big.parameters())  # float32: the CPU ranks' dtype
-    bfl = tiny_comfy_files._bfl_transformer(big.state_dict(), 2, 4)
+    bfl = flux_tiny.bfl_transformer(big.state_dict(), 2, 4)
     name = "bench-flux1-dev.safetensors"
     save_file(
         {k: v.to(torch.bfloat16).contiguous() for k, v in bfl.items()},

@@ -220,7 +220,7 @@ def check_nodes(args: argparse.Namespace) -> dict:
     from diffusers.utils import logging as diffusers_logging
 
     from parallel_runtime import BackendSpec, get_backend, jobs, shutdown_backend
-    from parallel_runtime.testing.tiny_models import make_tiny_flux
+    from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 
     diffusers_logging.disable_progress_bar()
     size, steps, repeats = (64, 3, 2) if args.smoke else (512, 8, 3)

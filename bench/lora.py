@@ -73,7 +73,7 @@ from bench.strategies import _median_ms, load_average, prepare_model_dir, step_i
 from parallel_runtime import BackendSpec, ParallelRuntimeError, jobs, shutdown_backend  # noqa: E402
 from parallel_runtime.families import family  # noqa: E402
 from parallel_runtime.families.lora import meta_transformer  # noqa: E402
-from parallel_runtime.testing.tiny_loras import make_tiny_lora, save_diffusers_lora  # noqa: E402
+from parallel_runtime.families.tiny import make_tiny_lora, save_diffusers_lora  # noqa: E402
 from parallel_runtime.wire import LoraMode  # noqa: E402
 
 PROMPT = "a photo of a red cat on a blue sky"

@@ -370,7 +370,7 @@ def main() -> int:
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    from parallel_runtime.testing.tiny_models import make_tiny_flux
+    from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()

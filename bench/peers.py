@@ -150,7 +150,7 @@ sys.path.insert(0, REPO)  # runnable as a plain script from a checkout
 
 from bench.strategies import PROMPT, check_request, load_average, prepare_model_dir, step_intervals, transformer_config  # noqa: E402
 from parallel_runtime import BackendSpec, get_backend, jobs, shutdown_backend  # noqa: E402
-from parallel_runtime.families import family  # noqa: E402
+from parallel_runtime.families.tiny import make_tiny_model  # noqa: E402
 
 PEER_RANKS = os.path.join(REPO, "bench", "peer_ranks.py")
 API_WORKFLOW = os.path.join(REPO, "example_workflows", "api", "flux1_context_parallel_api.json")
@@ -895,7 +895,7 @@ def main() -> int:
     check_request(args, [s.name for s in strategies_for(args.ranks)])
     with tempfile.TemporaryDirectory(prefix="pd-peers-") as scratch:
         if args.smoke:
-            model_dir = family("flux").make_tiny_model(os.path.join(scratch, "flux-tiny"))
+            model_dir = make_tiny_model("flux", os.path.join(scratch, "flux-tiny"))
         else:
             model_dir = prepare_model_dir(args, scratch, log)
         run_dir = os.path.join(scratch, "run")

@@ -2,7 +2,7 @@
 
     python bench/random_flux.py DIR [--preset bench|flux1-dev] [--double-blocks N] [--single-blocks N]
 
-``testing.tiny_models.make_tiny_flux`` gives a complete pipeline that the real ``FluxPipeline`` loads (tokenizers,
+``families.flux.tiny.make_tiny_flux`` gives a complete pipeline that the real ``FluxPipeline`` loads (tokenizers,
 scheduler, a 16-channel 8x VAE, CLIP and T5). This replaces its transformer with one built from a preset config with
 random weights, and where that transformer takes wider text embeddings than the tiny encoders give (32), rebuilds CLIP
 and T5 from their own saved configs at the transformer's widths (CLIP's pooled output feeds ``pooled_projection_dim``,
@@ -146,7 +146,7 @@ def build(
     from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from parallel_runtime.testing.tiny_models import make_tiny_flux
+    from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 
     make_tiny_flux(out_dir, seed=seed)
     config = dict(FluxTransformer2DModel.load_config(os.path.join(out_dir, "transformer")), **transformer)

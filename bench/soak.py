@@ -33,7 +33,7 @@ import psutil
 
 from parallel_runtime import BackendDied, Cancelled, default_spec, get_backend, jobs, shutdown_backend
 from parallel_runtime.arena import SHM_DIR
-from parallel_runtime.families import family
+from parallel_runtime.families.tiny import make_tiny_model
 from parallel_runtime.launcher import RUN_DIR_PREFIX, SHM_PREFIX
 
 MODEL = "tiny-flux"
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
     root = tempfile.mkdtemp(prefix="pd-soak-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     os.environ["COMFY_PARALLEL_MODELS"] = root
-    family("flux").make_tiny_model(os.path.join(root, MODEL))
+    make_tiny_model("flux", os.path.join(root, MODEL))
     spec = default_spec(device="cpu", ranks=2)
     me = psutil.Process()
     report: dict = {"runs": args.runs, "seed": args.seed, "events": {k: 0 for k in EVENTS}, "restarts": 0,

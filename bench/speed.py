@@ -89,7 +89,7 @@ def build(out_dir: str, preset: str, layers: int | None, device: str) -> str:
     """A Qwen-Image pipeline folder with a random transformer and VAE of ``preset`` (drawn on ``device``)."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
-    from parallel_runtime.testing.tiny_models import make_tiny_qwenimage
+    from parallel_runtime.families.qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
 
     make_tiny_qwenimage(out_dir)
     parts = (

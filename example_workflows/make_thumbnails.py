@@ -34,7 +34,7 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 from comfyui_host import ComfyUIServer  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from parallel_runtime.testing.examples import LORA_PLACEHOLDERS, PLACEHOLDERS, make_stand_ins  # noqa: E402
+from parallel_runtime.examples import LORA_PLACEHOLDERS, PLACEHOLDERS, make_stand_ins  # noqa: E402
 
 
 def placeholders(workflow: Path) -> set[str]:

@@ -14,6 +14,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from parallel_runtime.internals import untested_diffusers
 
+from . import comfy
 from .backend import ParallelBackend
 from .comfy_files import ParallelModelFromComfyFiles
 from .encode import EncodeOnBalancedGPUs
@@ -33,7 +34,8 @@ NODES: list[type[io.ComfyNode]] = [
     VAEEncodeSingleGPU,
     ParallelModelFromComfyFiles,
 ]
-NODES_BY_ID: dict[str, type[io.ComfyNode]] = {node.define_schema().node_id: node for node in NODES}
+NODES_BY_ID = comfy.NODES_BY_ID  # filled here, read by comfy's validation
+NODES_BY_ID.update({node.define_schema().node_id: node for node in NODES})
 
 
 class ParallelDiffusersExtension(ComfyExtension):

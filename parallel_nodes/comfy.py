@@ -17,9 +17,17 @@ from typing import Any, TypeVar
 
 from comfy_api.latest import io
 
+import parallel_runtime
 from parallel_runtime import BackendDied, BackendSpec, Cancelled, InvalidInput, OpFailed, get_backend
+from parallel_runtime.client import last_error
 
 T = TypeVar("T")
+
+# The pack's nodes by node id, for reading the prompt being queued. The package fills it once it has imported them:
+# this module cannot import them, since they import it.
+NODES_BY_ID: dict[str, type[io.ComfyNode]] = {}
+# The event that pushes the status panel a fresh status after every node run (web/parallel_diffusers.js listens).
+STATUS_EVENT = "parallel_diffusers.status"
 log = logging.getLogger("parallel_nodes")
 
 
@@ -30,6 +38,19 @@ def _loaded(module: str) -> Any:
 def _server() -> Any:
     server = _loaded("server")
     return getattr(getattr(server, "PromptServer", None), "instance", None)
+
+
+def snapshot() -> dict:
+    """The backend's status as the panel and ``GET /parallel_diffusers/status`` show it."""
+    backend = parallel_runtime.current_backend()
+    if backend is None:
+        return {"running": False, "busy": False, "spec": None, "last_error": last_error()}
+    return backend.snapshot()
+
+
+def push_status() -> None:
+    """Send the panel a fresh status (from the node's thread; send_sync is thread-safe)."""
+    _server().send_sync(STATUS_EVENT, snapshot())
 
 
 def unique_id(node: type[io.ComfyNode]) -> str | None:
@@ -167,8 +188,6 @@ def run(node: type[io.ComfyNode], call: Callable[..., T], *args: Any, **kwargs: 
         raise
     finally:
         if _server() is not None:
-            from .routes import push_status
-
             push_status()
 
 
@@ -219,8 +238,6 @@ class QueuedNode:
     """One of the pack's nodes in the prompt being queued, with its values as execution will see them."""
 
     def __init__(self, prompt: dict, node_id: str):
-        from . import NODES_BY_ID  # here: the package imports this module first
-
         node = prompt.get(node_id)
         self.cls = NODES_BY_ID.get(node.get("class_type")) if isinstance(node, dict) else None
         if self.cls is None:

@@ -5,6 +5,7 @@ import os
 from comfy_api.latest import io
 
 from parallel_runtime import InvalidInput, comfy_files, jobs
+from parallel_runtime.families import FILES_LAYOUTS, join_words
 
 from . import comfy
 from .types import CATEGORY
@@ -13,6 +14,15 @@ WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae")
 # A model name for a combo input: a plain "COMBO" output type (io.Combo.Output's type is its list of options, which
 # ComfyUI's link check compares with the input's "COMBO" and refuses).
 ModelName = io.Custom("COMBO")
+
+
+def _picked(widget: str, whose: bool = False) -> list[str]:
+    """What the families whose ComfyUI files convert take in ``widget`` (``whose``: each with its family's name)."""
+    return [
+        f"{layout.name}'s {layout.widget_files[widget]}" if whose else layout.widget_files[widget]
+        for layout in FILES_LAYOUTS
+        if widget in layout.widget_files
+    ]
 
 
 class ParallelModelFromComfyFiles(io.ComfyNode):
@@ -28,7 +38,8 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                 "Assembles a model from the files ComfyUI already has (the transformer in models/diffusion_models, "
                 "the text encoders in models/text_encoders, the VAE in models/vae) for the model input of Encode on "
                 "Balanced GPUs, Load Sharded Transformer and VAE Decode (single GPU): link its output into each. "
-                "FLUX.1 (dev and schnell), FLUX.2-dev and Qwen-Image; bf16 / fp16, fp8 and ComfyUI's scaled fp8 files. "
+                f"{join_words([layout.variants for layout in FILES_LAYOUTS])}; bf16 / fp16, fp8 and ComfyUI's scaled "
+                "fp8 files. "
                 "The first run converts them once into a cached diffusers folder (what is already in the right layout "
                 "is linked, not copied); later runs reuse it. Every strategy then loads it as any diffusers folder."
             ),
@@ -37,37 +48,33 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                     "diffusion_model",
                     options=comfy_files.widget_options("diffusion_model"),
                     tooltip=(
-                        "The transformer from models/diffusion_models (or unet): flux1-dev.safetensors, "
-                        "flux1-schnell.safetensors, flux2_dev_bf16.safetensors, qwen_image_bf16.safetensors, or their "
-                        "fp8 versions. The family "
-                        "(and dev or schnell) is told from its weights."
+                        "The transformer from models/diffusion_models (or unet): "
+                        f"{', '.join(_picked('diffusion_model'))}, or their fp8 versions. The family (and its variant, "
+                        "such as dev or schnell) is told from its weights."
                     ),
                 ),
                 io.Combo.Input(
                     "text_encoder",
                     options=comfy_files.widget_options("text_encoder"),
                     tooltip=(
-                        "From models/text_encoders (or clip): FLUX.1's CLIP-L (clip_l.safetensors), FLUX.2's Mistral "
-                        "(mistral_3_small_flux2_bf16.safetensors, or its fp8 version), or Qwen-Image's Qwen2.5-VL "
-                        "(qwen_2.5_vl_7b.safetensors, or its fp8 version)."
+                        f"From models/text_encoders (or clip): {join_words(_picked('text_encoder', whose=True), 'or')}."
                     ),
                 ),
                 io.Combo.Input(
                     "text_encoder_2",
                     options=comfy_files.widget_options("text_encoder_2"),
                     tooltip=(
-                        "FLUX.1's T5-XXL from models/text_encoders (or clip): t5xxl_fp16.safetensors, or an fp8 one "
-                        "(FLUX.1's two text encoders may be picked in either order); none for FLUX.2 and Qwen-Image, "
+                        "From models/text_encoders (or clip): "
+                        f"{join_words(_picked('text_encoder_2', whose=True), 'or')} (a family's two text encoders may "
+                        "be picked in either order); none for "
+                        f"{join_words([f.name for f in FILES_LAYOUTS if 'text_encoder_2' not in f.widget_files])}, "
                         "which have one."
                     ),
                 ),
                 io.Combo.Input(
                     "vae",
                     options=comfy_files.widget_options("vae"),
-                    tooltip=(
-                        "The VAE from models/vae: FLUX.1's ae.safetensors, FLUX.2's flux2-vae.safetensors, or "
-                        "Qwen-Image's qwen_image_vae.safetensors."
-                    ),
+                    tooltip=(f"The VAE from models/vae: {join_words(_picked('vae', whose=True), 'or')}."),
                 ),
             ],
             outputs=[

@@ -3,14 +3,15 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
+from parallel_runtime.families import REGISTRY, join_words, names
 
 from . import comfy
 from .types import CATEGORY, Conditioning, backend_input, dtype_input, max_memory_input, model_input
 
 
 class EncodeOnBalancedGPUs(io.ComfyNode):
-    """Encode a prompt (and Qwen-Image's negative prompt) with the model's text encoders spread over the GPUs
-    (device_map="balanced")."""
+    """Encode a prompt (and the negative prompt of families with true CFG) with the model's text encoders spread over
+    the GPUs (device_map="balanced")."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -36,8 +37,9 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
                     default="",
                     optional=True,
                     tooltip=(
-                        "A separate prompt for the second text encoder (FLUX.1: T5). Empty: the same prompt. FLUX.2 "
-                        "and Qwen-Image have one text encoder: leave it empty."
+                        f"A separate prompt for the second text encoder ({names(lambda f: f.text_encoders > 1)}). "
+                        f"Empty: the same prompt. {names(lambda f: f.text_encoders == 1)} have one text encoder: "
+                        "leave it empty."
                     ),
                 ),
                 io.Int.Input(
@@ -47,8 +49,9 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
                     max=jobs.MAX_SEQUENCE_LENGTH,
                     optional=True,
                     tooltip=(
-                        "Longest prompt in text-encoder tokens; longer prompts are cut. FLUX.1 (T5) and "
-                        "FLUX.2 (system prompt included) pad to it, up to 512; Qwen-Image up to 1024."
+                        "Longest prompt in text-encoder tokens (a family's system prompt included); longer prompts "
+                        f"are cut. {names(lambda f: f.pads_text)} pad to it. At most "
+                        f"{join_words([f'{f.max_sequence_length} for {f.name}' for f in REGISTRY])}."
                     ),
                 ),
                 max_memory_input(),
@@ -61,8 +64,9 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
                     default="",
                     optional=True,
                     tooltip=(
-                        "What to steer away from, used by Qwen-Image's true CFG (ParallelSampler's true_cfg_scale > "
-                        "1); empty is a valid negative prompt. Ignored by FLUX."
+                        f"What to steer away from, used by the true CFG of {names(lambda f: f.true_cfg)} "
+                        "(ParallelSampler's true_cfg_scale > 1); empty is a valid negative prompt. Ignored by "
+                        f"{names(lambda f: not f.true_cfg)}."
                     ),
                 ),
                 io.Boolean.Input(

@@ -18,35 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import sys
 from collections.abc import Callable
 
 from aiohttp import web
 
 import parallel_runtime
-from parallel_runtime.client import last_error
 from parallel_runtime.machines import join_commands
 
 from . import comfy
 
-EVENT = "parallel_diffusers.status"
 _registered = False
-
-
-def snapshot() -> dict:
-    backend = parallel_runtime.current_backend()
-    if backend is None:
-        return {"running": False, "busy": False, "spec": None, "last_error": last_error()}
-    return backend.snapshot()
-
-
-def _server():
-    return sys.modules["server"].PromptServer.instance
-
-
-def push_status() -> None:
-    """Send the panel a fresh status (from the node's thread; send_sync is thread-safe)."""
-    _server().send_sync(EVENT, snapshot())
 
 
 async def _in_thread(fn: Callable[[], dict]) -> dict:
@@ -68,7 +49,7 @@ def register() -> None:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(await _in_thread(snapshot))
+    return web.json_response(await _in_thread(comfy.snapshot))
 
 
 async def shutdown(request: web.Request) -> web.Response:
@@ -77,10 +58,10 @@ async def shutdown(request: web.Request) -> web.Response:
         if backend is not None:
             backend.cancel()  # a running op stops at its next step instead of holding the backend
         parallel_runtime.shutdown_backend()
-        return snapshot()
+        return comfy.snapshot()
 
     data = await _in_thread(stop)
-    _server().send_sync(EVENT, data)
+    comfy._server().send_sync(comfy.STATUS_EVENT, data)
     return web.json_response(data)
 
 
@@ -89,10 +70,10 @@ async def free(request: web.Request) -> web.Response:
         backend = parallel_runtime.current_backend()
         if backend is not None and backend.running:
             backend.free()
-        return snapshot()
+        return comfy.snapshot()
 
     data = await _in_thread(unload)
-    _server().send_sync(EVENT, data)
+    comfy._server().send_sync(comfy.STATUS_EVENT, data)
     return web.json_response(data)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import jobs
-from parallel_runtime.families import img2img_steps
+from parallel_runtime.families import img2img_steps, names
 
 from . import comfy
 from .types import CATEGORY, Conditioning, Transformer
@@ -102,7 +102,8 @@ class ParallelSampler(io.ComfyNode):
                     max=100.0,
                     step=0.1,
                     tooltip=(
-                        "Distilled guidance of FLUX.1-dev / FLUX.2-dev (not CFG). Ignored by Qwen-Image: see "
+                        f"Distilled guidance (not CFG) of {names(lambda f: not f.true_cfg)}, in their guidance-"
+                        f"distilled variants (such as -dev). Ignored by {names(lambda f: f.true_cfg)}: see "
                         "true_cfg_scale."
                     ),
                 ),
@@ -135,9 +136,9 @@ class ParallelSampler(io.ComfyNode):
                     step=0.1,
                     optional=True,
                     tooltip=(
-                        "Qwen-Image's true classifier-free guidance against the negative prompt "
+                        f"True classifier-free guidance of {names(lambda f: f.true_cfg)} against the negative prompt "
                         "(EncodeOnBalancedGPUs); 1 turns it off and halves the work per step. Ignored "
-                        "by families without true CFG (FLUX)."
+                        f"by {names(lambda f: not f.true_cfg)}, which have no true CFG."
                     ),
                 ),
                 io.Latent.Input(

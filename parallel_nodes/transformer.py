@@ -3,6 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
+from parallel_runtime.families import names
 from parallel_runtime.strategy import ATTENTION_BACKENDS, Strategy, strategies_on
 from parallel_runtime.wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode
 
@@ -21,7 +22,8 @@ STRATEGY_TOOLTIP = (
     "groups (e.g. 8 GPUs: tp_degree 2 × ulysses_degree 4); for a model that needs TP to fit, made faster still.\n"
     "data_parallel: a full replica per rank, each rank makes whole images of the batch (consecutive seeds); more "
     "images per minute, not one image faster.\n"
-    "cfg_parallel: true CFG (Qwen-Image, true_cfg_scale > 1): the conditional pass on half of the ranks, the "
+    f"cfg_parallel: true CFG ({names(lambda f: f.true_cfg)}, true_cfg_scale > 1): the conditional pass on half of "
+    "the ranks, the "
     "unconditional one on the other half, one exchange per step; ring_degree × ulysses_degree split each half "
     "(e.g. 4 GPUs: CFG 2 × ulysses_degree 2)."
 )

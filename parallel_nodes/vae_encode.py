@@ -3,6 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
+from parallel_runtime.families import names
 
 from . import comfy
 from .types import CATEGORY, backend_input, dtype_input, model_input
@@ -44,7 +45,8 @@ class VAEEncodeSingleGPU(io.ComfyNode):
                 io.Latent.Output(
                     tooltip=(
                         "The posterior's mode (deterministic), un-normalised VAE latents in ComfyUI's convention "
-                        "(FLUX.2: normalised 2×2 patches, as ComfyUI has them)."
+                        f"({names(lambda f: f.latent.channels_per_vae_channel == 4)}: normalised 2×2 patches, as "
+                        "ComfyUI has them)."
                     )
                 )
             ],

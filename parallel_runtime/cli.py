@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .families import REGISTRY, family
+from .families import REGISTRY
 
 DOCTOR_STEP_S = 60.0
 P2P_ADVICE = (
@@ -172,12 +172,13 @@ def demo(ranks: int, device: str, out: str, models_dir: str, steps: int, size: i
     """The nodes' steps (``jobs``, what each node calls) on a tiny random FLUX.1 (built offline if missing): writes
     ``out`` and returns timings."""
     from . import current_backend, default_spec, get_backend, jobs, shutdown_backend
+    from .families.tiny import make_tiny_model  # diffusers' models: only for the demo
 
     timings: dict[str, float] = {}
     model_dir = os.path.join(models_dir, DEMO_MODEL)
     if not os.path.isfile(os.path.join(model_dir, "model_index.json")):
         t0 = time.perf_counter()
-        family("flux").make_tiny_model(model_dir)
+        make_tiny_model("flux", model_dir)
         timings["build tiny model"] = time.perf_counter() - t0
     os.environ["COMFY_PARALLEL_MODELS"] = os.pathsep.join(
         [models_dir] + [p for p in os.environ.get("COMFY_PARALLEL_MODELS", "").split(os.pathsep) if p]
@@ -273,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "make-tiny-model":
         if args.family not in {a.key for a in REGISTRY}:
             parser.error(f"unknown family {args.family!r}; choose one of {', '.join(a.key for a in REGISTRY)}")
-        print(family(args.family).make_tiny_model(args.dir, args.seed))
+        from .families.tiny import make_tiny_model
+
+        print(make_tiny_model(args.family, args.dir, args.seed))
         return 0
     if args.command == "demo":
         result = demo(args.ranks, args.device, args.out, args.models, args.steps, args.size, args.seed)

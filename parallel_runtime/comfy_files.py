@@ -7,8 +7,8 @@ same files again reuses it and a file replaced on disk makes a new one. The fold
 every strategy loads it exactly as it loads any other (tensor parallel through diffusers' ``parallel_config``, which
 reads each rank's slices; bench/comfy_files_memory.py measures what a rank holds at its peak).
 
-What differs between families is the family's ``FilesLayout`` (``families/files.py``; FLUX.1's in
-``families/flux_files.py``, all listed in ``families.FILES_LAYOUTS``): it recognises its transformer, names the
+What differs between families is the family's ``FilesLayout`` (``families/files.py``; each family's in its folder's
+``files.py``, all listed in ``families.FILES_LAYOUTS``): it recognises its transformer, names the
 text-encoder widgets it takes (a family with one leaves ``text_encoder_2`` at "none") and describes the folder from the
 headers' shapes (``FilesContents``). What is the same for all is here:
 
@@ -40,7 +40,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 from .errors import Cancelled, InvalidInput
-from .families import FILES_LAYOUTS, FilesLayout
+from .families import FILES_LAYOUTS, FilesLayout, join_words
 from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
 from .families.lora import SAFETENSORS_SUFFIXES
 from .headers import read_header
@@ -307,6 +307,10 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
         if variant is not None:
             return layout, variant
     examples = " or ".join(layout.example_files.split(", ")[0] for layout in FILES_LAYOUTS)
+    by_layout: dict[str, list[str]] = {}
+    for layout in FILES_LAYOUTS:
+        by_layout.setdefault(layout.transformer_layout, []).append(layout.name)
+    recognised = ", ".join(f"{join_words(names, 'or')} {keys}" for keys, names in by_layout.items())
     if any(
         k.startswith(("encoder.", "decoder.", "text_model.", "shared.", "model.layers.", "visual.")) for k in shapes
     ):
@@ -317,8 +321,8 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
         )
     raise InvalidInput(
         transformer.widget,
-        f"{transformer.name!r} is not a transformer this pack recognises (FLUX.1 or FLUX.2 in Black Forest Labs' "
-        f"layout, Qwen-Image in diffusers'); pick {examples} from models/diffusion_models, or use a diffusers folder",
+        f"{transformer.name!r} is not a transformer this pack recognises ({recognised}); pick {examples} from "
+        "models/diffusion_models, or use a diffusers folder",
     )
 
 

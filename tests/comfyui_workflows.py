@@ -22,7 +22,7 @@ BACKEND_UP = re.compile(r"parallel backend up: \d+ ranks on \w+ in [\d.]+ s \((?
 
 def tiny_flux(models_dir: str | os.PathLike) -> Path:
     """The tiny FLUX.1 in the server's diffusers folder, built once per session."""
-    from parallel_runtime.testing.tiny_models import make_tiny_flux
+    from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 
     path = Path(models_dir) / MODEL
     if not (path / "model_index.json").is_file():

@@ -70,7 +70,7 @@ def tiny_comfy_files(comfyui_files_dir, tmp_path_factory):
     comfy_dir = comfy_files.comfy_package_dir()
     if comfy_dir is None:
         pytest.skip("needs ComfyUI's tokenizers: set COMFYUI_DIR (.ci/install-comfyui.sh makes one)")
-    from parallel_runtime.testing.tiny_comfy_files import make_tiny_flux_files
+    from parallel_runtime.families.flux.tiny import make_tiny_flux_files
 
     return make_tiny_flux_files(str(comfyui_files_dir), str(tmp_path_factory.mktemp("reference")), comfy_dir)
 
@@ -84,7 +84,7 @@ def tiny_qwen_comfy_files(comfyui_files_dir, tmp_path_factory):
     comfy_dir = comfy_files.comfy_package_dir()
     if comfy_dir is None:
         pytest.skip("needs ComfyUI's tokenizers: set COMFYUI_DIR (.ci/install-comfyui.sh makes one)")
-    from parallel_runtime.testing.tiny_comfy_files import make_tiny_qwenimage_files
+    from parallel_runtime.families.qwenimage.tiny import make_tiny_qwenimage_files
 
     return make_tiny_qwenimage_files(str(comfyui_files_dir), str(tmp_path_factory.mktemp("reference-qwen")), comfy_dir)
 

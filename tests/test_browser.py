@@ -53,7 +53,7 @@ pytestmark = [
 def placeholder_model(comfyui_models_dir) -> Path:
     """A tiny FLUX.1 under the name the shipped workflow uses; removed afterwards, because the server is shared
     and test_e2e_comfyui checks that the placeholder, as shipped, is refused."""
-    from parallel_runtime.testing.tiny_models import make_tiny_flux
+    from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 
     path = Path(comfyui_models_dir) / PLACEHOLDER_MODEL
     make_tiny_flux(str(path))

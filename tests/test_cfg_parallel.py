@@ -10,7 +10,8 @@ import torch
 from diffusers import QwenImagePipeline
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
-from parallel_runtime.testing.tiny_models import make_tiny_flux, make_tiny_qwenimage
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
+from parallel_runtime.families.qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
 
 QWEN, FLUX = "tiny-qwenimage", "tiny-flux"
 PROMPT, NEGATIVE = "a photo of a horse in the city", "a blue painting"

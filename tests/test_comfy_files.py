@@ -3,7 +3,7 @@ the converted folder bit for bit against the same model's diffusers folder in ev
 the cache, refusals that name the input, and every strategy on real CPU ranks from the converted model equal to
 diffusers' one-shot pipeline on the diffusers folder.
 
-The tiny files come from ``parallel_runtime.testing.tiny_comfy_files`` (the inverse of the key mapping); the tokenizers
+The tiny files come from the families' ``tiny.py`` (the inverse of the key mapping); the tokenizers
 from the ComfyUI installation (COMFYUI_DIR), as in a real ComfyUI.
 """
 
@@ -33,8 +33,9 @@ from parallel_runtime import (
     launcher,
     model_folders,
 )
-from parallel_runtime.families import flux_files
-from parallel_runtime.testing.tiny_comfy_files import _bfl_transformer, ldm_vae
+from parallel_runtime.families.flux import files as flux_files
+from parallel_runtime.families.flux.tiny import bfl_transformer
+from parallel_runtime.families.tiny import ldm_vae
 
 PROMPT = "a photo of a horse in the city"
 STEPS, TOKENS = 2, 32
@@ -432,7 +433,7 @@ def test_flux1_files_that_would_fail_after_converting_are_refused_by_name(tiny):
             block_out_channels=(16, 16, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=16,
             use_quant_conv=False, use_post_quant_conv=False,
         )  # fmt: skip
-    _write(str(models / "diffusion_models" / "heads_64.safetensors"), _bfl_transformer(heads_64.state_dict(), 1, 1))
+    _write(str(models / "diffusion_models" / "heads_64.safetensors"), bfl_transformer(heads_64.state_dict(), 1, 1))
     _write(str(models / "vae" / "channels_16.safetensors"), ldm_vae(channels_16.state_dict(), 4))
     for widget, value, message in (
         ("diffusion_model", "heads_64.safetensors", r"attention heads 64 wide, .* cover 128: .* pick flux1-dev"),
@@ -697,8 +698,8 @@ def test_qwenimage_configs_at_the_real_sizes():
     from diffusers import QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from parallel_runtime.families import qwenimage_files
-    from parallel_runtime.testing.tiny_comfy_files import published_qwen_layout
+    from parallel_runtime.families.qwenimage import files as qwenimage_files
+    from parallel_runtime.families.qwenimage.tiny import published_qwen_layout
 
     def shapes_of(model, layout=dict):
         return {k: tuple(v.shape) for k, v in layout(model.state_dict()).items()}

@@ -1,10 +1,10 @@
-"""ComfyUI's FLUX.2 files (``families.flux2_files`` behind ``comfy_files``): the transformer's moves against diffusers'
+"""ComfyUI's FLUX.2 files (``families/flux2/files.py``, ``comfy_files``): the transformer's moves against diffusers'
 own converter at FLUX.2-dev's widths, the converted folder bit for bit against the same model's diffusers folder (as
 black-forest-labs/FLUX.2-dev lays it out: the whole Mistral3ForConditionalGeneration) in every weight format, the cut
 30-layer text encoder giving the whole model's hidden states, refusals that name the input, and tensor parallel and
 Ulysses on real CPU ranks from the converted model equal to diffusers' one-shot pipeline on the diffusers folder.
 
-The tiny files come from ``parallel_runtime.testing.tiny_comfy_files.make_tiny_flux2_files`` (the inverse of the key
+The tiny files come from ``parallel_runtime.families.flux2.tiny.make_tiny_flux2_files`` (the inverse of the key
 mapping, the tokenizer as a tekken vocabulary inside the text encoder file, as ComfyUI's).
 """
 
@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from test_comfy_files import converted_and_one_shot, generate
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs
-from parallel_runtime.families import flux2_files
+from parallel_runtime.families.flux2 import files as flux2_files
 
 PROMPT = "a photo of a horse in the city"
 STEPS, TOKENS = 2, 64
@@ -29,7 +29,7 @@ STEPS, TOKENS = 2, 64
 def tiny(tmp_path_factory):
     """A tiny FLUX.2-dev as ComfyUI's files (every transformer format) with their reference diffusers folders, listed
     for the module (COMFY_PARALLEL_COMFY_MODELS) and converted below a folder of its own."""
-    from parallel_runtime.testing.tiny_comfy_files import make_tiny_flux2_files
+    from parallel_runtime.families.flux2.tiny import make_tiny_flux2_files
 
     base = tmp_path_factory.mktemp("comfy-files-flux2")
     models = base / "models"
@@ -154,7 +154,7 @@ def test_flux2_text_encoder_gives_the_whole_models_embeddings(tiny, whole):
     token ids, left-padded, and hidden states 10, 20 and 30, the 30th unnormalised."""
     from diffusers import Flux2Pipeline
 
-    from parallel_runtime.testing.tiny_comfy_files import WHOLE_MISTRAL
+    from parallel_runtime.families.flux2.tiny import WHOLE_MISTRAL
 
     base, _, made = tiny
     names, reference = made["bf16"]

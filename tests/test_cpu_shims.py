@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from diffusers.models import attention_dispatch
 from diffusers.models.modeling_utils import ModelMixin
 
-from parallel_runtime.testing.tiny_models import make_tiny_flux
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 from parallel_runtime.worker.cpu_shims import apply_cpu_shims
 
 REPO = Path(__file__).resolve().parents[1]

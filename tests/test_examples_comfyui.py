@@ -159,13 +159,13 @@ def test_ui_workflow_matches_object_info_and_the_api_copy(comfyui_server, name):
 def tiny_models(comfyui_models_dir) -> dict[str, Path]:
     """A tiny random model per family under a name of its own (the placeholder names stay unknown to the server,
     which other tests rely on)."""
-    from parallel_runtime.families import family as family_adapter
+    from parallel_runtime.families.tiny import make_tiny_model
 
     made = {}
     for family in PLACEHOLDERS.values():
         path = Path(comfyui_models_dir) / f"tiny-{family}-examples"
         if not (path / "model_index.json").is_file():
-            family_adapter(family).make_tiny_model(str(path))
+            make_tiny_model(family, str(path))
         made[family] = path
     return made
 
@@ -173,7 +173,7 @@ def tiny_models(comfyui_models_dir) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tiny_loras(tiny_models, comfyui_loras_dir) -> dict[str, Path]:
     """A tiny random LoRA per family named by an example, in the server's loras folder under a name of its own."""
-    from parallel_runtime.testing.tiny_loras import make_tiny_lora, save_diffusers_lora
+    from parallel_runtime.families.tiny import make_tiny_lora, save_diffusers_lora
 
     made = {}
     for family in set(LORA_PLACEHOLDERS.values()):

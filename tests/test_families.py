@@ -13,6 +13,7 @@ from diffusers import Flux2Pipeline, QwenImagePipeline
 
 from parallel_runtime.families import Placement
 from parallel_runtime.families import family as family_adapter
+from parallel_runtime.families.tiny import make_tiny_model
 from parallel_runtime.wire import Prompts, Sampling
 
 flux2, qwenimage = family_adapter("flux2"), family_adapter("qwenimage")
@@ -59,7 +60,7 @@ def load(tmp_path_factory):
     def get(name: str):
         if name not in loaded:
             settings = FAMILIES[name]
-            model_dir = settings["adapter"].make_tiny_model(str(tmp_path_factory.mktemp(name)), 0)
+            model_dir = make_tiny_model(settings["adapter"].key, str(tmp_path_factory.mktemp(name)), 0)
             adapter = settings["adapter"]
             stages = (
                 adapter.load_text_encoders(model_dir, torch.float32, CPU),

@@ -73,9 +73,9 @@ def backend(models_root):
     deadlines. A drill that ends its group leaves the next test to start a fresh one: that start is the drill's "the
     next call works"."""
     from parallel_runtime import get_backend, shutdown_backend
-    from parallel_runtime.families import family
+    from parallel_runtime.families.tiny import make_tiny_model
 
-    family("flux").make_tiny_model(str(models_root / "tiny-flux"))
+    make_tiny_model("flux", str(models_root / "tiny-flux"))
     shared = get_backend(SPEC)
     shared.deadlines = FAST
     shared.start()

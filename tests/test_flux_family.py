@@ -12,7 +12,7 @@ import torch
 from diffusers import FluxPipeline
 
 from parallel_runtime.families import Placement, family
-from parallel_runtime.testing.tiny_models import make_tiny_flux
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 from parallel_runtime.wire import Prompts, Sampling
 
 flux = family("flux")

@@ -57,9 +57,9 @@ def _wide_flux(models_root, tiny: str) -> str:
 @pytest.fixture(scope="module")
 def backend(models_root):
     """One 2-rank CPU backend for the module, started from an environment like ComfyUI's (its allocator setting)."""
-    from parallel_runtime.families import family
+    from parallel_runtime.families.tiny import make_tiny_model
 
-    family("flux").make_tiny_model(str(models_root / "tiny-flux"))
+    make_tiny_model("flux", str(models_root / "tiny-flux"))
     _wide_flux(models_root, "tiny-flux")
     saved = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = COMFYUI_ALLOCATOR
@@ -292,10 +292,10 @@ def test_attention_is_chosen_and_checked_by_the_gpus_generation():
 def test_load_sharded_transformer_refuses_an_attention_backend_that_is_not_installed(models_root, monkeypatch):
     import importlib.util
 
-    from parallel_runtime.families import family
+    from parallel_runtime.families.tiny import make_tiny_model
 
     if not (models_root / "tiny-flux" / "model_index.json").is_file():
-        family("flux").make_tiny_model(str(models_root / "tiny-flux"))
+        make_tiny_model("flux", str(models_root / "tiny-flux"))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_attn" else real(name))
     cuda = BackendSpec(ranks=2, device="cuda")

@@ -29,6 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from parallel_runtime.families import Placement, img2img_steps
 from parallel_runtime.families import family as family_adapter
+from parallel_runtime.families.tiny import make_tiny_model
 from parallel_runtime.wire import Prompts, Sampling
 
 PROMPT = "a photo of a cat"
@@ -59,7 +60,7 @@ def load(tmp_path_factory):
     def get(name: str):
         if name not in loaded:
             adapter = family_adapter(name)
-            model_dir = adapter.make_tiny_model(str(tmp_path_factory.mktemp(name)), 0)
+            model_dir = make_tiny_model(adapter.key, str(tmp_path_factory.mktemp(name)), 0)
             stages = (
                 adapter.load_text_encoders(model_dir, torch.float32, CPU),
                 adapter.load_transformer(model_dir, torch.float32, CPU),
@@ -279,7 +280,7 @@ def test_inpaint_equals_diffusers_and_keeps_the_unmasked_area(family):
 @pytest.fixture(scope="module")
 def four_channels(tmp_path_factory):
     """A tiny FLUX.1 whose VAE has 4 latent channels (its transformer takes 4 x 2x2), loaded once."""
-    from parallel_runtime.testing.tiny_models import make_tiny_flux
+    from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 
     adapter = family_adapter("flux")
     model_dir = make_tiny_flux(str(tmp_path_factory.mktemp("flux-4-channels")), latent_channels=4)

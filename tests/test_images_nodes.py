@@ -12,6 +12,7 @@ from diffusers import AutoencoderKL, FluxImg2ImgPipeline, FluxInpaintPipeline
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.client import get_backend
 from parallel_runtime.families import family
+from parallel_runtime.families.tiny import make_tiny_model
 from parallel_runtime.wire import OutputArgs, StatusArgs
 
 PROMPT = "a red cat on a sofa"
@@ -22,7 +23,7 @@ flux = family("flux")
 
 @pytest.fixture(scope="module")
 def tiny(models_root):
-    family("flux").make_tiny_model(str(models_root / "tiny-flux"))
+    make_tiny_model("flux", str(models_root / "tiny-flux"))
     return models_root / "tiny-flux"
 
 

@@ -2,7 +2,7 @@
 ``load_lora_weights`` (and ``set_adapters`` for stacked LoRAs); every file layout against its diffusers twin; the
 strength round trip and residency; every bad input.
 
-The LoRAs are tiny, random and built in code (``parallel_runtime.testing.tiny_loras``): in diffusers' layout for
+The LoRAs are tiny, random and built in code (``families/tiny.py``, each family's ``tiny.py``): in diffusers' layout for
 each family, and for FLUX.1 also in kohya's, ComfyUI's and xlabs' layouts, written from BFL's own layer names, never
 with diffusers' converters, and each compared with the same deltas in diffusers' layout.
 """
@@ -24,14 +24,10 @@ from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, OpFailed, default_spec, get_backend, jobs
 from parallel_runtime.families import family
+from parallel_runtime.families.flux.tiny import save_xlabs_flux_lora
 from parallel_runtime.families.lora import LoraError, read_lora
-from parallel_runtime.testing.tiny_loras import (
-    make_tiny_lora,
-    save_bfl_lora,
-    save_diffusers_lora,
-    save_qwenimage_lora,
-    save_xlabs_flux_lora,
-)
+from parallel_runtime.families.qwenimage.tiny import save_qwenimage_lora
+from parallel_runtime.families.tiny import make_tiny_lora, make_tiny_model, save_bfl_lora, save_diffusers_lora
 from parallel_runtime.wire import LoraMode
 
 PROMPT = "a photo of a horse in the city"
@@ -111,7 +107,7 @@ FLUX2_BFL_LAYERS = (
 @pytest.fixture(scope="module")
 def models_dir(models_root):
     for key, settings in FAMILIES.items():
-        family(key).make_tiny_model(str(models_root / settings["model"]))
+        make_tiny_model(key, str(models_root / settings["model"]))
     return models_root
 
 

@@ -13,20 +13,20 @@ import types
 import pytest
 
 from parallel_runtime import InvalidInput, model_folders
-from parallel_runtime.families import family
+from parallel_runtime.families.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     base = tmp_path_factory.mktemp("models")
-    family("flux").make_tiny_model(str(base / "tiny-flux"))
+    make_tiny_model("flux", str(base / "tiny-flux"))
     broken = {"a-list": "[1, 2]", "a-null": "null", "deep": "[" * 100000 + "]" * 100000, "not-json": "{nope",
               "no-class": "{}", "other": json.dumps({"_class_name": "StableDiffusionPipeline"})}  # fmt: skip
     for name, index in broken.items():
         os.makedirs(base / name)
         (base / name / "model_index.json").write_text(index)
     elsewhere = tmp_path_factory.mktemp("other-disk")
-    family("flux").make_tiny_model(str(elsewhere / "kept-elsewhere"))
+    make_tiny_model("flux", str(elsewhere / "kept-elsewhere"))
     os.symlink(elsewhere / "kept-elsewhere", base / "linked-flux")
     os.makedirs(base / "org")
     os.symlink(elsewhere / "kept-elsewhere", base / "org" / "FLUX.1-tiny")
@@ -153,14 +153,14 @@ def odd_root(tmp_path_factory):
     base = tmp_path_factory.mktemp("odd-models")
     (base / "flux1-dev").mkdir()
     (base / "flux1-dev" / "flux1-dev.safetensors").write_bytes(b"")
-    family("flux").make_tiny_model(str(base / "no-weights"))
+    make_tiny_model("flux", str(base / "no-weights"))
     for file in os.listdir(base / "no-weights" / "transformer"):
         if file.endswith(".safetensors"):
             os.remove(base / "no-weights" / "transformer" / file)
     (base / "org").mkdir()  # an organisation's folder: not a model itself, though it holds a file
     (base / "org" / "README.md").write_text("our models")
-    family("flux").make_tiny_model(str(base / "org" / "listed"))
-    family("flux").make_tiny_model(str(base / "ten-thousand-layers"))
+    make_tiny_model("flux", str(base / "org" / "listed"))
+    make_tiny_model("flux", str(base / "ten-thousand-layers"))
     config_path = base / "ten-thousand-layers" / "transformer" / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "num_layers": 10_000}))

@@ -108,9 +108,9 @@ def test_a_link_of_the_wrong_type_is_refused(nodes):
 
 @pytest.fixture(scope="module")
 def tiny(models_root):
-    from parallel_runtime.families import family
+    from parallel_runtime.families.tiny import make_tiny_model
 
-    family("flux").make_tiny_model(str(models_root / "tiny-flux"))
+    make_tiny_model("flux", str(models_root / "tiny-flux"))
     return "tiny-flux"
 
 

@@ -42,11 +42,11 @@ from parallel_runtime import (
     launcher,
 )
 from parallel_runtime.arena import SHM_DIR
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 from parallel_runtime.launcher import SHM_PREFIX
 from parallel_runtime.machines import join_command
 from parallel_runtime.processes import process_alive
 from parallel_runtime.rendezvous import BEACON_KEY, SECRET_ENV, claim_key, cluster_secret, interface_of, route_to
-from parallel_runtime.testing.tiny_models import make_tiny_flux
 from parallel_runtime.wire import StatusArgs, StepsArgs
 
 pytestmark = pytest.mark.multirank

@@ -13,7 +13,8 @@ from diffusers import FluxPipeline, QwenImagePipeline
 from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
-from parallel_runtime.testing.tiny_models import make_tiny_flux, make_tiny_qwenimage
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
+from parallel_runtime.families.qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
 from parallel_runtime.wire import CacheMode
 
 FLUX, QWEN = "tiny-flux", "tiny-qwenimage"

@@ -20,7 +20,7 @@ from parallel_runtime import (
     jobs,
     shutdown_backend,
 )
-from parallel_runtime.testing.tiny_models import make_tiny_flux
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 
 pytestmark = pytest.mark.multirank
 

@@ -8,7 +8,9 @@ import torch
 from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
-from parallel_runtime.testing.tiny_models import make_tiny_flux, make_tiny_flux2, make_tiny_qwenimage
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
+from parallel_runtime.families.flux2.tiny import make_tiny_model as make_tiny_flux2
+from parallel_runtime.families.qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
 
 MODEL = "tiny-flux"
 PROMPT = "a photo of a horse in the city"

@@ -7,9 +7,10 @@ import torch
 from diffusers import DiffusionPipeline, Flux2Pipeline, FluxPipeline, QwenImagePipeline
 
 from parallel_runtime.families import REGISTRY, family
+from parallel_runtime.families.tiny import family_tiny
 
 PIPELINE_CLASSES = {"flux": FluxPipeline, "flux2": Flux2Pipeline, "qwenimage": QwenImagePipeline}
-TINY_MODELS = {adapter.key: adapter.make_tiny_model for adapter in REGISTRY}
+TINY_MODELS = {adapter.key: family_tiny(adapter.key).make_tiny_model for adapter in REGISTRY}
 
 
 def files(model_dir: str) -> dict[str, bytes]:

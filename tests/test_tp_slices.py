@@ -19,7 +19,9 @@ from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file, save_file
 
 from bench.tp_load_memory import save_flux
-from parallel_runtime.testing.tiny_models import make_tiny_flux, make_tiny_flux2, make_tiny_qwenimage
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
+from parallel_runtime.families.flux2.tiny import make_tiny_model as make_tiny_flux2
+from parallel_runtime.families.qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK_SCRIPT = Path(__file__).with_name("_tp_slices_check.py")

@@ -1,6 +1,6 @@
 """The README's newcomer path: a ComfyUI user who installed the pack from requirements.txt (no ``comfy-parallel``
 script) puts tiny stand-ins for everything the example workflows name into ComfyUI with ``python -m
-parallel_runtime.testing.examples``, run from the pack's folder as the README says."""
+parallel_runtime.examples``, run from the pack's folder as the README says."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from comfyui_host import REPO_ROOT, ComfyUIServer
 from PIL import Image
 
 from parallel_runtime import model_folders
-from parallel_runtime.testing.examples import IMAGE_PLACEHOLDER, LORA_PLACEHOLDERS, PLACEHOLDERS, make_stand_ins
+from parallel_runtime.examples import IMAGE_PLACEHOLDER, LORA_PLACEHOLDERS, PLACEHOLDERS, make_stand_ins
 
-COMMAND = [sys.executable, "-m", "parallel_runtime.testing.examples"]
+COMMAND = [sys.executable, "-m", "parallel_runtime.examples"]
 
 
 def named_by_the_examples() -> set[str]:

@@ -1,20 +1,20 @@
-"""The model families the pack runs, one module each behind ``FamilyAdapter`` (base.py), listed once here.
+"""The model families the pack runs, one folder each (``families/<key>/``, named by the family's key), listed once here.
 
-The client and the ranks read this same registry: the client validates widgets against a family's declarations, the
-ranks run its stages. Adding a family is one module (a ``FamilyAdapter``), one line in ``REGISTRY``, its tiny model
-in ``parallel_runtime.testing`` and its tests (docs/ARCHITECTURE.md has the recipe).
+A family's folder holds its ``FamilyAdapter`` (base.py), the layout of its ComfyUI files (a ``FilesLayout``, files.py)
+and its tiny builders; what families share stays beside them here (base.py, files.py, lora.py, tiny.py). The client
+and the ranks read this same registry: the client validates widgets against a family's declarations, the ranks run its
+stages. Adding a family is its folder, its line here and its tests (docs/ARCHITECTURE.md has the recipe).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_steps
 from .files import FilesLayout
-from .flux import Flux1
-from .flux2 import Flux2
-from .flux2_files import Flux2Files
-from .flux_files import Flux1Files
-from .qwenimage import QwenImage
-from .qwenimage_files import QwenImageFiles
+from .flux import Flux1, Flux1Files
+from .flux2 import Flux2, Flux2Files
+from .qwenimage import QwenImage, QwenImageFiles
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
@@ -39,6 +39,17 @@ def for_pipeline(class_name: str | None) -> FamilyAdapter | None:
     return next((adapter for adapter in REGISTRY if adapter.pipeline == class_name), None)
 
 
+def join_words(words: Sequence[str], last: str = "and") -> str:
+    """Words as a sentence lists them: "A", "A and B", "A, B and C"."""
+    return words[-1] if len(words) < 2 else f"{', '.join(words[:-1])} {last} {words[-1]}"
+
+
+def names(which: Callable[[FamilyAdapter], bool] = lambda adapter: True, last: str = "and") -> str:
+    """The names of the registry's families that ``which`` selects, for tooltips and messages ("FLUX.1 and FLUX.2"),
+    so that none of them names the families itself."""
+    return join_words([adapter.name for adapter in REGISTRY if which(adapter)], last) or "none"
+
+
 def supported() -> str:
     """The families for an error message: "FLUX.1 (FluxPipeline), ..."."""
     return ", ".join(f"{adapter.name} ({adapter.pipeline})" for adapter in REGISTRY)
@@ -55,5 +66,7 @@ __all__ = [
     "family",
     "for_pipeline",
     "img2img_steps",
+    "join_words",
+    "names",
     "supported",
 ]

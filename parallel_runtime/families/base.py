@@ -2,9 +2,9 @@
 
 A family knows everything that differs between models: its name for users, its diffusers pipeline, the rules the
 client checks widgets against, its LATENT layout in ComfyUI's convention, its stages on the ranks (load and run the
-text encoders, the transformer, the VAE) and its tiny test model. The client reads only the declarations (class
-attributes), so importing a family loads no diffusers model code at ComfyUI's start-up; the stage methods import
-diffusers when a rank first calls them.
+text encoders, the transformer, the VAE); its tiny test model is built by its folder's ``tiny.py``, which no adapter
+imports. The client reads only the declarations (class attributes), so importing a family loads no diffusers model
+code at ComfyUI's start-up; the stage methods import diffusers when a rank first calls them.
 
 Each stage runs the family's real diffusers pipeline with the other components set to None (the staged recipe of
 diffusers' distributed-inference guide), so the staged result equals the one-shot pipeline for the same seed.
@@ -177,11 +177,6 @@ class FamilyAdapter(abc.ABC):
     def decoder_channels(self, vae_config: dict) -> int:
         """Channels of the VAE decoder's first-level (full-resolution) feature maps, for the memory estimate."""
         return vae_config["block_out_channels"][0]
-
-    # -- tests and the demo -----------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        """Build a tiny random-weight pipeline of this family offline (``parallel_runtime.testing``); its folder."""
 
 
 # -- what the adapters share -------------------------------------------------------------------------------------

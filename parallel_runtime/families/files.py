@@ -147,20 +147,30 @@ class FilesContents:
 
 
 class FilesLayout(abc.ABC):
-    """One family's ComfyUI files (implemented in ``families/<name>_files.py``, listed in ``families.FILES_LAYOUTS``).
+    """One family's ComfyUI files (implemented in ``families/<key>/files.py``, listed in ``families.FILES_LAYOUTS``).
 
     Declarations (class attributes):
         family: the ``FamilyAdapter`` key of the converted folder.
         name: the family's name for users.
         text_encoder_widgets: the widgets its text encoders come from (``TEXT_ENCODER_WIDGETS``, in order); the node's
             others must be left at "none".
-        example_files: the files a user picks, for the node's messages ("flux1-dev.safetensors, clip_l...").
+        variants: the variants it converts, for the node's description ("FLUX.1 (dev and schnell)").
+        transformer_layout: the keys its transformer file has, for the refusal of one that fits no family.
+        widget_files: per widget it takes (in the node's order), what the user picks there, for the node's tooltips
+            and messages ("CLIP-L (clip_l.safetensors)"; the first file named is the example).
     """
 
     family: ClassVar[str]
     name: ClassVar[str]
     text_encoder_widgets: ClassVar[tuple[str, ...]]
-    example_files: ClassVar[str]
+    variants: ClassVar[str]
+    transformer_layout: ClassVar[str]
+    widget_files: ClassVar[Mapping[str, str]]
+
+    @property
+    def example_files(self) -> str:
+        """A file a user picks for each widget, for the node's messages ("flux1-dev.safetensors, clip_l...")."""
+        return ", ".join(re.search(r"[\w.-]+\.safetensors", files)[0] for files in self.widget_files.values())
 
     @abc.abstractmethod
     def variant(self, shapes: Shapes) -> str | None:

@@ -1,7 +1,7 @@
 """Tiny random stand-ins for everything the example workflows name, so that each example runs in ComfyUI without a
 download. From the pack's folder (``ComfyUI/custom_nodes/comfyui-parallel-diffusers``), with ComfyUI's Python:
 
-    python -m parallel_runtime.testing.examples ../..
+    python -m parallel_runtime.examples ../..
 
 puts tiny random pipelines under the examples' model names (FLUX.1-dev, FLUX.2-dev, Qwen-Image) in
 ``ComfyUI/models/diffusers/``, a tiny LoRA under the name the LoRA example picks in ``models/loras/``, and the picture
@@ -16,8 +16,7 @@ import argparse
 import os
 import sys
 
-from ..families import family
-from .tiny_loras import make_tiny_lora, save_diffusers_lora
+from .families.tiny import make_tiny_lora, make_tiny_model, save_diffusers_lora
 
 # The placeholder names the examples ship with (example_workflows/make_examples.py), and the family of each.
 PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}  # model folder -> family
@@ -49,7 +48,7 @@ def make_stand_ins(
         if os.path.exists(path):
             done[path] = "kept"
         else:
-            family(PLACEHOLDERS[model]).make_tiny_model(path)
+            make_tiny_model(PLACEHOLDERS[model], path)
             done[path] = "made"
     for lora, model in sorted(LORA_PLACEHOLDERS.items()):
         path = os.path.join(loras_dir, lora)
@@ -73,9 +72,7 @@ def make_stand_ins(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m parallel_runtime.testing.examples", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m parallel_runtime.examples", description=__doc__.split("\n\n")[0])
     parser.add_argument("comfyui", help="the ComfyUI folder (from the pack's folder in custom_nodes: ../..)")
     args = parser.parse_args(argv)
     root = os.path.abspath(args.comfyui)

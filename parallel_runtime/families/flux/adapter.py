@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..wire import Prompts, Sampling
-from .base import (
+from ...wire import Prompts, Sampling
+from ..base import (
     FamilyAdapter,
     LatentLayout,
     OnStep,
@@ -162,11 +162,6 @@ class Flux1(FamilyAdapter):
         """The posterior's mode, un-normalised (ComfyUI's FLUX.1 LATENT; the pipelines scale and shift it)."""
         posterior = vae.encode(vae_pixels(pixels, vae.device, vae.dtype)).latent_dist
         return posterior.mode().float().cpu()
-
-    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        from ..testing.tiny_models import make_tiny_flux
-
-        return make_tiny_flux(out_dir, seed)
 
 
 def _latent_channels_of_the_vae(pipe: Any, channels: int, model_dir: str, masked: bool) -> None:

@@ -30,9 +30,11 @@ Qwen-Image's published configuration, kept here as data: the transformer's 128-w
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import ClassVar
 
-from ..errors import InvalidInput
-from .files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, configs_from_shapes, count
+from ...errors import InvalidInput
+from ..files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, configs_from_shapes, count
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json: dynamic shifting over a long reference sequence, to a terminal
 # sigma.
@@ -256,7 +258,13 @@ class QwenImageFiles(FilesLayout):
     family = "qwenimage"
     name = "Qwen-Image"
     text_encoder_widgets = ("text_encoder",)
-    example_files = "qwen_image_bf16.safetensors, qwen_2.5_vl_7b.safetensors, qwen_image_vae.safetensors"
+    variants = "Qwen-Image"
+    transformer_layout = "in diffusers' layout"
+    widget_files: ClassVar[Mapping[str, str]] = {
+        "diffusion_model": "qwen_image_bf16.safetensors",
+        "text_encoder": "Qwen2.5-VL (qwen_2.5_vl_7b.safetensors, or its fp8 version)",
+        "vae": "qwen_image_vae.safetensors",
+    }
 
     def variant(self, shapes: Shapes) -> str | None:
         return "Qwen-Image" if is_transformer(shapes) else None

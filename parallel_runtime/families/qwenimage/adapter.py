@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..wire import Prompts, Sampling
-from .base import (
+from ...wire import Prompts, Sampling
+from ..base import (
     FamilyAdapter,
     LatentLayout,
     OnStep,
@@ -196,8 +196,3 @@ class QwenImage(FamilyAdapter):
 
     def decoder_channels(self, vae_config: dict) -> int:
         return vae_config["base_dim"]  # Wan 2.1's VAE: base_dim × dim_mult per level, the first level at × 1
-
-    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        from ..testing.tiny_models import make_tiny_qwenimage
-
-        return make_tiny_qwenimage(out_dir, seed)

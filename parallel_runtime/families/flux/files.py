@@ -14,10 +14,11 @@ and tests/test_comfy_files.py checks these moves against it at that width.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import ClassVar
 
-from ..errors import InvalidInput
-from .files import (
+from ...errors import InvalidInput
+from ..files import (
     Component,
     FilesContents,
     FilesLayout,
@@ -263,7 +264,14 @@ class Flux1Files(FilesLayout):
     family = "flux"
     name = "FLUX.1"
     text_encoder_widgets = ("text_encoder", "text_encoder_2")
-    example_files = "flux1-dev.safetensors, clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors"
+    variants = "FLUX.1 (dev and schnell)"
+    transformer_layout = "in Black Forest Labs' layout"
+    widget_files: ClassVar[Mapping[str, str]] = {
+        "diffusion_model": "flux1-dev.safetensors, flux1-schnell.safetensors",
+        "text_encoder": "CLIP-L (clip_l.safetensors)",
+        "text_encoder_2": "T5-XXL (t5xxl_fp16.safetensors, or an fp8 one)",
+        "vae": "ae.safetensors",
+    }
 
     def variant(self, shapes: Shapes) -> str | None:
         if not is_transformer(shapes):

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..wire import Prompts, Sampling
-from .base import (
+from ...wire import Prompts, Sampling
+from ..base import (
     FamilyAdapter,
     LatentLayout,
     OnStep,
@@ -165,11 +165,6 @@ class Flux2(FamilyAdapter):
             latents.device, latents.dtype
         )
         return ((latents - bn_mean) / bn_std).cpu()
-
-    def make_tiny_model(self, out_dir: str, seed: int = 0) -> str:
-        from ..testing.tiny_models import make_tiny_flux2
-
-        return make_tiny_flux2(out_dir, seed)
 
 
 def _from_image(

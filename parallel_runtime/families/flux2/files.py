@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import ClassVar
 
-from ..errors import InvalidInput
-from .files import (
+from ...errors import InvalidInput
+from ..files import (
     Component,
     FilesContents,
     FilesLayout,
@@ -48,7 +49,7 @@ from .files import (
     configs_from_shapes,
     count,
 )
-from .flux_files import is_vae
+from ..flux.files import is_vae
 
 # FLUX.2's rotary axes (diffusers' config; ComfyUI's ``axes_dim``): not in the weights; their sum is the head size.
 AXES_DIMS_ROPE = (32, 32, 32, 32)
@@ -88,7 +89,7 @@ HIDDEN_STATES_LAYERS = (10, 20, 30)
 # given to the text encoder use it, which this pack does not do), the chat template for what Flux2Pipeline sends (a
 # system message, then the prompt; Mistral's whole template also handles tools and assistant turns), and left padding,
 # as transformers' Llama tokenizer (which Mistral's converted tokenizers are) and ComfyUI's Mistral tokenizer pad.
-# (The tiny FLUX.2 pipeline, testing/tiny_models.py, uses the same template.)
+# (The tiny FLUX.2 pipeline, tiny.py, uses the same template.)
 PIXTRAL_PATCH_SIZE = 14
 PIXTRAL_SPATIAL_MERGE_SIZE = 2
 PIXTRAL_LONGEST_EDGE = 1540
@@ -341,7 +342,13 @@ class Flux2Files(FilesLayout):
     family = "flux2"
     name = "FLUX.2"
     text_encoder_widgets = ("text_encoder",)
-    example_files = "flux2_dev_bf16.safetensors, mistral_3_small_flux2_bf16.safetensors, flux2-vae.safetensors"
+    variants = "FLUX.2-dev"
+    transformer_layout = "in Black Forest Labs' layout"
+    widget_files: ClassVar[Mapping[str, str]] = {
+        "diffusion_model": "flux2_dev_bf16.safetensors",
+        "text_encoder": "Mistral (mistral_3_small_flux2_bf16.safetensors, or its fp8 version)",
+        "vae": "flux2-vae.safetensors",
+    }
 
     def variant(self, shapes: Shapes) -> str | None:
         if not is_transformer(shapes):
