@@ -26,6 +26,7 @@ SHARED = {
     "parallel_runtime.rundir",
     "parallel_runtime.rendezvous",
     "parallel_runtime.internals",
+    "parallel_runtime.samplers",
 }
 CLIENT = {
     "parallel_runtime",
