@@ -34,14 +34,15 @@ FAMILIES = {
         "sample": {"guidance_scale": 3.5},
         "reference": {"guidance_scale": 3.5},
     },
-    "qwenimage": NEW_FAMILIES["qwenimage"],
+    **NEW_FAMILIES,
 }
 
 
 @pytest.fixture(scope="module")
 def models_dir(models_root):
     make_tiny_flux(str(models_root / MODEL))
-    NEW_FAMILIES["qwenimage"]["make"](str(models_root / NEW_FAMILIES["qwenimage"]["model"]))
+    for family in NEW_FAMILIES.values():
+        family["make"](str(models_root / family["model"]))
     return models_root
 
 
@@ -111,9 +112,10 @@ def test_every_choice_equals_diffusers_pipeline_with_that_scheduler(models_dir, 
 
 @pytest.mark.multirank
 @pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(NEW_FAMILIES))
 @pytest.mark.parametrize("sampler, scheduler", CHOICES, ids=[f"{a.value}-{b.value}" for a, b in CHOICES])
-def test_every_choice_equals_diffusers_pipeline_on_qwenimage(models_dir, sampler, scheduler):
-    check_choice(models_dir, "qwenimage", sampler, scheduler)
+def test_every_choice_equals_diffusers_pipeline_on_the_other_families(models_dir, name, sampler, scheduler):
+    check_choice(models_dir, name, sampler, scheduler)
 
 
 def test_the_choices_differ():
