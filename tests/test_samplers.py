@@ -13,6 +13,19 @@ from comfyui_host import ExecutionFailed
 from comfyui_workflows import SAMPLER, small_workflow, tiny_flux
 from comfyui_workflows import STEPS as WORKFLOW_STEPS
 from test_e2e_comfyui import assert_close_uint8, reference_uint8, saved_png
+from test_images import (
+    DENOISE,
+    GUIDANCE,
+    HEIGHT,
+    WIDTH,
+    load,  # noqa: F401 (test_images' fixture: its tiny families, built and loaded once)
+    ours,
+    pipeline_latents,
+    pixels,
+    posterior_mode,
+)
+from test_images import PROMPT as IMAGE_PROMPT
+from test_images import STEPS as IMAGE_STEPS
 from test_strategies import NEW_FAMILIES, PROMPT, TOKENS
 
 from parallel_runtime import InvalidInput, default_spec, jobs
@@ -116,6 +129,34 @@ def test_every_choice_equals_diffusers_pipeline_with_that_scheduler(models_dir, 
 @pytest.mark.parametrize("sampler, scheduler", CHOICES, ids=[f"{a.value}-{b.value}" for a, b in CHOICES])
 def test_every_choice_equals_diffusers_pipeline_on_the_other_families(models_dir, name, sampler, scheduler):
     check_choice(models_dir, name, sampler, scheduler)
+
+
+def test_img2img_runs_the_choice_as_diffusers_img2img_pipeline(load):  # noqa: F811 (the fixture)
+    """FLUX.1 img2img (2 of 3 steps) with lcm on the karras schedule equals FluxImg2ImgPipeline given that scheduler
+    (single process: the ranks run the same adapter)."""
+    adapter, model_dir, stages = load("flux")
+    latent = adapter.encode_image(stages[2], pixels())
+    samples = ours("flux", adapter, model_dir, stages, latent, sampler=Sampler.LCM, scheduler=Scheduler.KARRAS)
+    pipe = diffusers.FluxImg2ImgPipeline.from_pretrained(model_dir, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = diffusers.FlowMatchLCMScheduler.from_config(pipe.scheduler.config, use_karras_sigmas=True)
+    torch.manual_seed(11)  # ours' seed
+    reference = pipe(
+        prompt=IMAGE_PROMPT,
+        image=pipeline_latents("flux", stages[2], posterior_mode("flux", stages[2], pixels())),
+        strength=DENOISE,
+        num_inference_steps=IMAGE_STEPS,
+        guidance_scale=GUIDANCE,
+        width=WIDTH,
+        height=HEIGHT,
+        max_sequence_length=16,
+        generator=torch.Generator("cpu").manual_seed(11),
+        output_type="pt",
+    ).images.permute(0, 2, 3, 1)
+    diff = (adapter.decode(stages[2], samples) - reference).abs().max().item()
+    print(f"flux img2img lcm karras vs diffusers max |diff| {diff:.3g}")
+    assert diff <= 1e-5
+    assert (samples - ours("flux", adapter, model_dir, stages, latent)).abs().max() > 1e-3  # not euler's
 
 
 def test_the_choices_differ():
