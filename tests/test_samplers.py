@@ -10,7 +10,7 @@ import diffusers
 import pytest
 import torch
 from comfyui_host import ExecutionFailed
-from comfyui_workflows import SAMPLER, small_workflow, tiny_flux
+from comfyui_workflows import ENCODER, SAMPLER, SIZE, small_workflow, tiny_flux
 from comfyui_workflows import STEPS as WORKFLOW_STEPS
 from test_e2e_comfyui import assert_close_uint8, reference_uint8, saved_png
 from test_images import (
@@ -185,25 +185,32 @@ def test_a_choice_the_pack_cannot_run_is_refused_by_name(models_dir, strategy, w
     assert info.value.widget == widget
 
 
-# --- seed and steps linked from another node, in a real ComfyUI ------------------------------------------------
-PRIMITIVE_SEED, PRIMITIVE_STEPS = "90", "91"
+# --- widgets linked from other nodes, in a real ComfyUI ------------------------------------------------------------
+PRIMITIVE_SEED, PRIMITIVE_STEPS, PRIMITIVE_SIZE, PRIMITIVE_PROMPT = "90", "91", "92", "93"
 
 
 def linked_workflow(seed: int, steps: int) -> dict:
-    """The small workflow with ParallelSampler's seed and steps linked from ComfyUI's own PrimitiveInt nodes."""
+    """The small workflow with ParallelSampler's seed, steps, width and height and the encoder's prompt linked from
+    ComfyUI's own primitive nodes (the frontend's widget-to-input conversion)."""
     workflow = small_workflow(seed=0)
     workflow[PRIMITIVE_SEED] = {"class_type": "PrimitiveInt", "inputs": {"value": seed}}
     workflow[PRIMITIVE_STEPS] = {"class_type": "PrimitiveInt", "inputs": {"value": steps}}
-    workflow[SAMPLER]["inputs"].update(seed=[PRIMITIVE_SEED, 0], steps=[PRIMITIVE_STEPS, 0])
+    workflow[PRIMITIVE_SIZE] = {"class_type": "PrimitiveInt", "inputs": {"value": SIZE}}
+    prompt = workflow[ENCODER]["inputs"]["prompt"]
+    workflow[PRIMITIVE_PROMPT] = {"class_type": "PrimitiveStringMultiline", "inputs": {"value": prompt}}
+    workflow[ENCODER]["inputs"]["prompt"] = [PRIMITIVE_PROMPT, 0]
+    workflow[SAMPLER]["inputs"].update(
+        seed=[PRIMITIVE_SEED, 0], steps=[PRIMITIVE_STEPS, 0], width=[PRIMITIVE_SIZE, 0], height=[PRIMITIVE_SIZE, 0]
+    )
     return workflow
 
 
 @pytest.mark.comfyui
 @pytest.mark.multirank
-def test_seed_and_steps_linked_from_primitives_run_and_are_checked(comfyui_server, comfyui_models_dir):
+def test_widgets_linked_from_primitives_run_and_are_checked(comfyui_server, comfyui_models_dir):
     model_dir = tiny_flux(comfyui_models_dir)
     workflow = linked_workflow(seed=11, steps=WORKFLOW_STEPS)
-    prompt = workflow["2"]["inputs"]["prompt"]
+    prompt = workflow[PRIMITIVE_PROMPT]["inputs"]["value"]
     prompt_id, _ = comfyui_server.run(workflow, timeout=300)
     assert_close_uint8(saved_png(comfyui_server, prompt_id), reference_uint8(model_dir, prompt, seed=11))
 
