@@ -1,6 +1,7 @@
 """The samplers and sigma schedules ParallelSampler offers, in ComfyUI's words, each one a diffusers flow-matching
 scheduler the families' pipelines run as they run their own: one table, read by the widgets (choices, tooltips), the
-client's checks (``jobs/sample.py``) and the ranks (``scheduler_for``, called where a family builds its pipeline).
+client's checks (``jobs/sample.py``) and the ranks (``families.base.scheduler_for``, where a family builds its
+pipeline).
 
 Not offered: ``heun`` — diffusers' ``FlowMatchHeunDiscreteScheduler.set_timesteps`` takes no ``sigmas``, which
 FluxPipeline, Flux2Pipeline and QwenImagePipeline (and their img2img / inpaint twins) always pass, so none of them can
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import inspect
 from typing import Any
 
 
@@ -77,24 +77,3 @@ SCHEDULERS: dict[Scheduler, SchedulerChoice] = {
 def describe(choices: dict[Any, Any]) -> str:
     """The choices of a table for a tooltip: ``word: description; ...``."""
     return "; ".join(f"{word.value}: {choice.description}" for word, choice in choices.items())
-
-
-def scheduler_for(model_dir: str, sampler: Sampler, scheduler: Scheduler, seed: int) -> Any:
-    """The diffusers scheduler of ``sampler`` with the ``scheduler`` schedule, configured as the model folder's own
-    (its shift and dynamic shifting), for the family's pipeline to run.
-
-    A sampler with ``step_noise`` seeds torch's global generator with ``seed``: the pipelines draw that noise from it,
-    so every rank of a split image draws the same noise, a run repeats, and it equals diffusers' pipeline run after
-    ``torch.manual_seed(seed)``."""
-    import diffusers
-    import torch
-
-    choice = SAMPLERS[sampler]
-    scheduler_class = getattr(diffusers, choice.scheduler_class)
-    config = scheduler_class.load_config(model_dir, subfolder="scheduler")
-    # The folder's scheduler is FlowMatchEulerDiscreteScheduler's config; another class takes what it knows of it.
-    known = inspect.signature(scheduler_class.__init__).parameters
-    config = {name: value for name, value in config.items() if name in known}
-    if choice.step_noise:
-        torch.manual_seed(seed)
-    return scheduler_class.from_config(config, **SCHEDULERS[scheduler].config)

@@ -26,11 +26,10 @@ from test_images import (
 )
 from test_images import PROMPT as IMAGE_PROMPT
 from test_images import STEPS as IMAGE_STEPS
-from test_strategies import NEW_FAMILIES, PROMPT, TOKENS
+from test_strategies import NEW_FAMILIES, PROMPT, TOKENS, make_tiny_flux
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
-from parallel_runtime.testing.tiny_models import make_tiny_flux
 
 MODEL = "tiny-flux"
 SEED = 5

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ..samplers import scheduler_for
 from ..wire import Prompts, Sampling
 from .base import (
     FamilyAdapter,
@@ -27,6 +26,7 @@ from .base import (
     generators,
     image_pipeline,
     load_placed,
+    scheduler_for,
     step_callback,
     vae_pixels,
 )
@@ -90,7 +90,7 @@ class Flux1(FamilyAdapter):
         pipelines = (FluxPipeline, diffusers.FluxImg2ImgPipeline, diffusers.FluxInpaintPipeline)
         pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
         pipe = pipeline_class(
-            scheduler=scheduler_for(model_dir, sampling.sampler, sampling.scheduler, sampling.seed),
+            scheduler=scheduler_for(model_dir, sampling),
             vae=None,
             text_encoder=None,
             tokenizer=None,

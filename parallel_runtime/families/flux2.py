@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..samplers import scheduler_for
 from ..wire import Prompts, Sampling
 from .base import (
     FamilyAdapter,
@@ -32,6 +31,7 @@ from .base import (
     generators,
     img2img_steps,
     load_placed,
+    scheduler_for,
     step_callback,
     vae_pixels,
 )
@@ -88,7 +88,7 @@ class Flux2(FamilyAdapter):
         from diffusers import Flux2Pipeline
 
         check_size(self, sampling)
-        scheduler = scheduler_for(model_dir, sampling.sampler, sampling.scheduler, sampling.seed)
+        scheduler = scheduler_for(model_dir, sampling)
         pipe = Flux2Pipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=transformer)
         pipe.set_progress_bar_config(disable=True)
         device = pipe._execution_device

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ..samplers import scheduler_for
 from ..wire import Prompts, Sampling
 from .base import (
     FamilyAdapter,
@@ -32,6 +31,7 @@ from .base import (
     generators,
     image_pipeline,
     load_placed,
+    scheduler_for,
     step_callback,
     vae_pixels,
 )
@@ -130,7 +130,7 @@ class QwenImage(FamilyAdapter):
         pipelines = (QwenImagePipeline, diffusers.QwenImageImg2ImgPipeline, diffusers.QwenImageInpaintPipeline)
         pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
         pipe = pipeline_class(
-            scheduler=scheduler_for(model_dir, sampling.sampler, sampling.scheduler, sampling.seed),
+            scheduler=scheduler_for(model_dir, sampling),
             vae=None,
             text_encoder=None,
             tokenizer=None,
