@@ -8,6 +8,8 @@ import itertools
 
 import diffusers
 import pytest
+import test_images
+import test_strategies
 import torch
 from comfyui_host import ExecutionFailed
 from comfyui_workflows import ENCODER, SAMPLER, SIZE, small_workflow, tiny_flux
@@ -18,7 +20,6 @@ from test_images import (
     GUIDANCE,
     HEIGHT,
     WIDTH,
-    load,  # noqa: F401 (test_images' fixture: its tiny families, built and loaded once)
     ours,
     pipeline_latents,
     pixels,
@@ -26,16 +27,18 @@ from test_images import (
 )
 from test_images import PROMPT as IMAGE_PROMPT
 from test_images import STEPS as IMAGE_STEPS
-from test_strategies import NEW_FAMILIES, PROMPT, TOKENS, make_tiny_flux
+from test_strategies import MODEL, NEW_FAMILIES, PROMPT, TOKENS
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
 
-MODEL = "tiny-flux"
 SEED = 5
 # Three steps: with two, every schedule is the same two sigmas (the first and the last), so the test could not tell a
 # schedule that was not applied.
 STEPS = 3
+# The fixtures of the modules whose settings this one reuses: every family's tiny model once per module (a diffusers
+# folder), and test_images' tiny families loaded in-process.
+models_dir, load = test_strategies.models_dir, test_images.load
 CHOICES = list(itertools.product(SAMPLERS, SCHEDULERS))
 FAMILIES = {
     "flux": {
@@ -48,14 +51,6 @@ FAMILIES = {
     },
     **NEW_FAMILIES,
 }
-
-
-@pytest.fixture(scope="module")
-def models_dir(models_root):
-    make_tiny_flux(str(models_root / MODEL))
-    for family in NEW_FAMILIES.values():
-        family["make"](str(models_root / family["model"]))
-    return models_root
 
 
 def backend():
@@ -130,7 +125,7 @@ def test_every_choice_equals_diffusers_pipeline_on_the_other_families(models_dir
     check_choice(models_dir, name, sampler, scheduler)
 
 
-def test_img2img_runs_the_choice_as_diffusers_img2img_pipeline(load):  # noqa: F811 (the fixture)
+def test_img2img_runs_the_choice_as_diffusers_img2img_pipeline(load):
     """FLUX.1 img2img (2 of 3 steps) with lcm on the karras schedule equals FluxImg2ImgPipeline given that scheduler
     (single process: the ranks run the same adapter)."""
     adapter, model_dir, stages = load("flux")
