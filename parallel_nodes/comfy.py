@@ -66,6 +66,19 @@ def with_defaults(node: type[io.ComfyNode], given: dict[str, Any]) -> dict[str, 
     return {**{i.id: getattr(i, "default", None) for i in schema.inputs}, **given}
 
 
+def check_ranges(node: type[io.ComfyNode], values: dict[str, Any]) -> None:
+    """At execution, each number within its input's min..max. ComfyUI checks a widget's own value when the prompt is
+    queued, but not a value linked into it from another node (a primitive, a seed generator): that is refused here,
+    by the widget's name, as ComfyUI would refuse it typed in."""
+    for spec in node.define_schema().inputs:
+        value = values.get(spec.id)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        low, high = getattr(spec, "min", None), getattr(spec, "max", None)
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise InvalidInput(spec.id, f"{value} is outside {low}..{high}; link or set a value in that range")
+
+
 class _Progress:
     """One op's progress events on its node: ComfyUI's bar, the stage as text on the node, and the user's Cancel.
 

@@ -4,6 +4,7 @@ from comfy_api.latest import io
 
 from parallel_runtime import jobs
 from parallel_runtime.families import img2img_steps, names
+from parallel_runtime.samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler, describe
 
 from . import comfy
 from .types import CATEGORY, Conditioning, Transformer
@@ -62,7 +63,17 @@ def _validate(node: comfy.QueuedNode) -> None:
         prompts=_prompt_count(node),
         latent_linked=node.linked("latent_image"),
         latent_size=size,
-        **node.widgets("steps", "width", "height", "batch_size", "guidance_scale", "true_cfg_scale", "denoise"),
+        **node.widgets(
+            "steps",
+            "width",
+            "height",
+            "batch_size",
+            "guidance_scale",
+            "true_cfg_scale",
+            "denoise",
+            "sampler",
+            "scheduler",
+        ),
     )
 
 
@@ -164,6 +175,24 @@ class ParallelSampler(io.ComfyNode):
                         "noised to where they start. 1 starts from pure noise. Without a latent_image, keep 1."
                     ),
                 ),
+                # Appended last with today's behaviour as defaults, so saved workflows keep loading.
+                io.Combo.Input(
+                    "sampler",
+                    options=[word.value for word in SAMPLERS],
+                    default=Sampler.EULER.value,
+                    optional=True,
+                    tooltip=(
+                        f"diffusers' flow-matching scheduler, in ComfyUI's words: {describe(SAMPLERS)}. lcm draws "
+                        "new noise each step (from the seed), so it does not run on data_parallel."
+                    ),
+                ),
+                io.Combo.Input(
+                    "scheduler",
+                    options=[word.value for word in SCHEDULERS],
+                    default=Scheduler.SIMPLE.value,
+                    optional=True,
+                    tooltip=f"The sigma schedule, in ComfyUI's words: {describe(SCHEDULERS)}.",
+                ),
             ],
             outputs=[
                 io.Latent.Output(
@@ -185,6 +214,7 @@ class ParallelSampler(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
+        comfy.check_ranges(cls, w)
         comfy.make_room(cls, w["transformer"].backend)
         handle = w.pop("transformer")
         samples = comfy.run(

@@ -16,6 +16,7 @@ import enum
 from typing import Any, ClassVar
 
 from .errors import InvalidInput
+from .samplers import Sampler, Scheduler
 from .strategy import StrategyPlan
 
 # The dtype names of the wire: every dtype a tensor beside the arguments may have (images, latents, embeddings, masks;
@@ -218,7 +219,9 @@ class Sampling:
     With a ``latent_image`` tensor beside the arguments (img2img; its size gave ``width`` and ``height``), ``denoise``
     is diffusers' img2img ``strength``: the last ``families.img2img_steps(steps, denoise)`` steps of a ``steps``-step
     schedule run, from the image noised to the first of them. A ``noise_mask`` tensor beside it (``[B, 1, H, W]``,
-    1 = repaint) makes it inpainting. Without a latent, ``denoise`` is 1."""
+    1 = repaint) makes it inpainting. Without a latent, ``denoise`` is 1.
+
+    ``sampler`` and ``scheduler`` pick the diffusers scheduler and its sigma schedule (``samplers``)."""
 
     seed: int
     steps: int
@@ -228,6 +231,8 @@ class Sampling:
     batch_size: int = 1
     true_cfg_scale: float | None = None
     denoise: float = 1.0
+    sampler: Sampler = Sampler.EULER
+    scheduler: Scheduler = Scheduler.SIMPLE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,7 +89,8 @@ def pixel_mask() -> torch.Tensor:
     return mask
 
 
-def ours(name, adapter, model_dir, stages, latent, mask=None, seed=11, batch_size=1, denoise=DENOISE):
+def ours(name, adapter, model_dir, stages, latent, mask=None, seed=11, batch_size=1, denoise=DENOISE, **choice):
+    """The adapter's img2img / inpaint; ``choice``: ParallelSampler's sampler and scheduler (``Sampling``'s)."""
     text_pipe, transformer, _ = stages
     settings = FAMILIES[name]
     prompts = Prompts((PROMPT,), max_sequence_length=settings["max_sequence_length"], **settings.get("encode", {}))
@@ -102,6 +103,7 @@ def ours(name, adapter, model_dir, stages, latent, mask=None, seed=11, batch_siz
         batch_size=batch_size,
         denoise=denoise,
         **settings.get("sampling", {}),
+        **choice,
     )
     embeds = adapter.encode(text_pipe, prompts)
     return adapter.denoise(model_dir, transformer, embeds, sampling, latent_image=latent, noise_mask=mask)

@@ -34,7 +34,16 @@ DENOISE = DenoiseArgs(
         cache=wire.StepCache(wire.CacheMode.FIRST_BLOCK_CACHE, 0.12),
     ),
     sampling=Sampling(
-        seed=2**64 - 1, steps=4, guidance_scale=3.5, width=64, height=48, batch_size=2, true_cfg_scale=4.0, denoise=0.6
+        seed=2**64 - 1,
+        steps=4,
+        guidance_scale=3.5,
+        width=64,
+        height=48,
+        batch_size=2,
+        true_cfg_scale=4.0,
+        denoise=0.6,
+        sampler=wire.Sampler.LCM,
+        scheduler=wire.Scheduler.KARRAS,
     ),
 )
 CACHE = wire.CacheReport(wire.CacheMode.TAYLORSEER, passes=(True, False, True), blocks=57)

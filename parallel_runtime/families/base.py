@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
+from ..samplers import SAMPLERS, SCHEDULERS
 from ..wire import Prompts, Sampling
 
 log = logging.getLogger(__name__)
@@ -197,6 +199,26 @@ def expand_batch(embeds: dict[str, torch.Tensor], batch_size: int) -> dict[str, 
     if batch_size % prompts:
         raise ValueError(f"batch_size {batch_size} is not a multiple of the number of prompts {prompts}.")
     return {name: tensor.repeat_interleave(batch_size // prompts, dim=0) for name, tensor in embeds.items()}
+
+
+def scheduler_for(model_dir: str, sampling: Sampling) -> Any:
+    """The diffusers scheduler of ParallelSampler's ``sampler`` with its ``scheduler`` schedule (``samplers``),
+    configured as the model folder's own (its shift and dynamic shifting), for the family's pipeline to run.
+
+    A sampler with ``step_noise`` seeds torch's global generator with the seed: the pipelines draw that noise from it,
+    so every rank of a split image draws the same noise, a run repeats, and it equals diffusers' pipeline run after
+    ``torch.manual_seed(seed)``."""
+    import diffusers
+
+    choice = SAMPLERS[sampling.sampler]
+    scheduler_class = getattr(diffusers, choice.scheduler_class)
+    config = scheduler_class.load_config(model_dir, subfolder="scheduler")
+    # The folder's scheduler is FlowMatchEulerDiscreteScheduler's config; another class takes what it knows of it.
+    known = inspect.signature(scheduler_class.__init__).parameters
+    config = {name: value for name, value in config.items() if name in known}
+    if choice.step_noise:
+        torch.manual_seed(sampling.seed)
+    return scheduler_class.from_config(config, **SCHEDULERS[sampling.scheduler].config)
 
 
 def generators(seed: int, batch_size: int) -> list[torch.Generator]:

@@ -4,6 +4,7 @@ then denoise on the transformer's backend."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter, img2img_steps
+from ..samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
 from ..wire import CacheReport, DenoiseArgs, Sampling
 from .encode import Conditioning
 from .transformer import TransformerHandle
@@ -123,6 +125,39 @@ def _read_mask(mask: Any, latent_width: int, latent_height: int) -> torch.Tensor
     return mask
 
 
+def _read_sampler(handle: TransformerHandle, sampler: str, scheduler: str) -> tuple[Sampler, Scheduler]:
+    """The ``sampler`` and ``scheduler`` widgets as the table's words (``samplers``), refused where the pack cannot
+    run them as diffusers does."""
+    try:
+        chosen = Sampler(sampler)
+    except ValueError:
+        raise InvalidInput(
+            "sampler", f"unknown sampler {sampler!r}; choose one of {', '.join(s.value for s in SAMPLERS)}"
+        ) from None
+    try:
+        schedule = Scheduler(scheduler)
+    except ValueError:
+        raise InvalidInput(
+            "scheduler", f"unknown scheduler {scheduler!r}; choose one of {', '.join(s.value for s in SCHEDULERS)}"
+        ) from None
+    if SAMPLERS[chosen].step_noise and handle.plan.splits_batch:
+        # diffusers' pipelines draw this noise for the whole batch from torch's global generator; a rank holding a
+        # slice of the batch cannot draw its images' share of that stream.
+        raise InvalidInput(
+            "sampler",
+            f"{chosen.value} draws new noise every step for the whole batch from one stream, which data_parallel's "
+            "ranks (each a slice of the batch) cannot share; choose euler, or context_parallel or tensor_parallel "
+            "on LoadShardedTransformer",
+        )
+    if schedule is Scheduler.BETA and importlib.util.find_spec("scipy") is None:
+        raise InvalidInput(
+            "scheduler",
+            "beta needs scipy (diffusers' beta sigmas use it), which is not installed; pip install "
+            "scipy in ComfyUI's Python, or choose simple, karras or exponential",
+        )
+    return chosen, schedule
+
+
 def _mask_batch(latent_image: LatentImage) -> int:
     return latent_image.noise_mask.shape[0] if latent_image.noise_mask is not None else 1
 
@@ -142,12 +177,15 @@ def validate_sample(
     latent_image: LatentImage | None = None,
     latent_linked: bool = False,
     latent_size: tuple[int, int] | None = None,
+    sampler: str = Sampler.EULER.value,
+    scheduler: str = Scheduler.SIMPLE.value,
 ) -> None:
     """Every check ParallelSampler can make before it runs. Without a ``conditioning`` (at validation), ``prompts``
     says how many prompts it will hold; None skips the checks that need to know. ``latent_linked``: a latent_image
     is linked whose contents only execution knows; ``latent_size`` its (width, height) in latent pixels where the
     graph says it (the size checks wait for execution otherwise)."""
     family, plan = handle.family, handle.plan
+    _read_sampler(handle, sampler, scheduler)
     if steps < family.min_steps:
         raise InvalidInput("steps", f"{steps} steps {family.min_steps_reason}; use at least {family.min_steps}")
     check_finite("denoise", denoise)
@@ -281,6 +319,8 @@ def sample(
     true_cfg_scale: float = 4.0,
     latent_image: dict | None = None,
     denoise: float = 1.0,
+    sampler: str = Sampler.EULER.value,
+    scheduler: str = Scheduler.SIMPLE.value,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_cache_report: Callable[[CacheReport], None] | None = None,
@@ -293,8 +333,9 @@ def sample(
 
     From a ``latent_image`` (a LATENT of the family; its size replaces width and height), img2img as diffusers'
     img2img pipelines do it at strength ``denoise`` (``steps × denoise`` steps run, rounded up), and inpainting where
-    its ``noise_mask`` is 1. With the transformer's step cache on, ``on_cache_report`` gets what it skipped (rank 0's
-    passes)."""
+    its ``noise_mask`` is 1. ``sampler`` and ``scheduler`` pick the diffusers scheduler and its sigma schedule
+    (``samplers``; euler and simple are the family's own). With the transformer's step cache on,
+    ``on_cache_report`` gets what it skipped (rank 0's passes)."""
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
@@ -307,7 +348,10 @@ def sample(
         true_cfg_scale=true_cfg_scale,
         denoise=denoise,
         latent_image=image,
+        sampler=sampler,
+        scheduler=scheduler,
     )
+    chosen, schedule = _read_sampler(handle, sampler, scheduler)
     tensors = dict(conditioning.tensors)
     if image is not None:
         width, height = image.width, image.height
@@ -324,6 +368,8 @@ def sample(
         batch_size=batch_size * len(conditioning.prompts),
         true_cfg_scale=true_cfg_scale if handle.family.true_cfg else None,
         denoise=denoise if image is not None else 1.0,
+        sampler=chosen,
+        scheduler=schedule,
     )
     result = get_backend(handle.backend).call(
         DenoiseArgs(transformer=handle.spec, sampling=sampling),

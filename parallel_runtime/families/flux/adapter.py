@@ -27,6 +27,7 @@ from ..base import (
     generators,
     image_pipeline,
     load_placed,
+    scheduler_for,
     step_callback,
     vae_pixels,
 )
@@ -80,7 +81,7 @@ class Flux1(FamilyAdapter):
         as the pipeline's ``num_images_per_prompt`` does; the result equals the one-shot pipeline called with the list
         of generators seeded seed + i (``FluxImg2ImgPipeline`` / ``FluxInpaintPipeline`` given the latent image)."""
         import diffusers
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+        from diffusers import AutoencoderKL, FluxPipeline
 
         check_size(self, sampling)
         vae_config = AutoencoderKL.load_config(model_dir, subfolder="vae")
@@ -90,7 +91,7 @@ class Flux1(FamilyAdapter):
         pipelines = (FluxPipeline, diffusers.FluxImg2ImgPipeline, diffusers.FluxInpaintPipeline)
         pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
         pipe = pipeline_class(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
+            scheduler=scheduler_for(model_dir, sampling),
             vae=None,
             text_encoder=None,
             tokenizer=None,

@@ -31,6 +31,7 @@ from ..base import (
     generators,
     img2img_steps,
     load_placed,
+    scheduler_for,
     step_callback,
     vae_pixels,
 )
@@ -84,10 +85,10 @@ class Flux2(FamilyAdapter):
         """LATENT samples [batch_size, 4 x VAE channels, height/16, width/16]. ``guidance_scale`` is FLUX.2-dev's
         distilled guidance (an embedding, not CFG). diffusers has no FLUX.2-dev img2img pipeline: given a latent
         image, ``Flux2Pipeline`` runs the tail of its schedule from the noised image (``_from_image``)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+        from diffusers import Flux2Pipeline
 
         check_size(self, sampling)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler")
+        scheduler = scheduler_for(model_dir, sampling)
         pipe = Flux2Pipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=transformer)
         pipe.set_progress_bar_config(disable=True)
         device = pipe._execution_device

@@ -31,6 +31,7 @@ from ..base import (
     generators,
     image_pipeline,
     load_placed,
+    scheduler_for,
     step_callback,
     vae_pixels,
 )
@@ -109,7 +110,7 @@ class QwenImage(FamilyAdapter):
         reaches guidance-distilled checkpoints (``guidance_embeds``); Qwen-Image itself has none. Given a latent image,
         ``QwenImageImg2ImgPipeline`` / ``QwenImageInpaintPipeline`` run instead."""
         import diffusers
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+        from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
 
         check_size(self, sampling)
         if sampling.steps < self.min_steps:
@@ -129,7 +130,7 @@ class QwenImage(FamilyAdapter):
         pipelines = (QwenImagePipeline, diffusers.QwenImageImg2ImgPipeline, diffusers.QwenImageInpaintPipeline)
         pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
         pipe = pipeline_class(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir, subfolder="scheduler"),
+            scheduler=scheduler_for(model_dir, sampling),
             vae=None,
             text_encoder=None,
             tokenizer=None,
