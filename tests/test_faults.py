@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import at_step, wait_for
 
 from parallel_runtime import (
     Backend,
@@ -100,12 +101,6 @@ TINY = "tiny-flux"  # built by the backend fixture
 
 def _target(backend: Backend, who: str) -> int:
     return backend.agent_pid if who == "agent" else backend.worker_pids[int(who[-1])]
-
-
-def _strike(pid: int, sig: int, after: float) -> threading.Timer:
-    timer = threading.Timer(after, os.kill, (pid, sig))
-    timer.start()
-    return timer
 
 
 WHO = ["rank0", "rank1", "agent"]
@@ -388,20 +383,20 @@ def _pickle_that_touches(path) -> bytes:
 def test_a_stopped_process_is_named_within_its_deadline(drill, who):
     """SIGSTOP during a run whose ranks meet in a collective every step: an error naming the stopped process after
     ``stopped_s``, not a wait forever (the review: no answer 150 s later)."""
-    _strike(_target(drill, who), signal.SIGSTOP, RNG.uniform(0.3, 1.2))
+    strike = at_step(RNG.randint(1, 50), os.kill, _target(drill, who), signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(BackendDied) as e:
-        drill.call(StepsArgs(steps=2000, seconds_per_step=0.01))
+        drill.call(StepsArgs(steps=2000, seconds_per_step=0.01), on_progress=strike)
     assert time.monotonic() - t0 < 20, time.monotonic() - t0
     assert NAMED[who] in str(e.value) and "is stopped" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("who", WHO)
 def test_a_killed_process_is_named(drill, who):
-    _strike(_target(drill, who), signal.SIGKILL, RNG.uniform(0.3, 1.2))
+    strike = at_step(RNG.randint(1, 50), os.kill, _target(drill, who), signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(BackendDied) as e:
-        drill.call(StepsArgs(steps=2000, seconds_per_step=0.01))
+        drill.call(StepsArgs(steps=2000, seconds_per_step=0.01), on_progress=strike)
     assert time.monotonic() - t0 < 15
     message = str(e.value)
     if who == "agent":  # not "rank 0 exited": the agent itself was killed
@@ -431,11 +426,17 @@ def test_cancel_of_a_stuck_run_ends_within_its_deadline(drill):
     backend = drill
     backend.deadlines = Deadlines(load_s=60, heartbeat_s=60, stopped_s=60, cancel_s=3)
     rank1 = backend.worker_pids[1]
-    _strike(rank1, signal.SIGSTOP, 0.5)
-    threading.Timer(1.0, backend.cancel).start()
+
+    def cancel_once_stopped() -> None:
+        wait_for(lambda: psutil.Process(rank1).status() == psutil.STATUS_STOPPED, 60, "rank 1 stopped")
+        backend.cancel()
+
+    threading.Thread(target=cancel_once_stopped, daemon=True).start()
     t0 = time.monotonic()
     with pytest.raises(Cancelled) as e:
-        backend.call(StepsArgs(steps=2000, seconds_per_step=0.01))
+        backend.call(
+            StepsArgs(steps=2000, seconds_per_step=0.01), on_progress=at_step(5, os.kill, rank1, signal.SIGSTOP)
+        )
     assert time.monotonic() - t0 < 10
     assert "did not stop within 3 s of the cancel" in str(e.value), str(e.value)
     assert not process_alive(rank1)
@@ -451,19 +452,19 @@ def test_shutdown_never_waits_for_a_stuck_run(drill):
         backend.shm_prefix,
         backend.run_dir,
     )
-    outcome = {}
+    outcome, running = {}, threading.Event()
 
     def run() -> None:
         try:
-            backend.call(StepsArgs(steps=100000, seconds_per_step=0.01))
+            backend.call(StepsArgs(steps=100000, seconds_per_step=0.01), on_progress=lambda *_: running.set())
         except BackendDied as e:
             outcome["error"] = e
 
     caller = threading.Thread(target=run)
     caller.start()
-    time.sleep(1.0)
+    assert running.wait(60), "no step of the op within 60 s"
     os.kill(pids[1], signal.SIGSTOP)
-    time.sleep(0.5)
+    wait_for(lambda: psutil.Process(pids[1]).status() == psutil.STATUS_STOPPED, 10, "rank 1 stopped")
     t0 = time.monotonic()
     backend.shutdown()
     assert time.monotonic() - t0 < 10
@@ -563,7 +564,7 @@ def test_a_rank_killed_for_memory_says_out_of_memory(drill):
     try:
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
             f.write(str(backend.worker_pids[1]))
-        time.sleep(1.0)  # the client's health check notices the rank's new cgroup
+        # No wait for the client to notice the new cgroup: each call notes every rank's cgroup as it starts.
         with pytest.raises(BackendDied) as e:
             backend.call(FailArgs(rank=1, how=FailMode.EXHAUST_MEMORY))
         assert "out of memory on rank 1" in str(e.value), str(e.value)

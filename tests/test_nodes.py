@@ -29,7 +29,7 @@ from datetime import timedelta
 import pytest
 import torch
 from diffusers import FluxPipeline
-from test_strategies import MODEL, PROMPT, STEPS, TOKENS, generate
+from helpers import MODEL, PROMPT, STEPS, TOKENS, at_step, generate, wait_for
 
 from parallel_runtime import (
     BackendDied,
@@ -269,7 +269,7 @@ def test_the_secret_is_shown_only_to_a_browser_on_the_comfyui_host(cluster, node
     assert f"comfy-parallel join {endpoint} --node-rank 1" in broadcast["join"][0]
     assert "joining a backend of 2 machines × 1 cpu ranks as node 1" in cluster["machine"].output
     assert SECRET not in cluster["machine"].output  # never logged
-    other, port = _other_address(), free_port()
+    other = _other_address()
 
     async def ask() -> dict:
         app = web.Application()
@@ -277,7 +277,8 @@ def test_the_secret_is_shown_only_to_a_browser_on_the_comfyui_host(cluster, node
         app.router.add_post("/parallel_diffusers/join", routes.join)
         runner = web.AppRunner(app)
         await runner.setup()
-        await web.TCPSite(runner, "0.0.0.0", port).start()
+        await web.TCPSite(runner, "0.0.0.0", 0).start()  # the port the server binds: no other process can take it
+        port = runner.addresses[0][1]
         answers = {}
         try:
             for client in ("127.0.0.1", other):
@@ -490,14 +491,13 @@ def test_rank_0_killed_is_named_and_the_joined_machine_rejoins_by_itself(cluster
     leave, and the same ``comfy-parallel join`` serves the next backend without anyone touching that machine."""
     backend = get_backend(cluster["spec"])
     remote_pid = backend._group.remote_ranks()[1]["pid"]
-    threading.Timer(1.5, os.kill, (backend.worker_pids[0], signal.SIGKILL)).start()
+    rank0 = backend.worker_pids[0]
     with pytest.raises(BackendDied) as failure:
-        backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
+        backend.call(
+            StepsArgs(steps=400, seconds_per_step=0.05), on_progress=at_step(3, os.kill, rank0, signal.SIGKILL)
+        )
     assert failure.value.rank == 0 and "rank 0 (pid" in str(failure.value), str(failure.value)
-    deadline = time.monotonic() + 30
-    while process_alive(remote_pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not process_alive(remote_pid)
+    wait_for(lambda: not process_alive(remote_pid), 30, "the remote rank left")
     assert backend.call(StatusArgs()).result.world_size == 2  # a fresh backend: node 1 joined it by itself
     assert cluster["machine"].proc.poll() is None
     assert cluster["machine"].output.count("joining a backend") == 2
@@ -508,9 +508,8 @@ def test_a_machine_killed_mid_run_is_named_and_the_next_prompt_runs_once_it_rejo
     backend = get_backend(spec)
     remote = backend._group.remote_ranks()[1]
     dead_dirs = cluster["machine"].run_dirs()
-    threading.Timer(1.5, cluster["machine"].kill).start()
     with pytest.raises(BackendDied) as failure:
-        backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
+        backend.call(StepsArgs(steps=400, seconds_per_step=0.05), on_progress=at_step(3, cluster["machine"].kill))
     message = str(failure.value)
     assert f"rank 1 on node 1 ({remote['host']}, pid {remote['pid']})" in message, message
     assert failure.value.rank == 1
@@ -612,10 +611,10 @@ def test_a_stopped_machine_is_named_within_the_heartbeat_deadline(secret_env, mo
         backend.start()
         remote = backend._group.remote_ranks()[1]
         stopped = machine.processes()
-        threading.Timer(1.0, lambda: [os.kill(p, signal.SIGSTOP) for p in stopped]).start()
         started = time.monotonic()
         with pytest.raises(BackendDied) as failure:
-            backend.call(StepsArgs(steps=400, seconds_per_step=0.05))
+            stop = at_step(3, lambda: [os.kill(p, signal.SIGSTOP) for p in stopped])
+            backend.call(StepsArgs(steps=400, seconds_per_step=0.05), on_progress=stop)
         assert time.monotonic() - started < 30
         assert f"rank 1 on node 1 ({remote['host']}, pid {remote['pid']})" in str(failure.value)
         assert "no heartbeat for" in str(failure.value)
