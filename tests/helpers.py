@@ -127,26 +127,31 @@ def converted_and_one_shot(made: dict, pipeline: type, *, guidance_scale: float,
     names, reference = made["fp8_scaled"]
     name, _ = jobs.model_from_comfy_files(**names)
     pipe = pipeline.from_pretrained(reference, dtype=torch.float32)
+    return name, one_shot_images(pipe, guidance_scale=guidance_scale, max_sequence_length=tokens)
+
+
+def one_shot_images(pipe, **settings) -> Callable[..., torch.Tensor]:
+    """``pipe``'s one-shot IMAGE of ``PROMPT`` at ``(seed, width, height, batch_size=1)``, image i from seed + i, each
+    made once: the reference a strategy's image must match."""
     pipe.set_progress_bar_config(disable=True)
     cache = {}
 
-    def one_shot(seed, width, height, batch_size=1):
+    def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
         key = (seed, width, height, batch_size)
         if key not in cache:
             cache[key] = pipe(
                 prompt=PROMPT,
                 num_inference_steps=STEPS,
-                guidance_scale=guidance_scale,
                 width=width,
                 height=height,
-                max_sequence_length=tokens,
                 num_images_per_prompt=batch_size,
                 output_type="pt",
                 generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+                **settings,
             ).images.permute(0, 2, 3, 1)
         return cache[key]
 
-    return name, one_shot
+    return reference
 
 
 # -- waiting on events ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from datetime import timedelta
 import pytest
 import torch
 from diffusers import FluxPipeline
-from helpers import MODEL, PROMPT, STEPS, TOKENS, at_step, generate, wait_for
+from helpers import MODEL, TOKENS, at_step, generate, one_shot_images, wait_for
 
 from parallel_runtime import (
     BackendDied,
@@ -146,17 +146,9 @@ def models_dir(models_root):
 def one_process(models_dir):
     """The one-shot diffusers pipeline in this process: the reference every strategy must match (as in
     test_strategies, on this module's model folder)."""
-    pipe = FluxPipeline.from_pretrained(models_dir / MODEL)
-    pipe.set_progress_bar_config(disable=True)
-
-    def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
-        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)]
-        return pipe(
-            PROMPT, num_inference_steps=STEPS, guidance_scale=3.5, width=width, height=height,
-            max_sequence_length=TOKENS, num_images_per_prompt=batch_size, output_type="pt", generator=generators,
-        ).images.permute(0, 2, 3, 1)  # fmt: skip
-
-    return reference
+    return one_shot_images(
+        FluxPipeline.from_pretrained(models_dir / MODEL), guidance_scale=3.5, max_sequence_length=TOKENS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -485,7 +477,6 @@ def test_a_machine_that_may_not_join_is_refused_and_the_group_goes_on(cluster):
     assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2
 
 
-@pytest.mark.slow  # a second restart of the group: over the default suite's budget
 def test_rank_0_killed_is_named_and_the_joined_machine_rejoins_by_itself(cluster):
     """A failure on the ComfyUI host: rank 0 is named (not the machine whose heartbeats it relayed), the remote ranks
     leave, and the same ``comfy-parallel join`` serves the next backend without anyone touching that machine."""
@@ -563,23 +554,62 @@ def test_multi_machine_widgets_name_the_widget_and_the_fix(widgets, widget, hint
     assert error.value.widget == widget and hint in str(error.value)
 
 
-@pytest.mark.slow
-def test_two_machines_of_two_ranks_match_one_process(secret_env, one_process):
-    """2 machines × 2 ranks: every strategy whose collectives cross the machines (Ulysses 4, Unified ring 2 ×
-    Ulysses 2, tensor parallel 4, data parallel over a batch of 4) against one process."""
+def _two_machines_of_two_ranks(deadlines=None):
+    """A backend of 2 machines × 2 ranks (ranks 0 and 1 on node 0, the ComfyUI host) and the joined machine."""
     endpoint = f"127.0.0.1:{free_port()}"
     spec = default_spec(device="cpu", ranks=2, nnodes=2, rdzv_endpoint=endpoint)
     machine = Machine(endpoint)
     backend = get_backend(spec)
+    if deadlines is not None:
+        backend.deadlines = deadlines
+    return spec, machine, backend
+
+
+def test_two_machines_of_two_ranks_match_one_process_and_a_stopped_machine_is_named(secret_env, one_process):
+    """2 machines × 2 ranks, Unified ring 2 × Ulysses 2 (each ring step crosses the machines) against one process.
+    Then a network partition, played by stopping every process of the joined machine: not a hang, but BackendDied
+    naming the machine once its heartbeat is older than the deadline; once it runs again it serves the next backend,
+    and nothing of either is left after."""
+    from parallel_runtime.watchdog import Deadlines
+
+    spec, machine, backend = _two_machines_of_two_ranks(
+        Deadlines(load_s=60, stall_floor_s=30, heartbeat_s=6, stopped_s=2, cancel_s=4)
+    )
     try:
         backend.start()
-        assert sorted(backend._group.remote_ranks()) == [2, 3]  # ranks 0 and 1 on node 0, the ComfyUI host
+        assert sorted(backend._group.remote_ranks()) == [2, 3]
+        image = generate(spec, "context_parallel", ring_degree=2, ulysses_degree=2)
+        assert (image - one_process(3, 64, 64)).abs().max() <= 1e-4
+        remote = backend._group.remote_ranks()[2]
+        stopped = machine.processes()
+        started = time.monotonic()
+        with pytest.raises(BackendDied) as failure:
+            stop = at_step(3, lambda: [os.kill(p, signal.SIGSTOP) for p in stopped])
+            backend.call(StepsArgs(steps=400, seconds_per_step=0.05), on_progress=stop)
+        assert time.monotonic() - started < 30  # a liveness bound: the heartbeat deadline is 6 s
+        message = str(failure.value)
+        assert f"on node 1 ({remote['host']}, pid " in message and "no heartbeat for" in message, message
+        for p in stopped:
+            os.kill(p, signal.SIGCONT)
+        assert backend.call(StatusArgs()).result.world_size == 4
+        local = [backend.agent_pid, *backend.worker_pids.values()]
+        run_dir, prefix = backend.run_dir, backend.shm_prefix
+        remote_pids, remote_dirs = machine.processes(), machine.run_dirs()
+    finally:
+        backend.shutdown()
+        machine.stop()
+    assert_nothing_left(local + remote_pids, [run_dir, *remote_dirs], prefix)
+
+
+@pytest.mark.slow  # the default run has Unified attention over 2 × 2 above
+def test_two_machines_of_two_ranks_match_one_process(secret_env, one_process):
+    """2 machines × 2 ranks: the other strategies whose collectives cross the machines (Ulysses 4, tensor parallel 4,
+    data parallel over a batch of 4) against one process."""
+    spec, machine, backend = _two_machines_of_two_ranks()
+    try:
+        backend.start()
         reference = one_process(3, 64, 64)
-        for strategy, args in [
-            ("context_parallel", {"ulysses_degree": 4}),
-            ("context_parallel", {"ring_degree": 2, "ulysses_degree": 2}),
-            ("tensor_parallel", {"tp_degree": 4}),
-        ]:
+        for strategy, args in [("context_parallel", {"ulysses_degree": 4}), ("tensor_parallel", {"tp_degree": 4})]:
             image = generate(spec, strategy, **args)
             assert (image - reference).abs().max() <= 1e-4, (strategy, args)
         images = generate(spec, "data_parallel", batch_size=4)
@@ -593,37 +623,6 @@ def test_two_machines_of_two_ranks_match_one_process(secret_env, one_process):
         backend.shutdown()
         machine.stop()
     assert_nothing_left(local + remote_pids, [run_dir, *remote_dirs], prefix)
-
-
-@pytest.mark.slow
-def test_a_stopped_machine_is_named_within_the_heartbeat_deadline(secret_env, models_dir):
-    """A network partition, played by stopping every process of the joined machine: not a hang, but BackendDied
-    naming the machine once its heartbeat is older than the deadline; once it runs again it serves the next
-    backend."""
-    from parallel_runtime.watchdog import Deadlines
-
-    endpoint = f"127.0.0.1:{free_port()}"
-    spec = default_spec(device="cpu", ranks=1, nnodes=2, rdzv_endpoint=endpoint)
-    machine = Machine(endpoint)
-    backend = get_backend(spec)
-    try:
-        backend.deadlines = Deadlines(load_s=60, stall_floor_s=30, heartbeat_s=6, stopped_s=2, cancel_s=4)
-        backend.start()
-        remote = backend._group.remote_ranks()[1]
-        stopped = machine.processes()
-        started = time.monotonic()
-        with pytest.raises(BackendDied) as failure:
-            stop = at_step(3, lambda: [os.kill(p, signal.SIGSTOP) for p in stopped])
-            backend.call(StepsArgs(steps=400, seconds_per_step=0.05), on_progress=stop)
-        assert time.monotonic() - started < 30
-        assert f"rank 1 on node 1 ({remote['host']}, pid {remote['pid']})" in str(failure.value)
-        assert "no heartbeat for" in str(failure.value)
-        for p in stopped:
-            os.kill(p, signal.SIGCONT)
-        assert backend.call(StatusArgs()).result.world_size == 2
-    finally:
-        backend.shutdown()
-        machine.stop()
 
 
 def test_the_interface_of_an_address():

@@ -6,7 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import FluxPipeline
-from helpers import MODEL, NEW_FAMILIES, PROMPT, STEPS, TOKENS, family_reference, generate, generate_family
+from helpers import (
+    MODEL,
+    NEW_FAMILIES,
+    PROMPT,
+    STEPS,
+    TOKENS,
+    family_reference,
+    generate,
+    generate_family,
+    one_shot_images,
+)
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
 from parallel_runtime.testing.tiny_models import make_tiny_flux
@@ -22,27 +32,9 @@ def models_dir(models_root):
 
 @pytest.fixture(scope="module")
 def one_shot(models_dir):
-    pipe = FluxPipeline.from_pretrained(models_dir / MODEL)
-    pipe.set_progress_bar_config(disable=True)
-    cache = {}
-
-    def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
-        key = (seed, width, height, batch_size)
-        if key not in cache:
-            cache[key] = pipe(
-                PROMPT,
-                num_inference_steps=STEPS,
-                guidance_scale=3.5,
-                width=width,
-                height=height,
-                max_sequence_length=TOKENS,
-                num_images_per_prompt=batch_size,
-                output_type="pt",
-                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-            ).images.permute(0, 2, 3, 1)
-        return cache[key]
-
-    return reference
+    return one_shot_images(
+        FluxPipeline.from_pretrained(models_dir / MODEL), guidance_scale=3.5, max_sequence_length=TOKENS
+    )
 
 
 def backend(ranks: int):
