@@ -154,11 +154,8 @@ def one_process(models_dir):
 @pytest.fixture(scope="module")
 def cluster(secret_env, models_dir):
     """Node 0 (this process's backend, 1 rank) and node 1 (``comfy-parallel join``, 1 rank) over 127.0.0.1."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    spec = default_spec(device="cpu", ranks=1, nnodes=2, rdzv_endpoint=endpoint)
-    machine = Machine(endpoint)
-    state = {"machine": machine, "spec": spec, "endpoint": endpoint}
-    get_backend(spec).start()
+    spec, machine = _two_machines(ranks=1)
+    state = {"machine": machine, "spec": spec, "endpoint": spec.rdzv_endpoint}
     yield state
     backend = get_backend(spec)
     remote_dirs, remote_pids = state["machine"].run_dirs(), state["machine"].processes()
@@ -167,6 +164,27 @@ def cluster(secret_env, models_dir):
     backend.shutdown()
     state["machine"].stop()
     assert_nothing_left(local + remote_pids, [d for d in [run_dir, *remote_dirs] if d], prefix)
+
+
+def _two_machines(ranks: int, deadlines=None) -> tuple[BackendSpec, Machine]:
+    """This process's backend (node 0) and a joined machine (node 1) of ``ranks`` ranks each, started on a port
+    chosen free; chosen again when another process took it before torchrun's agent bound it."""
+    attempts = 3
+    while True:
+        endpoint = f"127.0.0.1:{free_port()}"
+        spec = default_spec(device="cpu", ranks=ranks, nnodes=2, rdzv_endpoint=endpoint)
+        machine = Machine(endpoint)
+        backend = get_backend(spec)
+        if deadlines is not None:
+            backend.deadlines = deadlines
+        try:
+            backend.start()
+            return spec, machine
+        except BackendStartError as e:
+            machine.stop()
+            attempts -= 1
+            if not attempts or "address already in use" not in str(e).lower():
+                raise
 
 
 def assert_nothing_left(pids: list[int], run_dirs: list[str], prefix: str | None) -> None:
@@ -555,14 +573,10 @@ def test_multi_machine_widgets_name_the_widget_and_the_fix(widgets, widget, hint
 
 
 def _two_machines_of_two_ranks(deadlines=None):
-    """A backend of 2 machines × 2 ranks (ranks 0 and 1 on node 0, the ComfyUI host) and the joined machine."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    spec = default_spec(device="cpu", ranks=2, nnodes=2, rdzv_endpoint=endpoint)
-    machine = Machine(endpoint)
-    backend = get_backend(spec)
-    if deadlines is not None:
-        backend.deadlines = deadlines
-    return spec, machine, backend
+    """A started backend of 2 machines × 2 ranks (ranks 0 and 1 on node 0, the ComfyUI host) and the joined
+    machine."""
+    spec, machine = _two_machines(ranks=2, deadlines=deadlines)
+    return spec, machine, get_backend(spec)
 
 
 def test_two_machines_of_two_ranks_match_one_process_and_a_stopped_machine_is_named(secret_env, one_process):
@@ -576,7 +590,6 @@ def test_two_machines_of_two_ranks_match_one_process_and_a_stopped_machine_is_na
         Deadlines(load_s=60, stall_floor_s=30, heartbeat_s=6, stopped_s=2, cancel_s=4)
     )
     try:
-        backend.start()
         assert sorted(backend._group.remote_ranks()) == [2, 3]
         image = generate(spec, "context_parallel", ring_degree=2, ulysses_degree=2)
         assert (image - one_process(3, 64, 64)).abs().max() <= 1e-4
@@ -607,7 +620,6 @@ def test_two_machines_of_two_ranks_match_one_process(secret_env, one_process):
     data parallel over a batch of 4) against one process."""
     spec, machine, backend = _two_machines_of_two_ranks()
     try:
-        backend.start()
         reference = one_process(3, 64, 64)
         for strategy, args in [("context_parallel", {"ulysses_degree": 4}), ("tensor_parallel", {"tp_degree": 4})]:
             image = generate(spec, strategy, **args)
