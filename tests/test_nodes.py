@@ -589,6 +589,7 @@ def test_two_machines_of_two_ranks_match_one_process_and_a_stopped_machine_is_na
     spec, machine, backend = _two_machines_of_two_ranks(
         Deadlines(load_s=60, stall_floor_s=30, heartbeat_s=6, stopped_s=2, cancel_s=4)
     )
+    stopped: list[int] = []
     try:
         assert sorted(backend._group.remote_ranks()) == [2, 3]
         image = generate(spec, "context_parallel", ring_degree=2, ulysses_degree=2)
@@ -599,9 +600,9 @@ def test_two_machines_of_two_ranks_match_one_process_and_a_stopped_machine_is_na
         with pytest.raises(BackendDied) as failure:
             stop = at_step(3, lambda: [os.kill(p, signal.SIGSTOP) for p in stopped])
             backend.call(StepsArgs(steps=400, seconds_per_step=0.05), on_progress=stop)
-        assert time.monotonic() - started < 30  # a liveness bound: the heartbeat deadline is 6 s
         message = str(failure.value)
         assert f"on node 1 ({remote['host']}, pid " in message and "no heartbeat for" in message, message
+        assert time.monotonic() - started < 30  # a liveness bound: the heartbeat deadline is 6 s
         for p in stopped:
             os.kill(p, signal.SIGCONT)
         assert backend.call(StatusArgs()).result.world_size == 4
@@ -609,6 +610,9 @@ def test_two_machines_of_two_ranks_match_one_process_and_a_stopped_machine_is_na
         run_dir, prefix = backend.run_dir, backend.shm_prefix
         remote_pids, remote_dirs = machine.processes(), machine.run_dirs()
     finally:
+        for p in stopped:  # a failed check above must not leave stopped processes that no SIGTERM reaches
+            if process_alive(p):
+                os.kill(p, signal.SIGCONT)
         backend.shutdown()
         machine.stop()
     assert_nothing_left(local + remote_pids, [run_dir, *remote_dirs], prefix)
