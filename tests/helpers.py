@@ -9,7 +9,6 @@ import torch
 from diffusers import Flux2Pipeline, QwenImagePipeline
 
 from parallel_runtime import jobs
-from parallel_runtime.testing.tiny_models import make_tiny_flux2, make_tiny_qwenimage
 
 # -- the strategies' images through the nodes' steps (test_strategies and the modules that hold other paths to it) --
 MODEL = "tiny-flux"
@@ -23,7 +22,6 @@ STEPS, TOKENS = 2, 32
 NEW_FAMILIES = {
     "flux2": {
         "model": "tiny-flux2",
-        "make": make_tiny_flux2,
         "pipeline": Flux2Pipeline,
         "max_sequence_length": 48,
         "encode": {},
@@ -32,7 +30,6 @@ NEW_FAMILIES = {
     },
     "qwenimage": {
         "model": "tiny-qwenimage",
-        "make": make_tiny_qwenimage,
         "pipeline": QwenImagePipeline,
         "max_sequence_length": 8,
         "encode": {"negative_prompt": "a blue painting"},

@@ -19,14 +19,16 @@ from helpers import (
 )
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
-from parallel_runtime.testing.tiny_models import make_tiny_flux
+from parallel_runtime.testing.tiny_models import make_tiny_flux, make_tiny_flux2, make_tiny_qwenimage
+
+MAKERS = {"flux2": make_tiny_flux2, "qwenimage": make_tiny_qwenimage}  # the tiny model of each of NEW_FAMILIES
 
 
 @pytest.fixture(scope="module")
 def models_dir(models_root):
     make_tiny_flux(str(models_root / MODEL))
-    for family in NEW_FAMILIES.values():
-        family["make"](str(models_root / family["model"]))
+    for name, family in NEW_FAMILIES.items():
+        MAKERS[name](str(models_root / family["model"]))
     return models_root
 
 
