@@ -4,11 +4,13 @@ run directories and weight loads from the logs, its ranks from the status route,
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 from pathlib import Path
 
+import numpy as np
 from comfyui_host import REPO_ROOT, ComfyUIServer
 
 API_WORKFLOW = REPO_ROOT / "example_workflows" / "api" / "flux1_device_map_api.json"
@@ -114,3 +116,19 @@ def step_progress(window: list[dict], node_id: str, steps: int) -> list[int]:
         for m in window
         if m["type"] == "progress" and m["data"].get("node") == node_id and m["data"]["max"] == steps
     ]
+
+
+def saved_png(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
+    from PIL import Image
+
+    images = server.output_images(prompt_id)
+    assert len(images) == 1, images
+    png = server.view(**images[0])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def assert_close_uint8(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape == (SIZE, SIZE, 3)
+    diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
+    assert diff.max() <= 1, f"max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"

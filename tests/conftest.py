@@ -27,6 +27,42 @@ def nodes():
     return NODES_BY_ID
 
 
+# --- components the test run was promised -----------------------------------------------------------
+# A skip's reason names what was missing; a run that was promised a component (.ci/run installs them and sets
+# COMFY_PARALLEL_REQUIRE) fails instead, so CI cannot pass with a whole group skipped.
+REQUIRABLE = {
+    "comfyui": ("COMFYUI_DIR",),
+    "chromium": ("Chromium", "playwright-core", "no node on PATH"),
+    "comfy-cli": ("comfy-cli",),
+}
+
+
+def _required() -> dict[str, tuple[str, ...]]:
+    names = [n.strip() for n in os.environ.get("COMFY_PARALLEL_REQUIRE", "").split(",") if n.strip()]
+    unknown = sorted(set(names) - set(REQUIRABLE))
+    if unknown:
+        raise pytest.UsageError(f"COMFY_PARALLEL_REQUIRE names {unknown}; it takes {sorted(REQUIRABLE)}")
+    return {name: REQUIRABLE[name] for name in names}
+
+
+def pytest_configure(config):
+    config.pd_required = _required()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    required = item.config.pd_required
+    if not (report.skipped and required and isinstance(report.longrepr, tuple)):
+        return
+    reason = report.longrepr[2]
+    for name, clues in required.items():
+        if any(clue in reason for clue in clues):
+            report.outcome = "failed"
+            report.longrepr = f"{reason}\n(failed, not skipped: COMFY_PARALLEL_REQUIRE promises {name} to this run)"
+            return
+
+
 # --- real ComfyUI end-to-end host (tests/comfyui_host.py) -------------------------------------------
 @pytest.fixture(scope="session")
 def comfyui_dir():

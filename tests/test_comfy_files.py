@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
+from helpers import converted_and_one_shot, generate
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import (
@@ -445,53 +446,6 @@ def test_flux1_files_that_would_fail_after_converting_are_refused_by_name(tiny):
 
 
 # -- every strategy on real CPU ranks ------------------------------------------------------------------------------
-def converted_and_one_shot(made: dict, pipeline: type, *, guidance_scale: float, tokens: int):
-    """The scaled-fp8 files of ``made`` converted, and ``pipeline``'s one-shot image on their reference diffusers
-    folder: (model name, (seed, width, height, batch_size) -> IMAGE, image i from seed + i)."""
-    names, reference = made["fp8_scaled"]
-    name, _ = jobs.model_from_comfy_files(**names)
-    pipe = pipeline.from_pretrained(reference, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    cache = {}
-
-    def one_shot(seed, width, height, batch_size=1):
-        key = (seed, width, height, batch_size)
-        if key not in cache:
-            cache[key] = pipe(
-                prompt=PROMPT,
-                num_inference_steps=STEPS,
-                guidance_scale=guidance_scale,
-                width=width,
-                height=height,
-                max_sequence_length=tokens,
-                num_images_per_prompt=batch_size,
-                output_type="pt",
-                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-            ).images.permute(0, 2, 3, 1)
-        return cache[key]
-
-    return name, one_shot
-
-
-def generate(
-    spec, model, strategy, *, guidance_scale=3.5, tokens=TOKENS, width=64, height=64, batch_size=1, **strategy_args
-):
-    """The image of ``model`` under ``strategy`` through the pack's steps (seed 3, as ``one_shot(3, ...)``)."""
-    positive = jobs.encode_prompt(spec, model=model, prompt=PROMPT, max_sequence_length=tokens)
-    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=3,
-        steps=STEPS,
-        guidance_scale=guidance_scale,
-        width=width,
-        height=height,
-        batch_size=batch_size,
-    )
-    return jobs.decode(spec, model=model, samples=latent)
-
-
 @pytest.fixture(scope="module")
 def converted(tiny):
     """The scaled-fp8 model converted, and diffusers' one-shot pipeline on its reference diffusers folder."""
@@ -510,10 +464,10 @@ def test_tensor_parallel_and_ulysses_on_the_converted_model(converted):
     Ulysses, each image equal to the one-shot pipeline on the diffusers folder within test_strategies' tolerances."""
     name, one_shot = converted
     spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
-    image = generate(spec, name, "tensor_parallel", tp_degree=2)
+    image = generate(spec, "tensor_parallel", model=name, tp_degree=2)
     assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
     sharded = [m.parameter_bytes for m in _transformer_on_each_rank(spec)]
-    image = generate(spec, name, "context_parallel", ulysses_degree=2)
+    image = generate(spec, "context_parallel", model=name, ulysses_degree=2)
     assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
     full = _transformer_on_each_rank(spec)[0].parameter_bytes
     print(f"converted model, tensor parallel: parameter share per rank {[round(s / full, 3) for s in sharded]}")
@@ -535,7 +489,7 @@ MORE_STRATEGIES = [
 def test_other_strategies_on_the_converted_model(converted, label, strategy, args, batch):
     name, one_shot = converted
     spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
-    image = generate(spec, name, strategy, batch_size=batch, **args)
+    image = generate(spec, strategy, model=name, batch_size=batch, **args)
     assert image.shape[0] == batch
     assert (image - one_shot(3, 64, 64, batch)).abs().max() <= 1e-4
 
@@ -547,7 +501,7 @@ def test_tp_cp_on_the_converted_model(converted):
     """tp_cp (TP 2 × Ring 2) on 4 ranks: the tiny model's 2 heads leave one per TP rank, so Ring splits the tokens."""
     name, one_shot = converted
     spec = default_spec(ranks=4, device="cpu", memory_policy="staged")
-    image = generate(spec, name, "tp_cp", tp_degree=2, ring_degree=2, ulysses_degree=1)
+    image = generate(spec, "tp_cp", model=name, tp_degree=2, ring_degree=2, ulysses_degree=1)
     assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
 
 
@@ -659,7 +613,7 @@ def test_qwenimage_refusals_name_the_input(qwen, tiny):
 def qwen_converted(qwen):
     """The scaled-fp8 Qwen-Image converted, and the one-shot QwenImagePipeline's image on its diffusers folder (true
     CFG with a negative prompt: test_strategies' settings)."""
-    from test_strategies import family_reference
+    from helpers import family_reference
 
     names, reference = qwen["fp8_scaled"]
     name, _ = jobs.model_from_comfy_files(**names)
@@ -680,7 +634,7 @@ QWEN_STRATEGIES = [
 def test_qwenimage_strategies_on_the_converted_model(qwen_converted, strategy, args):
     """The converted folder on 2 CPU ranks (one backend for the module) gives the one-shot pipeline's image on the
     diffusers folder within test_strategies' tolerance."""
-    from test_strategies import generate_family
+    from helpers import generate_family
 
     name, expected = qwen_converted
     spec = default_spec(ranks=2, device="cpu", memory_policy="staged")

@@ -15,8 +15,8 @@ import os
 
 import pytest
 import torch
+from helpers import converted_and_one_shot, generate
 from safetensors.torch import load_file, save_file
-from test_comfy_files import converted_and_one_shot, generate
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs
 from parallel_runtime.families.flux2 import files as flux2_files
@@ -232,7 +232,7 @@ def converted(tiny):
 
 
 def _generate(spec, model, strategy, **kwargs):
-    return generate(spec, model, strategy, guidance_scale=4.0, tokens=TOKENS, **kwargs)
+    return generate(spec, strategy, model=model, guidance_scale=4.0, tokens=TOKENS, **kwargs)
 
 
 @pytest.mark.multirank

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from comfyui_host import PromptRejected
-from test_e2e_comfyui import assert_close_uint8, saved_png
+from comfyui_workflows import assert_close_uint8, saved_png
 
 pytestmark = pytest.mark.comfyui
 PROMPT = "a photo of a horse in the city"
@@ -121,7 +121,7 @@ def test_qwenimage_files_through_the_nodes_equal_the_diffusers_folder(comfyui_se
     """Qwen-Image's files (scaled-fp8 transformer, text_encoder_2 left at none) through the nodes with true CFG: the
     PNG equals the one-shot QwenImagePipeline on the same model's diffusers folder."""
     from comfyui_workflows import SIZE
-    from test_strategies import NEW_FAMILIES, STEPS, family_reference
+    from helpers import NEW_FAMILIES, STEPS, family_reference
 
     names, reference = tiny_qwen_comfy_files["fp8_scaled"]
     qwen = NEW_FAMILIES["qwenimage"]

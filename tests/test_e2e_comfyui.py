@@ -12,7 +12,6 @@ browser, and the other examples' runs: test_examples_comfyui.py.)
 from __future__ import annotations
 
 import glob
-import io
 import os
 import shutil
 import signal
@@ -30,9 +29,11 @@ from comfyui_workflows import (
     SAVER,
     SIZE,
     STEPS,
+    assert_close_uint8,
     backend_processes,
     backend_run_dirs,
     load_api,
+    saved_png,
     small_workflow,
     tiny_flux,
     weight_loads,
@@ -61,22 +62,6 @@ def reference_uint8(model_dir: Path, prompt: str, seed: int) -> np.ndarray:
         output_type="pt",
     ).images[0]
     return np.clip(255.0 * image.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
-
-
-def saved_png(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
-    from PIL import Image
-
-    images = server.output_images(prompt_id)
-    assert len(images) == 1, images
-    png = server.view(**images[0])
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
-
-
-def assert_close_uint8(got: np.ndarray, expected: np.ndarray) -> None:
-    assert got.shape == expected.shape == (SIZE, SIZE, 3)
-    diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
-    assert diff.max() <= 1, f"max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"
 
 
 # ---------------------------------------------------------------------------------------------------------------

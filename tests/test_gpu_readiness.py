@@ -81,7 +81,7 @@ def conditioning(backend):
 
 
 # -- doctor -------------------------------------------------------------------------------------------------------
-@pytest.mark.slow  # a backend of its own: ~45 s on the shared CI machine
+# A backend of its own (~45 s on the shared CI machine): doctor is what a user runs first, so CI runs it end to end.
 @pytest.mark.multirank
 def test_doctor_checks_each_rank_pair_with_a_deadline_on_every_step():
     from parallel_runtime import cli

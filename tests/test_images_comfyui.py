@@ -73,7 +73,6 @@ def saved_latent(server, name: str) -> torch.Tensor:
     return load_file(str(path))["latent_tensor"]
 
 
-@pytest.mark.slow  # three sampling passes in the host; the examples run LatentUpscaleBy and LoadImage in CI
 def test_comfyuis_latent_nodes_feed_the_sampler(comfyui_server, comfyui_models_dir):
     model = tiny_flux(comfyui_models_dir).name
     comfyui_server.run(workflow(model), timeout=600)

@@ -146,8 +146,8 @@ STRATEGIES = [
     pytest.param("context_parallel", CP, (64, 64), 1.5, 1, id="ulysses_hires_fix"),
     pytest.param("context_parallel", {**CP, "anything": True}, ODD, 1.0, 1, id="ulysses_anything"),
     pytest.param("data_parallel", {}, (64, 48), 1.0, 2, id="data_parallel"),
-    pytest.param("device_map", {}, (64, 48), 1.0, 1, id="device_map", marks=SLOW),
-    pytest.param("context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, (64, 64), 1.5, 1, id="ring", marks=SLOW),
+    pytest.param("device_map", {}, (64, 48), 1.0, 1, id="device_map"),
+    pytest.param("context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, (64, 64), 1.0, 1, id="ring"),
     pytest.param(
         "context_parallel",
         {"ring_degree": 2, "ulysses_degree": 1, "anything": True},
@@ -157,7 +157,7 @@ STRATEGIES = [
         id="ring_anything",
         marks=SLOW,
     ),
-    pytest.param("tensor_parallel", {}, ODD, 1.0, 1, id="tensor_parallel", marks=SLOW),
+    pytest.param("tensor_parallel", {}, ODD, 1.0, 1, id="tensor_parallel"),
 ]
 
 

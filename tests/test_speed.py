@@ -124,14 +124,8 @@ def _id(case) -> str:
 CASES = [
     # (id, model, strategy args, cache, diffusers' config in one process)
     ("ulysses_first_block", FLUX, {"strategy": "context_parallel"}, "first_block_cache", FirstBlockCacheConfig),
-    pytest.param(
-        "ring_first_block",
-        FLUX,
-        {"strategy": "context_parallel", "ring_degree": 2},
-        "first_block_cache",
-        None,
-        marks=pytest.mark.slow,  # CI's budget: Ulysses and TP stand for the strategies that split a pass
-    ),
+    # Ring's passes exchange keys and values step by step: a rank that skipped alone would hang the other.
+    ("ring_first_block", FLUX, {"strategy": "context_parallel", "ring_degree": 2}, "first_block_cache", None),
     ("tp_first_block", FLUX, {"strategy": "tensor_parallel"}, "first_block_cache", FirstBlockCacheConfig),
     ("ulysses_taylorseer", FLUX, {"strategy": "context_parallel"}, "taylorseer", TaylorSeerCacheConfig),
     # Qwen-Image's _cp_plan splits at the first block's input, where the cache's hook sits; true CFG: two passes a step.
@@ -220,8 +214,8 @@ def test_bad_cache_widgets_are_refused_by_name(models_dir, widget, args, hint):
 # quarter overlapping), Qwen-Image's at 256 px (192 px apart).
 TILED = [
     ("flux", FLUX, (1, 16, 16, 12), (3, 3)),  # 128×96: 3 × 2 tiles
-    # 320×320: 2 × 2 tiles; a video VAE whose per-tile state counts the decoder's layers. Slow: CI's budget.
-    pytest.param("qwenimage", QWEN, (1, 16, 1, 40, 40), (2, 2), marks=pytest.mark.slow),
+    # 320×320: 2 × 2 tiles; a video VAE whose per-tile state counts the decoder's layers.
+    ("qwenimage", QWEN, (1, 16, 1, 40, 40), (2, 2)),
 ]
 
 

@@ -5,94 +5,44 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
+from diffusers import FluxPipeline
+from helpers import (
+    MODEL,
+    NEW_FAMILIES,
+    PROMPT,
+    STEPS,
+    TOKENS,
+    family_reference,
+    generate,
+    generate_family,
+    one_shot_images,
+)
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
 from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 from parallel_runtime.families.flux2.tiny import make_tiny_model as make_tiny_flux2
 from parallel_runtime.families.qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
 
-MODEL = "tiny-flux"
-PROMPT = "a photo of a horse in the city"
-STEPS, TOKENS = 2, 32
-
-# The families added after FLUX.1, run through the same nodes. Plain Ulysses / Ring split the text tokens too, so the
-# settings keep them divisible by 2: FLUX.2 pads to max_sequence_length (its 31-token tiny system message included);
-# Qwen-Image keeps each prompt's own length, so a short max_sequence_length cuts the prompt (13 tokens) and the
-# negative prompt (8) to 8.
-NEW_FAMILIES = {
-    "flux2": {
-        "model": "tiny-flux2",
-        "make": make_tiny_flux2,
-        "pipeline": Flux2Pipeline,
-        "max_sequence_length": 48,
-        "encode": {},
-        "sample": {"guidance_scale": 4.0},
-        "reference": {"guidance_scale": 4.0},
-    },
-    "qwenimage": {
-        "model": "tiny-qwenimage",
-        "make": make_tiny_qwenimage,
-        "pipeline": QwenImagePipeline,
-        "max_sequence_length": 8,
-        "encode": {"negative_prompt": "a blue painting"},
-        "sample": {"guidance_scale": 3.5, "true_cfg_scale": 4.0},
-        "reference": {"negative_prompt": "a blue painting", "true_cfg_scale": 4.0},
-    },
-}
+MAKERS = {"flux2": make_tiny_flux2, "qwenimage": make_tiny_qwenimage}  # the tiny model of each of NEW_FAMILIES
 
 
 @pytest.fixture(scope="module")
 def models_dir(models_root):
     make_tiny_flux(str(models_root / MODEL))
-    for family in NEW_FAMILIES.values():
-        family["make"](str(models_root / family["model"]))
+    for name, family in NEW_FAMILIES.items():
+        MAKERS[name](str(models_root / family["model"]))
     return models_root
 
 
 @pytest.fixture(scope="module")
 def one_shot(models_dir):
-    pipe = FluxPipeline.from_pretrained(models_dir / MODEL)
-    pipe.set_progress_bar_config(disable=True)
-    cache = {}
-
-    def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
-        key = (seed, width, height, batch_size)
-        if key not in cache:
-            cache[key] = pipe(
-                PROMPT,
-                num_inference_steps=STEPS,
-                guidance_scale=3.5,
-                width=width,
-                height=height,
-                max_sequence_length=TOKENS,
-                num_images_per_prompt=batch_size,
-                output_type="pt",
-                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-            ).images.permute(0, 2, 3, 1)
-        return cache[key]
-
-    return reference
+    return one_shot_images(
+        FluxPipeline.from_pretrained(models_dir / MODEL), guidance_scale=3.5, max_sequence_length=TOKENS
+    )
 
 
 def backend(ranks: int):
     return default_spec(ranks=ranks, device="cpu", memory_policy="staged")
-
-
-def generate(spec, strategy: str, *, seed=3, width=64, height=64, batch_size=1, **strategy_args):
-    positive = jobs.encode_prompt(spec, model=MODEL, prompt=PROMPT, max_sequence_length=TOKENS)
-    transformer = jobs.plan_transformer(spec, model=MODEL, strategy=strategy, **strategy_args)
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=seed,
-        steps=STEPS,
-        guidance_scale=3.5,
-        width=width,
-        height=height,
-        batch_size=batch_size,
-    )
-    return jobs.decode(spec, model=MODEL, samples=latent)
 
 
 CASES_2_RANKS = [
@@ -355,26 +305,6 @@ def test_sampler_revalidates_against_the_size(models_dir, widget, strategy, samp
     assert info.value.widget == widget
 
 
-def family_reference(
-    folder, name: str, seed: int, batch_size: int = 1, width: int = 64, height: int = 64, **overrides
-) -> torch.Tensor:
-    """The one-shot pipeline of family ``name`` on the diffusers ``folder``: its IMAGE, image i from seed + i."""
-    family = NEW_FAMILIES[name]
-    pipe = family["pipeline"].from_pretrained(folder, dtype=torch.float32)  # as the CPU ranks run it
-    pipe.set_progress_bar_config(disable=True)
-    kwargs = {"max_sequence_length": family["max_sequence_length"], **family["reference"], **overrides}
-    return pipe(
-        prompt=PROMPT,
-        num_inference_steps=STEPS,
-        width=width,
-        height=height,
-        num_images_per_prompt=batch_size,
-        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-        output_type="pt",
-        **kwargs,
-    ).images.permute(0, 2, 3, 1)
-
-
 @pytest.fixture(scope="module")
 def family_one_shot(models_dir):
     """(family, seed, batch_size) -> the one-shot pipeline's IMAGE at 64x64, image i from seed + i."""
@@ -390,36 +320,6 @@ def family_one_shot(models_dir):
         return cache[key]
 
     return reference
-
-
-def generate_family(
-    spec,
-    name: str,
-    strategy: str,
-    *,
-    seed=3,
-    batch_size=1,
-    width=64,
-    height=64,
-    encode=None,
-    model: str | None = None,
-    **strategy_args,
-):
-    family = {**NEW_FAMILIES[name], **({"model": model} if model else {})}
-    encode = {"max_sequence_length": family["max_sequence_length"], **family["encode"], **(encode or {})}
-    positive = jobs.encode_prompt(spec, model=family["model"], prompt=PROMPT, **encode)
-    transformer = jobs.plan_transformer(spec, model=family["model"], strategy=strategy, **strategy_args)
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=seed,
-        steps=STEPS,
-        width=width,
-        height=height,
-        batch_size=batch_size,
-        **family["sample"],
-    )
-    return latent, jobs.decode(spec, model=family["model"], samples=latent)
 
 
 FAMILY_CASES = [

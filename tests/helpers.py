@@ -1,0 +1,178 @@
+"""Helpers that several test modules share (tests/README.md): one home, instead of test modules importing each other."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from diffusers import Flux2Pipeline, QwenImagePipeline
+
+from parallel_runtime import jobs
+
+# -- the strategies' images through the nodes' steps (test_strategies and the modules that hold other paths to it) --
+MODEL = "tiny-flux"
+PROMPT = "a photo of a horse in the city"
+STEPS, TOKENS = 2, 32
+
+# The families added after FLUX.1, run through the same nodes. Plain Ulysses / Ring split the text tokens too, so the
+# settings keep them divisible by 2: FLUX.2 pads to max_sequence_length (its 31-token tiny system message included);
+# Qwen-Image keeps each prompt's own length, so a short max_sequence_length cuts the prompt (13 tokens) and the
+# negative prompt (8) to 8.
+NEW_FAMILIES = {
+    "flux2": {
+        "model": "tiny-flux2",
+        "pipeline": Flux2Pipeline,
+        "max_sequence_length": 48,
+        "encode": {},
+        "sample": {"guidance_scale": 4.0},
+        "reference": {"guidance_scale": 4.0},
+    },
+    "qwenimage": {
+        "model": "tiny-qwenimage",
+        "pipeline": QwenImagePipeline,
+        "max_sequence_length": 8,
+        "encode": {"negative_prompt": "a blue painting"},
+        "sample": {"guidance_scale": 3.5, "true_cfg_scale": 4.0},
+        "reference": {"negative_prompt": "a blue painting", "true_cfg_scale": 4.0},
+    },
+}
+
+
+def generate(
+    spec,
+    strategy: str,
+    *,
+    model: str = MODEL,
+    seed: int = 3,
+    guidance_scale: float = 3.5,
+    tokens: int = TOKENS,
+    width: int = 64,
+    height: int = 64,
+    batch_size: int = 1,
+    **strategy_args,
+) -> torch.Tensor:
+    """The IMAGE of ``model`` (a FLUX.1 or a model of its settings) under ``strategy`` through the pack's steps."""
+    positive = jobs.encode_prompt(spec, model=model, prompt=PROMPT, max_sequence_length=tokens)
+    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=seed,
+        steps=STEPS,
+        guidance_scale=guidance_scale,
+        width=width,
+        height=height,
+        batch_size=batch_size,
+    )
+    return jobs.decode(spec, model=model, samples=latent)
+
+
+def family_reference(
+    folder, name: str, seed: int, batch_size: int = 1, width: int = 64, height: int = 64, **overrides
+) -> torch.Tensor:
+    """The one-shot pipeline of family ``name`` on the diffusers ``folder``: its IMAGE, image i from seed + i."""
+    family = NEW_FAMILIES[name]
+    pipe = family["pipeline"].from_pretrained(folder, dtype=torch.float32)  # as the CPU ranks run it
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {"max_sequence_length": family["max_sequence_length"], **family["reference"], **overrides}
+    return pipe(
+        prompt=PROMPT,
+        num_inference_steps=STEPS,
+        width=width,
+        height=height,
+        num_images_per_prompt=batch_size,
+        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        output_type="pt",
+        **kwargs,
+    ).images.permute(0, 2, 3, 1)
+
+
+def generate_family(
+    spec,
+    name: str,
+    strategy: str,
+    *,
+    seed=3,
+    batch_size=1,
+    width=64,
+    height=64,
+    encode=None,
+    model: str | None = None,
+    **strategy_args,
+):
+    family = {**NEW_FAMILIES[name], **({"model": model} if model else {})}
+    encode = {"max_sequence_length": family["max_sequence_length"], **family["encode"], **(encode or {})}
+    positive = jobs.encode_prompt(spec, model=family["model"], prompt=PROMPT, **encode)
+    transformer = jobs.plan_transformer(spec, model=family["model"], strategy=strategy, **strategy_args)
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=seed,
+        steps=STEPS,
+        width=width,
+        height=height,
+        batch_size=batch_size,
+        **family["sample"],
+    )
+    return latent, jobs.decode(spec, model=family["model"], samples=latent)
+
+
+def converted_and_one_shot(made: dict, pipeline: type, *, guidance_scale: float, tokens: int):
+    """The scaled-fp8 files of ``made`` converted, and ``pipeline``'s one-shot image on their reference diffusers
+    folder: (model name, (seed, width, height, batch_size) -> IMAGE, image i from seed + i)."""
+    names, reference = made["fp8_scaled"]
+    name, _ = jobs.model_from_comfy_files(**names)
+    pipe = pipeline.from_pretrained(reference, dtype=torch.float32)
+    return name, one_shot_images(pipe, guidance_scale=guidance_scale, max_sequence_length=tokens)
+
+
+def one_shot_images(pipe, **settings) -> Callable[..., torch.Tensor]:
+    """``pipe``'s one-shot IMAGE of ``PROMPT`` at ``(seed, width, height, batch_size=1)``, image i from seed + i, each
+    made once: the reference a strategy's image must match."""
+    pipe.set_progress_bar_config(disable=True)
+    cache = {}
+
+    def reference(seed: int, width: int, height: int, batch_size: int = 1) -> torch.Tensor:
+        key = (seed, width, height, batch_size)
+        if key not in cache:
+            cache[key] = pipe(
+                prompt=PROMPT,
+                num_inference_steps=STEPS,
+                width=width,
+                height=height,
+                num_images_per_prompt=batch_size,
+                output_type="pt",
+                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+                **settings,
+            ).images.permute(0, 2, 3, 1)
+        return cache[key]
+
+    return reference
+
+
+# -- waiting on events ---------------------------------------------------------------------------------------------
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll_s: float = 0.05) -> object:
+    """Wait until ``predicate()`` is true and return its value; fail naming ``what`` once ``timeout`` s have passed.
+    The way a test waits on an event it cannot be told about (a process state, a file, a log line)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(poll_s)
+    return value
+
+
+def at_step(step: int, action: Callable[..., object], *args: object) -> Callable[[int, int, object], None]:
+    """An ``on_progress`` that calls ``action(*args)`` once, when a run reports step ``step``: a fault struck mid-run on
+    a machine of any speed, where a timer could strike before the first step or after the last."""
+    done: list[int] = []
+
+    def on_progress(reached: int, _total: int, _preview: object) -> None:
+        if reached >= step and not done:
+            done.append(reached)
+            action(*args)
+
+    return on_progress
