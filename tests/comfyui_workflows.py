@@ -132,3 +132,21 @@ def assert_close_uint8(got: np.ndarray, expected: np.ndarray) -> None:
     assert got.shape == expected.shape == (SIZE, SIZE, 3)
     diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
     assert diff.max() <= 1, f"max |diff| {diff.max()} levels; {(diff > 1).sum()} values differ by more than 1"
+
+
+def reference_uint8(model_dir: Path, prompt: str, seed: int) -> np.ndarray:
+    """diffusers' one-shot pipeline, quantised the way ComfyUI's SaveImage does: ``uint8(clip(255 * x))``."""
+    import torch
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(model_dir)
+    image = pipe(
+        prompt,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
+        width=SIZE,
+        height=SIZE,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="pt",
+    ).images[0]
+    return np.clip(255.0 * image.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)

@@ -158,3 +158,45 @@ def models_root(tmp_path_factory):
         del os.environ["COMFY_PARALLEL_MODELS"]
     else:
         os.environ["COMFY_PARALLEL_MODELS"] = old
+
+
+# --- every family's tiny model in the module's model folder (the strategies' tests and those that reuse them) -------
+@pytest.fixture(scope="module")
+def models_dir(models_root):
+    """``models_root`` with the tiny FLUX.1 under ``helpers.MODEL`` and each of ``helpers.NEW_FAMILIES`` under its
+    ``model`` name."""
+    from helpers import MODEL, NEW_FAMILIES
+
+    from parallel_runtime.families.tiny import make_tiny_model
+
+    make_tiny_model("flux", str(models_root / MODEL))
+    for name, family in NEW_FAMILIES.items():
+        make_tiny_model(name, str(models_root / family["model"]))
+    return models_root
+
+
+# --- each family's tiny model loaded in-process, once per module (test_images and test_samplers) ------------------
+@pytest.fixture(scope="module")
+def load(tmp_path_factory):
+    """name -> (adapter, model_dir, (text encoders, transformer, VAE)), each family built and loaded once."""
+    import torch
+    from img2img import CPU
+
+    from parallel_runtime.families import family as family_adapter
+    from parallel_runtime.families.tiny import make_tiny_model
+
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            adapter = family_adapter(name)
+            model_dir = make_tiny_model(adapter.key, str(tmp_path_factory.mktemp(name)), 0)
+            stages = (
+                adapter.load_text_encoders(model_dir, torch.float32, CPU),
+                adapter.load_transformer(model_dir, torch.float32, CPU),
+                adapter.load_vae(model_dir, torch.float32, "cpu"),
+            )
+            loaded[name] = (adapter, model_dir, stages)
+        return loaded[name]
+
+    return get

@@ -18,21 +18,18 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from comfyui_host import ComfyUIServer, PromptRejected
 from comfyui_workflows import (
     DECODER,
-    GUIDANCE,
     SAMPLER,
     SAVER,
-    SIZE,
     STEPS,
     assert_close_uint8,
     backend_processes,
     backend_run_dirs,
     load_api,
+    reference_uint8,
     saved_png,
     small_workflow,
     tiny_flux,
@@ -45,23 +42,6 @@ pytestmark = pytest.mark.comfyui  # and multirank on the tests that start a back
 @pytest.fixture(scope="module")
 def tiny_model(comfyui_models_dir) -> Path:
     return tiny_flux(comfyui_models_dir)
-
-
-def reference_uint8(model_dir: Path, prompt: str, seed: int) -> np.ndarray:
-    """diffusers' one-shot pipeline, quantised the way ComfyUI's SaveImage does: ``uint8(clip(255 * x))``."""
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline.from_pretrained(model_dir)
-    image = pipe(
-        prompt,
-        num_inference_steps=STEPS,
-        guidance_scale=GUIDANCE,
-        width=SIZE,
-        height=SIZE,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="pt",
-    ).images[0]
-    return np.clip(255.0 * image.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
 
 
 # ---------------------------------------------------------------------------------------------------------------

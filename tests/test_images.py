@@ -19,114 +19,35 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     Flux2Pipeline,
     FluxImg2ImgPipeline,
-    FluxInpaintPipeline,
-    QwenImageImg2ImgPipeline,
-    QwenImageInpaintPipeline,
 )
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.utils.torch_utils import randn_tensor
+from img2img import (
+    CPU,
+    DENOISE,
+    FAMILIES,
+    GUIDANCE,
+    HEIGHT,
+    NEGATIVE,
+    PROMPT,
+    STEPS,
+    WIDTH,
+    ours,
+    pipeline_latents,
+    pixel_mask,
+    pixels,
+    posterior_mode,
+)
 
-from parallel_runtime.families import Placement, img2img_steps
 from parallel_runtime.families import family as family_adapter
-from parallel_runtime.families.tiny import make_tiny_model
+from parallel_runtime.families import img2img_steps
 from parallel_runtime.wire import Prompts, Sampling
-
-PROMPT = "a photo of a cat"
-NEGATIVE = "a blue painting"
-WIDTH, HEIGHT = 96, 64  # non-square: a swapped side shows up as a shape error
-STEPS, DENOISE = 3, 0.6  # 2 of the 3 steps run
-GUIDANCE = 3.5
-CPU = Placement("cpu")
-
-FAMILIES = {
-    "flux": {"max_sequence_length": 16, "img2img": FluxImg2ImgPipeline, "inpaint": FluxInpaintPipeline},
-    "flux2": {"max_sequence_length": 48},
-    "qwenimage": {
-        "max_sequence_length": 64,
-        "img2img": QwenImageImg2ImgPipeline,
-        "inpaint": QwenImageInpaintPipeline,
-        "encode": {"negative_prompts": (NEGATIVE,)},
-        "sampling": {"true_cfg_scale": 4.0},
-    },
-}
-
-
-@pytest.fixture(scope="module")
-def load(tmp_path_factory):
-    """name -> (adapter, model_dir, (text encoders, transformer, VAE)), each family built and loaded once."""
-    loaded = {}
-
-    def get(name: str):
-        if name not in loaded:
-            adapter = family_adapter(name)
-            model_dir = make_tiny_model(adapter.key, str(tmp_path_factory.mktemp(name)), 0)
-            stages = (
-                adapter.load_text_encoders(model_dir, torch.float32, CPU),
-                adapter.load_transformer(model_dir, torch.float32, CPU),
-                adapter.load_vae(model_dir, torch.float32, "cpu"),
-            )
-            loaded[name] = (adapter, model_dir, stages)
-        return loaded[name]
-
-    return get
 
 
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request, load):
     return request.param, *load(request.param)
-
-
-def pixels(batch: int = 1, seed: int = 3) -> torch.Tensor:
-    """A ComfyUI IMAGE [B, H, W, 3] in 0..1."""
-    return torch.rand((batch, HEIGHT, WIDTH, 3), generator=torch.Generator().manual_seed(seed))
-
-
-def pixel_mask() -> torch.Tensor:
-    """ComfyUI's noise_mask as SetLatentNoiseMask leaves it [1, 1, H, W]: repaint the right half, on token bounds."""
-    mask = torch.zeros((1, 1, HEIGHT, WIDTH))
-    mask[..., WIDTH // 2 :] = 1.0
-    return mask
-
-
-def ours(name, adapter, model_dir, stages, latent, mask=None, seed=11, batch_size=1, denoise=DENOISE, **choice):
-    """The adapter's img2img / inpaint; ``choice``: ParallelSampler's sampler and scheduler (``Sampling``'s)."""
-    text_pipe, transformer, _ = stages
-    settings = FAMILIES[name]
-    prompts = Prompts((PROMPT,), max_sequence_length=settings["max_sequence_length"], **settings.get("encode", {}))
-    sampling = Sampling(
-        seed=seed,
-        steps=STEPS,
-        guidance_scale=GUIDANCE,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=batch_size,
-        denoise=denoise,
-        **settings.get("sampling", {}),
-        **choice,
-    )
-    embeds = adapter.encode(text_pipe, prompts)
-    return adapter.denoise(model_dir, transformer, embeds, sampling, latent_image=latent, noise_mask=mask)
-
-
-def posterior_mode(name: str, vae, image: torch.Tensor) -> torch.Tensor:
-    """``vae.encode(x).latent_dist.mode()`` of an IMAGE, x as the pipelines' image processor makes it."""
-    x = VaeImageProcessor().normalize(image.permute(0, 3, 1, 2))
-    with torch.no_grad():
-        return vae.encode(x.unsqueeze(2) if name == "qwenimage" else x).latent_dist.mode()
-
-
-def pipeline_latents(name: str, vae, mode: torch.Tensor) -> torch.Tensor:
-    """The posterior's mode normalised as the pipeline's ``_encode_vae_image`` does (FLUX.2: Flux2Pipeline's, with
-    its 2x2 patches)."""
-    if name == "flux":
-        return (mode - vae.config.shift_factor) * vae.config.scaling_factor
-    if name == "qwenimage":
-        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-        return ((mode - mean) * (1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)))[:, :, 0]
-    patches = Flux2Pipeline._patchify_latents(mode)
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    return (patches - vae.bn.running_mean.view(1, -1, 1, 1)) / std
 
 
 _PIPELINES: dict = {}

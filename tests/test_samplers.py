@@ -8,14 +8,21 @@ import itertools
 
 import diffusers
 import pytest
-import test_images
-import test_strategies
 import torch
 from comfyui_host import ExecutionFailed
-from comfyui_workflows import ENCODER, SAMPLER, SIZE, small_workflow, tiny_flux
+from comfyui_workflows import (
+    ENCODER,
+    SAMPLER,
+    SIZE,
+    assert_close_uint8,
+    reference_uint8,
+    saved_png,
+    small_workflow,
+    tiny_flux,
+)
 from comfyui_workflows import STEPS as WORKFLOW_STEPS
-from test_e2e_comfyui import assert_close_uint8, reference_uint8, saved_png
-from test_images import (
+from helpers import MODEL, NEW_FAMILIES, PROMPT, TOKENS
+from img2img import (
     DENOISE,
     GUIDANCE,
     HEIGHT,
@@ -25,9 +32,8 @@ from test_images import (
     pixels,
     posterior_mode,
 )
-from test_images import PROMPT as IMAGE_PROMPT
-from test_images import STEPS as IMAGE_STEPS
-from test_strategies import MODEL, NEW_FAMILIES, PROMPT, TOKENS
+from img2img import PROMPT as IMAGE_PROMPT
+from img2img import STEPS as IMAGE_STEPS
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
@@ -36,9 +42,6 @@ SEED = 5
 # Three steps: with two, every schedule is the same two sigmas (the first and the last), so the test could not tell a
 # schedule that was not applied.
 STEPS = 3
-# The fixtures of the modules whose settings this one reuses: every family's tiny model once per module (a diffusers
-# folder), and test_images' tiny families loaded in-process.
-models_dir, load = test_strategies.models_dir, test_images.load
 CHOICES = list(itertools.product(SAMPLERS, SCHEDULERS))
 FAMILIES = {
     "flux": {

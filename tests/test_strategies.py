@@ -19,19 +19,6 @@ from helpers import (
 )
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
-from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
-from parallel_runtime.families.flux2.tiny import make_tiny_model as make_tiny_flux2
-from parallel_runtime.families.qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
-
-MAKERS = {"flux2": make_tiny_flux2, "qwenimage": make_tiny_qwenimage}  # the tiny model of each of NEW_FAMILIES
-
-
-@pytest.fixture(scope="module")
-def models_dir(models_root):
-    make_tiny_flux(str(models_root / MODEL))
-    for name, family in NEW_FAMILIES.items():
-        MAKERS[name](str(models_root / family["model"]))
-    return models_root
 
 
 @pytest.fixture(scope="module")
