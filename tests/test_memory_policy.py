@@ -1,0 +1,119 @@
+"""The ``auto`` memory policy on a 2-rank CPU backend, a tiny FLUX.1 and context parallelism (the transformer on every
+rank): a prompt edit reloads nothing while the memory holds every model, and the image equals ``staged``'s; with a
+memory cap (``COMFY_PARALLEL_MEMORY_CAP_GB``) under which the text encoders and the transformer do not fit together,
+``auto`` frees the least recently used model first and behaves as ``staged``, and the node text says so."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from parallel_runtime import BackendSpec, default_spec, get_backend, jobs, shutdown_backend
+from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
+from parallel_runtime.worker import memory
+
+pytestmark = pytest.mark.multirank
+
+MODEL = "tiny-flux"
+PROMPTS = ("a red cat on a blue sky", "a green tree at night")  # the prompt edit
+SIZE, STEPS, SEED = 64, 2, 5
+TRANSFORMER, TEXT_ENCODERS, VAE = (f"{c}:{MODEL}" for c in ("transformer", "text_encoders", "vae"))
+
+
+@pytest.fixture(scope="module")
+def models_dir(models_root):
+    make_tiny_flux(str(models_root / MODEL))
+    return models_root
+
+
+def spec_of(policy: str) -> BackendSpec:
+    return default_spec(ranks=2, device="cpu", memory_policy=policy)
+
+
+def load_counts(spec: BackendSpec) -> list[dict[str, int]]:
+    return [r.load_counts for r in get_backend(spec).status().ranks]
+
+
+def resident(spec: BackendSpec) -> set[str]:
+    return {f"{m.component}:{m.model}" for m in get_backend(spec).status().ranks[0].resident}
+
+
+def prompt_edits(spec: BackendSpec) -> tuple[list[torch.Tensor], list[str], list]:
+    """The whole graph once per prompt (what ComfyUI re-runs after a prompt edit): the images, the stages' closing
+    texts on their nodes, and the positive conditioning of the last prompt."""
+    texts: list[str] = []
+
+    def on_progress(step: int, total: int, text: str | None) -> None:
+        if text and step == total:
+            texts.append(text)
+
+    transformer = jobs.plan_transformer(spec, model=MODEL, strategy="context_parallel")
+    images = []
+    for prompt in PROMPTS:
+        positive = jobs.encode_prompt(spec, model=MODEL, prompt=prompt, on_progress=on_progress)
+        latent = jobs.sample(
+            transformer, positive, seed=SEED, steps=STEPS, guidance_scale=3.5, width=SIZE, height=SIZE,
+            on_progress=on_progress,
+        )  # fmt: skip
+        images.append(jobs.decode(spec, model=MODEL, samples=latent, on_progress=on_progress))
+    return images, texts, positive
+
+
+@pytest.fixture(scope="module")
+def staged(models_dir):
+    spec = spec_of("staged")
+    images, _, positive = prompt_edits(spec)
+    counts = load_counts(spec)
+    shutdown_backend()
+    return images, counts, positive
+
+
+def test_auto_keeps_every_model_across_a_prompt_edit(staged):
+    spec = spec_of("auto")
+    images, texts, _ = prompt_edits(spec)
+    assert resident(spec) == {TRANSFORMER, TEXT_ENCODERS, VAE}
+    assert [c.get(TRANSFORMER) for c in load_counts(spec)] == [1, 1]  # staged loaded it once per prompt
+    assert load_counts(spec)[0][TEXT_ENCODERS] == 1
+    assert [c.get(TRANSFORMER) for c in staged[1]] == [2, 2]
+    for mine, theirs in zip(images, staged[0]):
+        assert torch.equal(mine, theirs)
+    assert not any("freed" in t for t in texts)
+    assert texts[-1].startswith("decoded — memory_policy auto: resident: ")
+    shutdown_backend()
+
+
+def _denoise_need(models_dir, text_tokens: int) -> int:
+    """What the policy reserves on a rank to denoise with the transformer loaded: its weights and one step's
+    activations for context parallelism over 2 ranks, as worker/memory.py estimates them."""
+    with open(models_dir / MODEL / "transformer" / "config.json") as f:
+        config = json.load(f)
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    tokens = (SIZE // 16) ** 2 + text_tokens
+    activations = math.ceil(tokens / 2) * hidden * 4 * memory.ACTIVATION_COPIES
+    return memory.parameters_in(str(models_dir / MODEL / "transformer")) * 4 + activations
+
+
+def test_auto_under_a_memory_cap_frees_the_least_recently_used_and_behaves_as_staged(staged, models_dir, monkeypatch):
+    images, counts, positive = staged
+    folder = str(models_dir / MODEL)
+    encoders = memory.text_encoder_bytes(folder, torch.float32)
+    # Room for the transformer and its step, but not for the text encoders beside them as well.
+    cap = _denoise_need(models_dir, positive.tensors["prompt_embeds"].shape[1]) + encoders // 2
+    monkeypatch.setenv(memory.CAP_ENV, f"{cap / 2**30:.12f}")
+    spec = spec_of("auto")
+    mine, texts, _ = prompt_edits(spec)
+    # As staged: the encoders and the transformer load once per prompt, on every rank. (The tiny VAE, larger than the
+    # tiny text encoders, may go too when they alone do not make room; a real VAE is a few percent of them.)
+    for rank, theirs in zip(load_counts(spec), counts):
+        assert (rank.get(TRANSFORMER), rank.get(TEXT_ENCODERS)) == (theirs.get(TRANSFORMER), theirs.get(TEXT_ENCODERS))
+    for a, b in zip(mine, images):
+        assert torch.equal(a, b)
+    assert resident(spec) == {TRANSFORMER, VAE}
+    encoded = [t for t in texts if t.startswith("encoded")]
+    freed = [t.split("freed ")[1].split(" (least recently used) to fit ") for t in texts if t.startswith("denoised")]
+    assert f"freed {TRANSFORMER} (least recently used) to fit {TEXT_ENCODERS}" in encoded[1]
+    assert all(TEXT_ENCODERS in went and fit.startswith(TRANSFORMER) for went, fit in freed)
+    shutdown_backend()
