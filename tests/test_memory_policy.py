@@ -5,14 +5,12 @@ memory cap (``COMFY_PARALLEL_MEMORY_CAP_GB``) under which the text encoders and 
 
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 import torch
 
 from parallel_runtime import BackendSpec, default_spec, get_backend, jobs, shutdown_backend
 from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
+from parallel_runtime.wire import Sampling
 from parallel_runtime.worker import memory
 
 pytestmark = pytest.mark.multirank
@@ -85,24 +83,14 @@ def test_auto_keeps_every_model_across_a_prompt_edit(staged):
     shutdown_backend()
 
 
-def _denoise_need(models_dir, text_tokens: int) -> int:
-    """What the policy reserves on a rank to denoise with the transformer loaded: its weights and one step's
-    activations for context parallelism over 2 ranks, as worker/memory.py estimates them."""
-    with open(models_dir / MODEL / "transformer" / "config.json") as f:
-        config = json.load(f)
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    tokens = (SIZE // 16) ** 2 + text_tokens
-    activations = math.ceil(tokens / 2) * hidden * 4 * memory.ACTIVATION_COPIES
-    return memory.parameters_in(str(models_dir / MODEL / "transformer")) * 4 + activations
-
-
 def test_auto_under_a_memory_cap_frees_the_least_recently_used_and_behaves_as_staged(staged, models_dir, monkeypatch):
     images, counts, positive = staged
+    handle = jobs.plan_transformer(spec_of("auto"), model=MODEL, strategy="context_parallel")
+    sampling = Sampling(seed=SEED, steps=STEPS, guidance_scale=3.5, width=SIZE, height=SIZE)
+    text_tokens = positive.tensors["prompt_embeds"].shape[1]
     folder = str(models_dir / MODEL)
-    encoders = memory.text_encoder_bytes(folder, torch.float32)
-    # Room for the transformer and its step, but not for the text encoders beside them as well.
-    cap = _denoise_need(models_dir, positive.tensors["prompt_embeds"].shape[1]) + encoders // 2
-    monkeypatch.setenv(memory.CAP_ENV, f"{cap / 2**30:.12f}")
+    cap = memory.cap_without_room_for_encoders(handle.family, folder, handle.plan, sampling, text_tokens, torch.float32)
+    monkeypatch.setenv(memory.CAP_ENV, cap)
     spec = spec_of("auto")
     mine, texts, _ = prompt_edits(spec)
     # As staged: the encoders and the transformer load once per prompt, on every rank. (The tiny VAE, larger than the

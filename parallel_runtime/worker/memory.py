@@ -75,6 +75,17 @@ def room(device: torch.device, local_ranks: int, held: int) -> int:
     return mine
 
 
+def cap_without_room_for_encoders(
+    family: FamilyAdapter, model_dir: str, plan: StrategyPlan, sampling: Sampling, text_tokens: int, dtype: torch.dtype
+) -> str:
+    """A ``CAP_ENV`` value (GiB) under which a rank holds the transformer and its step's activations but not the text
+    encoders beside them as well: what a test or a benchmark declares to see ``auto`` behave as ``staged``."""
+    transformer = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize
+    activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
+    cap = transformer + activations + text_encoder_bytes(model_dir, dtype) // 2
+    return f"{cap / 2**30:.12f}"
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -104,6 +115,21 @@ def _free(device: torch.device, local_ranks: int) -> tuple[int, int]:
     return memory.free_bytes, local_ranks if device.type == "cpu" else 1
 
 
+def step_activations(
+    family: FamilyAdapter, model_dir: str, plan: StrategyPlan, sampling: Sampling, text_tokens: int, dtype: torch.dtype
+) -> int:
+    """Bytes of activations one denoising step holds on a rank at its peak."""
+    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
+        config = json.load(f)
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    tokens = (sampling.width // family.pixels_per_token) * (sampling.height // family.pixels_per_token) + text_tokens
+    images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
+    copies = ACTIVATION_COPIES
+    if plan.shards_weights:
+        copies = TP_REPLICATED_COPIES + (ACTIVATION_COPIES - TP_REPLICATED_COPIES) / plan.tp_degree
+    return int(images * math.ceil(tokens / plan.cp_degree) * hidden * dtype.itemsize * copies)
+
+
 def check_denoise(
     family: FamilyAdapter,
     model_dir: str,
@@ -118,15 +144,8 @@ def check_denoise(
     freed_by_load: int,
 ) -> Estimate:
     """What the denoise needs on this rank; WidgetError (``width``) when it cannot fit this rank's device."""
-    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
-        config = json.load(f)
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    tokens = (sampling.width // family.pixels_per_token) * (sampling.height // family.pixels_per_token) + text_tokens
+    activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
-    copies = ACTIVATION_COPIES
-    if plan.shards_weights:
-        copies = TP_REPLICATED_COPIES + (ACTIVATION_COPIES - TP_REPLICATED_COPIES) / plan.tp_degree
-    activations = images * math.ceil(tokens / plan.cp_degree) * hidden * dtype.itemsize * copies
     weights = 0
     if loads_weights:
         weights = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize
