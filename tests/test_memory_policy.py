@@ -12,8 +12,7 @@ from parallel_runtime import BackendSpec, default_spec, get_backend, jobs, shutd
 from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flux
 from parallel_runtime.wire import Sampling
 from parallel_runtime.worker import memory
-
-pytestmark = pytest.mark.multirank
+from parallel_runtime.worker.models import ModelKey, ResidentModels
 
 MODEL = "tiny-flux"
 PROMPTS = ("a red cat on a blue sky", "a green tree at night")  # the prompt edit
@@ -69,6 +68,7 @@ def staged(models_dir):
     return images, counts, positive
 
 
+@pytest.mark.multirank
 def test_auto_keeps_every_model_across_a_prompt_edit(staged):
     spec = spec_of("auto")
     images, texts, _ = prompt_edits(spec)
@@ -83,6 +83,7 @@ def test_auto_keeps_every_model_across_a_prompt_edit(staged):
     shutdown_backend()
 
 
+@pytest.mark.multirank
 def test_auto_under_a_memory_cap_frees_the_least_recently_used_and_behaves_as_staged(staged, models_dir, monkeypatch):
     images, counts, positive = staged
     handle = jobs.plan_transformer(spec_of("auto"), model=MODEL, strategy="context_parallel")
@@ -105,3 +106,21 @@ def test_auto_under_a_memory_cap_frees_the_least_recently_used_and_behaves_as_st
     assert f"freed {TRANSFORMER} (least recently used) to fit {TEXT_ENCODERS}" in encoded[1]
     assert all(TEXT_ENCODERS in went and fit.startswith(TRANSFORMER) for went, fit in freed)
     shutdown_backend()
+
+
+def test_auto_frees_the_least_recently_used_first_and_nothing_it_does_not_need():
+    models = ResidentModels(torch.device("cpu"), "auto")
+
+    def use(component: str, width: int) -> None:
+        models.get(ModelKey("m", component, "cpu", "float32"), lambda: torch.nn.Linear(width, width, bias=False))
+
+    encoders, vae = 100 * 100 * 4, 10 * 10 * 4
+    use("text_encoders", 100)
+    use("vae", 10)
+    transformer = ModelKey("m", "transformer", "cpu", "float32")
+    assert models.to_free(transformer, 0) == []
+    assert models.to_free(transformer, vae) == ["text_encoders"]  # the least recently used covers it
+    use("text_encoders", 100)  # now the VAE was used longest ago, yet alone it is too small: it stays
+    assert models.to_free(transformer, vae + 1) == ["text_encoders"]
+    assert sorted(models.to_free(transformer, encoders + 1)) == ["text_encoders", "vae"]
+    assert models.to_free(transformer, encoders + vae + 1) == ["vae", "text_encoders"]  # all, when even that is short
