@@ -38,6 +38,7 @@ from parallel_runtime.wire import Sampling
 from parallel_runtime.worker import memory
 
 MODEL = "bench-flux"
+ROWS = ("staged", "auto", "capped")
 PROMPTS = (
     "a photo of a horse in the city at night",
     "a red cat on a blue sky",
@@ -55,30 +56,32 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=256, help="image width and height, a multiple of 16")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="timed prompt edits per row")
+    parser.add_argument(
+        "--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which rows, in this order (staged always runs)"
+    )
     parser.add_argument("--model-dir", help="the pipeline folder (built there when it holds none; default: temporary)")
     return parser.parse_args()
 
 
-def _graph(spec, args, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode, sample, decode: (the IMAGE, the prompt's embeddings)."""
+def _graph(spec, args, prompt: str) -> torch.Tensor:
+    """Encode, sample, decode: the IMAGE."""
     positive = jobs.encode_prompt(spec, model=MODEL, prompt=prompt, max_sequence_length=64)
     handle = jobs.plan_transformer(spec, model=MODEL, strategy=args.strategy)
     latent = jobs.sample(
         handle, positive, seed=0, steps=args.steps, guidance_scale=3.5, width=args.size, height=args.size
     )
-    return jobs.decode(spec, model=MODEL, samples=latent), positive.tensors["prompt_embeds"]
+    return jobs.decode(spec, model=MODEL, samples=latent)
 
 
-def _row(args, policy: str) -> tuple[float, float, float, torch.Tensor, int]:
-    """(median seconds per prompt edit, transformer loads per edit, text-encoder loads per edit, the last image, the
-    text tokens)."""
+def _row(args, policy: str) -> tuple[float, float, float, torch.Tensor]:
+    """(median seconds per prompt edit, transformer loads per edit, text-encoder loads per edit, the last image)."""
     spec = default_spec(ranks=args.ranks, device="cpu", memory_policy=policy)
-    image, embeds = _graph(spec, args, PROMPTS[0])  # untimed: the first loads
+    _graph(spec, args, PROMPTS[0])  # untimed: the first loads
     before = get_backend(spec).status().ranks[0].load_counts
     seconds = []
     for i in range(args.rounds):
         t0 = time.perf_counter()
-        image, embeds = _graph(spec, args, PROMPTS[1 + i % (len(PROMPTS) - 1)])
+        image = _graph(spec, args, PROMPTS[1 + i % (len(PROMPTS) - 1)])
         seconds.append(time.perf_counter() - t0)
     after = get_backend(spec).status().ranks[0].load_counts
     shutdown_backend()
@@ -87,7 +90,7 @@ def _row(args, policy: str) -> tuple[float, float, float, torch.Tensor, int]:
         key = f"{component}:{MODEL}"
         return (after.get(key, 0) - before.get(key, 0)) / args.rounds
 
-    return statistics.median(seconds), per_edit("transformer"), per_edit("text_encoders"), image, embeds.shape[1]
+    return statistics.median(seconds), per_edit("transformer"), per_edit("text_encoders"), image
 
 
 def main() -> int:
@@ -105,19 +108,27 @@ def main() -> int:
         os.environ["COMFY_PARALLEL_MODELS"] = link_root
 
         rows = {}
-        for policy in ("staged", "auto"):
-            rows[policy] = _row(args, policy)
-        spec = default_spec(ranks=args.ranks, device="cpu", memory_policy="auto")
-        handle = jobs.plan_transformer(spec, model=MODEL, strategy=args.strategy)
-        sampling = Sampling(seed=0, steps=args.steps, guidance_scale=3.5, width=args.size, height=args.size)
-        cap = memory.cap_without_room_for_encoders(
-            handle.family, model_dir, handle.plan, sampling, rows["staged"][4], torch.float32
-        )
-        os.environ[memory.CAP_ENV] = cap
-        try:
-            rows[f"auto, cap {float(cap) * 1024:.0f} MiB"] = _row(args, "auto")
-        finally:
-            del os.environ[memory.CAP_ENV]
+        for row in dict.fromkeys(args.rows if "staged" in args.rows else ["staged", *args.rows]):
+            if row != "capped":
+                rows[row] = _row(args, row)
+                continue
+            spec = default_spec(ranks=args.ranks, device="cpu", memory_policy="auto")
+            handle = jobs.plan_transformer(spec, model=MODEL, strategy=args.strategy)
+            sampling = Sampling(seed=0, steps=args.steps, guidance_scale=3.5, width=args.size, height=args.size)
+            text_tokens = (
+                jobs.encode_prompt(spec, model=MODEL, prompt=PROMPTS[0], max_sequence_length=64)
+                .tensors["prompt_embeds"]
+                .shape[1]
+            )
+            shutdown_backend()  # the cap reaches the ranks when they start
+            cap = memory.cap_without_room_for_encoders(
+                handle.family, model_dir, handle.plan, sampling, text_tokens, torch.float32
+            )
+            os.environ[memory.CAP_ENV] = cap
+            try:
+                rows[f"auto, cap {float(cap) * 1024:.0f} MiB"] = _row(args, "auto")
+            finally:
+                del os.environ[memory.CAP_ENV]
 
         print(f"\nprompt edit → image: FLUX.1 bench preset, {args.strategy}, {args.ranks} CPU ranks, "
               f"{args.size}², {args.steps} steps, median of {args.rounds}")  # fmt: skip
@@ -125,7 +136,7 @@ def main() -> int:
             f"  {'memory_policy':<24} {'s/edit':>8} {'vs staged':>10} {'transformer loads':>18} {'encoder loads':>14}"
         )
         reference = rows["staged"]
-        for name, (seconds, transformer, encoders, image, _) in rows.items():
+        for name, (seconds, transformer, encoders, image) in rows.items():
             same = torch.equal(image, reference[3])
             failed |= not same
             flag = "" if same else "   image differs from staged's!"
