@@ -43,10 +43,15 @@ class ParallelBackend(io.ComfyNode):
                 io.Combo.Input(
                     "memory_policy",
                     options=list(MEMORY_POLICIES),
-                    default="staged",
+                    # auto for new graphs only: saved graphs store their value (UI by position, API by name), and an
+                    # API prompt that leaves this required widget out fails ComfyUI's validation, never runs.
+                    default="auto",
                     tooltip=(
+                        "auto: keep every model loaded while the devices' memory allows (a prompt change reloads "
+                        "nothing); when the next one would not fit, free the least recently used first, which on a "
+                        "small GPU behaves as staged. The node text of each step says what it freed. "
                         "staged: free the text encoders before the transformer loads and vice versa (fits big models). "
-                        "resident: keep everything loaded (faster prompt changes)."
+                        "resident: keep everything loaded (fails when it does not fit)."
                     ),
                 ),
                 # Last: UI-format workflows store widget values by position, so saved graphs keep loading.

@@ -67,7 +67,7 @@ class Beacon:
         nnodes: machines in the backend.
         ranks: ranks on each machine.
         device: cpu or cuda.
-        memory_policy: staged or resident.
+        memory_policy: staged, resident or auto.
     """
 
     rdzv_id: str

@@ -10,7 +10,7 @@ from .errors import InvalidInput
 from .rendezvous import split_endpoint
 
 DEVICES = ("cpu", "cuda")
-MEMORY_POLICIES = ("staged", "resident")
+MEMORY_POLICIES = ("staged", "resident", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +173,9 @@ def default_spec(
     if memory_policy not in MEMORY_POLICIES:
         raise InvalidInput(
             "memory_policy",
-            f"unknown memory policy {memory_policy!r}; choose staged (free the text "
-            "encoders before the transformer loads) or resident (keep everything)",
+            f"unknown memory policy {memory_policy!r}; choose auto (keep models while memory allows, "
+            "free the least recently used first), staged (free the text encoders before the transformer "
+            "loads) or resident (keep everything)",
         )
     gpu_count = (len(chosen) if chosen else cuda_device_count()) if device == "cuda" else 0
     if device == "cuda" and not gpu_count:

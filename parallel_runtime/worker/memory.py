@@ -12,6 +12,9 @@ on the tiny models in fp32 on CPU (peak RSS growth over the loaded model, 1024²
 - a VAE decode holds about ``VAE_COPIES`` copies of its first-level feature map per pixel (measured 5 to 7).
 
 Ranks of one machine on CPU share its memory, so there each rank counts what all of them need together.
+
+``COMFY_PARALLEL_MEMORY_CAP_GB`` declares a smaller memory per rank to the ``auto`` memory policy (``room``), so a test
+or a benchmark can make "the encoders and the transformer do not fit together" happen on a large machine.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ TP_REPLICATED_COPIES = 8
 VAE_COPIES = 8
 TP_SHARDED_WEIGHTS = 0.7  # the share of a DiT's weights its _tp_plan splits (FLUX.1-dev: 14.2 of 22.2 GiB at tp 2)
 HEADROOM = 0.9  # of the free memory an estimate may use
+CAP_ENV = "COMFY_PARALLEL_MEMORY_CAP_GB"
 
 
 def parameters_in(folder: str) -> int:
@@ -47,6 +51,39 @@ def parameters_in(folder: str) -> int:
                 header = json.loads(f.read(length))
             count += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
     return count
+
+
+def text_encoder_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """Bytes of the text encoders' weights in ``dtype`` (every ``text_encoder*`` folder of the model)."""
+    folders = [os.path.join(model_dir, n) for n in sorted(os.listdir(model_dir)) if n.startswith("text_encoder")]
+    return sum(parameters_in(f) for f in folders if os.path.isdir(f)) * dtype.itemsize
+
+
+def room(device: torch.device, local_ranks: int, held: int) -> int:
+    """Bytes this rank may still fill before the ``auto`` policy frees a model: its share of the device's free memory
+    (the ``local_ranks`` ranks of a CPU machine share it), and with ``CAP_ENV`` set no more than that cap less
+    ``held``, what this rank's resident models hold."""
+    free, sharing = _free(device, local_ranks)
+    mine = int(free * HEADROOM / sharing)
+    cap = os.environ.get(CAP_ENV)
+    if cap:
+        try:
+            gib = float(cap)
+        except ValueError:
+            raise ValueError(f"{CAP_ENV} must be a number of GiB, got {cap!r}") from None
+        mine = min(mine, int(gib * 2**30) - held)
+    return mine
+
+
+def cap_without_room_for_encoders(
+    family: FamilyAdapter, model_dir: str, plan: StrategyPlan, sampling: Sampling, text_tokens: int, dtype: torch.dtype
+) -> str:
+    """A ``CAP_ENV`` value (GiB) under which a rank holds the transformer and its step's activations but not the text
+    encoders beside them as well: what a test or a benchmark declares to see ``auto`` behave as ``staged``."""
+    transformer = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize
+    activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
+    cap = transformer + activations + text_encoder_bytes(model_dir, dtype) // 2
+    return f"{cap / 2**30:.12f}"
 
 
 def _gib(n: float) -> str:
@@ -78,6 +115,21 @@ def _free(device: torch.device, local_ranks: int) -> tuple[int, int]:
     return memory.free_bytes, local_ranks if device.type == "cpu" else 1
 
 
+def step_activations(
+    family: FamilyAdapter, model_dir: str, plan: StrategyPlan, sampling: Sampling, text_tokens: int, dtype: torch.dtype
+) -> int:
+    """Bytes of activations one denoising step holds on a rank at its peak."""
+    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
+        config = json.load(f)
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    tokens = (sampling.width // family.pixels_per_token) * (sampling.height // family.pixels_per_token) + text_tokens
+    images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
+    copies = ACTIVATION_COPIES
+    if plan.shards_weights:
+        copies = TP_REPLICATED_COPIES + (ACTIVATION_COPIES - TP_REPLICATED_COPIES) / plan.tp_degree
+    return int(images * math.ceil(tokens / plan.cp_degree) * hidden * dtype.itemsize * copies)
+
+
 def check_denoise(
     family: FamilyAdapter,
     model_dir: str,
@@ -92,15 +144,8 @@ def check_denoise(
     freed_by_load: int,
 ) -> Estimate:
     """What the denoise needs on this rank; WidgetError (``width``) when it cannot fit this rank's device."""
-    with open(os.path.join(model_dir, "transformer", "config.json")) as f:
-        config = json.load(f)
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    tokens = (sampling.width // family.pixels_per_token) * (sampling.height // family.pixels_per_token) + text_tokens
+    activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
-    copies = ACTIVATION_COPIES
-    if plan.shards_weights:
-        copies = TP_REPLICATED_COPIES + (ACTIVATION_COPIES - TP_REPLICATED_COPIES) / plan.tp_degree
-    activations = images * math.ceil(tokens / plan.cp_degree) * hidden * dtype.itemsize * copies
     weights = 0
     if loads_weights:
         weights = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize

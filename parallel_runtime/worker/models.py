@@ -5,6 +5,9 @@ old one, so a spec change reloads only the component that changed. Under the ``s
 text encoders and the transformer never share the devices: loading one frees the other first (the staged
 recipe of diffusers' guide: encode, flush, load transformer, denoise, flush, decode). The VAE is small and
 stays; when a decode would not fit beside the transformer, ``free_before_decode`` lets the transformer go first.
+Under ``auto`` everything stays while the rank's memory allows; a stage that would not fit frees the least recently
+used models first (``to_free``), so a machine that holds encoders and transformer together never reloads them and one
+that cannot behaves as ``staged``. Every op touches its component on every rank, so the order is the same on all.
 ``load_counts`` is what tests and the status panel use to see that a warm run loads nothing.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -76,9 +80,11 @@ def _parallelism(obj: Any) -> dict[str, int]:
 class ResidentModels:
     def __init__(self, device: torch.device, policy: str):
         self.device = device
-        self.policy = policy  # the backend's memory policy: "staged" or "resident"
+        self.policy = policy  # the backend's memory policy: "staged", "resident" or "auto"
         self._slots: dict[str, tuple[ModelKey, Any, float]] = {}  # component -> (key, object, load seconds)
         self._loads: collections.Counter[str] = collections.Counter()
+        self._clock = itertools.count()
+        self._used: dict[str, int] = {}  # component -> when an op last used it (the same on every rank)
 
     def get(self, key: ModelKey, load: Callable[[], Any]) -> Any:
         """The resident object for ``key``, loading it (and freeing what it replaces) when needed."""
@@ -94,17 +100,27 @@ class ResidentModels:
         return slot is not None and slot[0] == key
 
     def freed_by_loading(self, key: ModelKey) -> int:
-        """Bytes of parameters that loading ``key`` frees first (what it replaces, and under staged what must not
-        share the devices with it): memory the load may count on."""
+        """Bytes of parameters that loading ``key`` may free first (what it replaces; under staged what must not
+        share the devices with it; under auto every other model, least recently used first): memory the load may
+        count on."""
+        if self.policy == "auto":
+            others = sum(_parameter_bytes(obj) for c, (_, obj, _) in self._slots.items() if c != key.component)
+            return others + self.replaced_bytes(key)
         if self.resident(key):
             return 0
         components = (key.component, *STAGED_EVICTS[key.component]) if self.policy == "staged" else (key.component,)
         return sum(_parameter_bytes(self._slots[c][1]) for c in components if c in self._slots)
 
+    def replaced_bytes(self, key: ModelKey) -> int:
+        """Bytes of parameters of the model that loading ``key`` replaces (another key of its component)."""
+        slot = self._slots.get(key.component)
+        return _parameter_bytes(slot[1]) if slot is not None and slot[0] != key else 0
+
     def make_room(self, key: ModelKey) -> bool:
         """Free what loading ``key`` replaces or (under ``staged``) must not share the devices with; False when
         ``key`` is already resident. Ranks that take no part in a rank-0 stage call this alone, so every rank's
         slots change together and an SPMD transformer is never resident on some ranks only."""
+        self._used[key.component] = next(self._clock)
         slot = self._slots.get(key.component)
         if slot is not None and slot[0] == key:
             return False
@@ -112,6 +128,28 @@ class ResidentModels:
         if self.policy == "staged":
             self.free(*STAGED_EVICTS[key.component])
         return True
+
+    def held_bytes(self) -> int:
+        """Bytes of parameters this rank's resident models hold."""
+        return sum(_parameter_bytes(obj) for _, obj, _ in self._slots.values())
+
+    def to_free(self, key: ModelKey, short: int) -> list[str]:
+        """The resident components other than ``key``'s whose parameters make ``short`` more bytes free on this rank:
+        the least recently used first, then back any of those the others cover without it (a small VAE used long
+        ago stays when the text encoders alone make room). All of them when even that is not enough: the stage's own
+        check then says what does not fit."""
+        sizes = {c: _parameter_bytes(obj) for c, (_, obj, _) in self._slots.items() if c != key.component}
+        chosen: list[str] = []
+        for component in sorted(sizes, key=lambda c: self._used.get(c, -1)):
+            if short <= 0:
+                break
+            chosen.append(component)
+            short -= sizes[component]
+        for component in list(chosen):
+            if short + sizes[component] <= 0:
+                chosen.remove(component)
+                short += sizes[component]
+        return chosen
 
     def free(self, *components: str) -> list[str]:
         """Drop the given components and return their device memory to the allocator."""
@@ -126,8 +164,13 @@ class ResidentModels:
 
     def free_before_decode(self) -> list[str]:
         """Make room for a decode that would not fit: under ``staged``, free the transformer and the text encoders
-        (the next prompt loads them again); ``resident`` keeps everything and lets the decode's check refuse."""
+        (the next prompt loads them again); ``resident`` keeps everything and lets the decode's check refuse; ``auto``
+        frees the least recently used models before the decode instead (stages.py)."""
         return self.free(*STAGED_DECODE_FREES) if self.policy == "staged" else []
+
+    def names(self) -> list[str]:
+        """The resident models as the node text names them ("transformer:flux1-dev")."""
+        return [str(key) for key, _, _ in self._slots.values()]
 
     def free_all(self) -> list[str]:
         return self.free(*tuple(self._slots))

@@ -158,6 +158,15 @@ class OpContext:
         dist.broadcast(shared, src=0)
         return bool(shared.item())
 
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each of ``flags`` set where any rank set it (an all-reduce on the CPU group in SPMD ops): e.g. the models
+        some rank must free, which every rank then frees."""
+        if not self._together():
+            return list(flags)
+        shared = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in shared.tolist()]
+
     def check_cancel(self, step: int) -> None:
         """Raise OpCancelled if the client asked to cancel. In SPMD ops this is a collective: rank 0 decides
         and broadcasts, so every rank stops at the same step and none waits alone in the next collective."""

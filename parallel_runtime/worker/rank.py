@@ -2,7 +2,7 @@
 
 Environment (set by the launcher): COMFY_PARALLEL_RUN_DIR (private 0700 directory with the socket, the token and the
 per-rank logs), COMFY_PARALLEL_CLIENT_PID (the workers exit when it dies), COMFY_PARALLEL_DEVICE (cpu|cuda),
-COMFY_PARALLEL_MEMORY_POLICY (staged|resident), COMFY_PARALLEL_SHM_PREFIX (names of this backend's arena segments).
+COMFY_PARALLEL_MEMORY_POLICY (staged|resident|auto), COMFY_PARALLEL_SHM_PREFIX (names of this backend's arena segments).
 """
 
 from __future__ import annotations

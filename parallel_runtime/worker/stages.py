@@ -55,6 +55,42 @@ def _placement(ctx: OpContext, device_map: str, max_memory: dict[str, str] | Non
     return placement, f"device_map={device_map}" + (f"[{shown}]" if shown else "")
 
 
+# The components the auto policy may free, in the order ranks agree on them.
+COMPONENTS = ("text_encoders", "transformer", "vae")
+
+
+def _auto_room(
+    ctx: OpContext, key: ModelKey, need: Callable[[], int] | None, device: torch.device, local_ranks: int = 1
+) -> None:
+    """Under the ``auto`` policy: free the least recently used models that this stage would not fit beside. ``need``:
+    the bytes the stage adds on this rank (its weights when it loads them, its activations), None on ranks that take
+    no part. Every rank of the op calls this, and every rank frees what any rank must, so an SPMD transformer never
+    stays on some ranks only. What went is the stage's closing text (``_closing``)."""
+    models = _models(ctx)
+    if models.policy != "auto":
+        return
+    wanted, failure = [], None
+    if need is not None:
+        try:
+            short = need() - memory.room(device, local_ranks, models.held_bytes()) - models.replaced_bytes(key)
+            wanted = models.to_free(key, short)
+        except Exception as e:  # e.g. a bad memory cap: every rank raises below, none waits alone in a collective
+            failure = e
+    ctx.agree(failure)
+    agreed = ctx.any_rank([c in wanted for c in COMPONENTS])
+    ctx.state["auto_freed"] = (models.free(*(c for c, f in zip(COMPONENTS, agreed) if f)), str(key))
+
+
+def _closing(ctx: OpContext, text: str) -> str:
+    """A stage's closing text on its node; under ``auto`` with what the policy freed for it and what stays."""
+    models = _models(ctx)
+    if models.policy != "auto":
+        return text
+    freed, key = ctx.state.pop("auto_freed", ([], ""))
+    went = f"freed {', '.join(freed)} (least recently used) to fit {key}; " if freed else ""
+    return f"{text} — memory_policy auto: {went}resident: {', '.join(models.names()) or 'nothing'}"
+
+
 def _stage(fn: OpFn) -> OpFn:
     """A stage op: this rank's peak memory counts from its start, and whatever it leaves is flushed at its end
     (also when it fails), so ComfyUI and the next stage find the memory free."""
@@ -135,18 +171,25 @@ def _on_step(ctx: OpContext) -> Callable[[int, int], None]:
 def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
     placement, where = _placement(ctx, "balanced", args.max_memory)
     key = ModelKey(args.model.name, "text_encoders", where, args.dtype.value)
+    models, dtype = _models(ctx), TORCH_DTYPES[args.dtype.value]
+
+    def need() -> int:
+        # The next step's activations (as large as the last one's) are reserved too: a transformer that would leave
+        # no room for them goes now, not half-way through the denoise.
+        step = ctx.state.get("step_activations", 0)
+        return step + (0 if models.resident(key) else memory.text_encoder_bytes(args.model.path, dtype))
+
+    _auto_room(ctx, key, need if ctx.rank == 0 else None, ctx.device)  # rank 0 alone loads them
     if ctx.rank != 0:
-        _models(ctx).make_room(key)
+        models.make_room(key)
         return None, {}
     ctx.alone()
     adapter = family(args.model.family)
     ctx.progress(0, 2, "loading text encoders")
-    pipe = _models(ctx).get(
-        key, lambda: adapter.load_text_encoders(args.model.path, TORCH_DTYPES[args.dtype.value], placement)
-    )
+    pipe = models.get(key, lambda: adapter.load_text_encoders(args.model.path, dtype, placement))
     ctx.progress(1, 2, "encoding")
     embeds = adapter.encode(pipe, args.prompts)
-    ctx.progress(2, 2, "encoded")
+    ctx.progress(2, 2, _closing(ctx, "encoded"))
     return EncodeResult({k: tuple(v.shape) for k, v in embeds.items()}), embeds
 
 
@@ -188,6 +231,10 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         refused = e
     ctx.agree(refused)  # one rank short of memory, or its GPU cannot run the attention: all refuse, before any loads
     ctx.state["estimate"] = estimate
+    # device_map's rank 0 decides alone: only it holds models besides the transformer this load replaces everywhere.
+    need = estimate.activations + estimate.weights
+    ctx.state["step_activations"] = estimate.activations
+    _auto_room(ctx, key, lambda: need, ctx.device, ctx.local_world_size if plan.spmd else 1)
     ctx.progress(0, steps, "loading transformer")
     if plan.spmd:
         transformer = _load_together(ctx, models, key, load)
@@ -224,7 +271,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
     if ctx.rank != 0:
         return None, {}
-    ctx.progress(steps, steps, "denoised")
+    ctx.progress(steps, steps, _closing(ctx, "denoised"))
     return DenoiseResult(tuple(samples.shape), cache=cache), {"samples": samples}
 
 
@@ -242,18 +289,23 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     models = _models(ctx)
     adapter, dtype = family(args.model.family), TORCH_DTYPES[args.dtype.value]
     usable = not args.device.startswith("cuda") or torch.cuda.is_available()
-    vae_config, short, failure = None, False, None
+    vae_config, short, failure, need = None, False, None, None
     if ctx.rank == 0 and usable:
         try:
             with open(os.path.join(args.model.path, "vae", "config.json")) as f:
                 vae_config = json.load(f)
             need = memory.decode_need(adapter, vae_config, *memory.samples_size(adapter, tensors["samples"]), dtype)
             short = memory.decode_is_short(need, torch.device(args.device))
+            if not models.resident(key):
+                need += memory.parameters_in(os.path.join(args.model.path, "vae")) * dtype.itemsize
         except Exception as e:  # raised after the broadcast below, which the other ranks are waiting in
-            failure = e
-    # Rank 0 alone sees the decode's device; when it is short, every rank frees what staged lets go of.
+            failure, need = e, None
+    # Rank 0 alone sees the decode's device; when it is short, every rank frees what staged lets go of (auto: what
+    # rank 0 finds least recently used).
     if ctx.from_rank0(short):
         models.free_before_decode()
+    where = torch.device(args.device) if need is not None else ctx.device
+    _auto_room(ctx, key, None if need is None else lambda: need, where)
     if ctx.rank != 0:
         models.make_room(key)
         return None, {}
@@ -273,7 +325,7 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     ctx.progress(0, 1, "decoding")
     vae_tiles.reset_peak(vae.device)
     images = adapter.decode(vae, tensors["samples"])
-    ctx.progress(1, 1, "decoded")
+    ctx.progress(1, 1, _closing(ctx, "decoded"))
     peaks = (vae_tiles.peak_bytes(vae.device),) if vae.device.type == "cuda" else ()
     return DecodeResult(tuple(images.shape), peak_bytes_per_rank=peaks), {"images": images}
 
