@@ -352,13 +352,13 @@ def test_a_request_too_large_for_memory_is_refused_before_anything_loads(backend
 
 
 def test_a_pickle_beside_a_decoy_safetensors_is_never_unpickled(backend, models_root, tmp_path):
-    """The folder check passes (a .safetensors file is there), but the loader must never fall back to the pickle."""
+    """The folder checks pass (the weights are there, under a name diffusers does not load), but the loader must never
+    fall back to the pickle beside them."""
     bait = models_root / "tiny-flux-bait"
     shutil.copytree(models_root / TINY, bait)
     weights = bait / "transformer" / "diffusion_pytorch_model.safetensors"
     marker = tmp_path / "unpickled"
-    weights.unlink()
-    (bait / "transformer" / "decoy.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+    weights.rename(bait / "transformer" / "decoy.safetensors")
     with open(bait / "transformer" / "diffusion_pytorch_model.bin", "wb") as f:
         f.write(_pickle_that_touches(marker))
     handle = jobs.plan_transformer(SPEC, model="tiny-flux-bait", strategy="data_parallel")
