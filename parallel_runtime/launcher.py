@@ -78,6 +78,11 @@ class LaunchedGroup:
     def traceback_of(self, rank: int) -> str:
         return self.run_dir.tail(self.run_dir.rank_traceback(rank), lines=200)
 
+    def start_spoiled_by_store(self) -> bool:
+        """Whether torchrun's agent died reading back the records it wrote into its own store to number the ranks
+        (``_assign_worker_ranks``): only a stranger's writes into the store, which has no credentials, change them."""
+        return "in _assign_worker_ranks" in self.log_tail(lines=400)
+
     def failed_rank(self) -> int | None:
         """The rank that failed first: the earliest to leave a traceback, else torchrun's "Root Cause"."""
         first = self.run_dir.first_traceback()
