@@ -6,8 +6,9 @@ the nodes' steps. What is checked: images equal one process; a remote rank never
 no secret or a node rank already taken is refused while the group in use goes on; a machine that never joins is
 named, with its command, within the deadline; a machine killed mid-run is named in ``BackendDied`` and the next
 prompt runs once it has joined again; nothing is left on either side. And the threat model (README, *Security*):
-a stranger writing code-running pickles into every key of the store runs nothing; no process has a secret on its
-command line; the secret reaches no HTTP client but one on this machine; ranks refuse object collectives.
+a stranger writing code-running pickles into every key of the store runs nothing (and so does another user of the
+machine who lists a one-machine backend's keys); no process has a secret on its command line; the secret reaches
+no HTTP client but one on this machine; ranks refuse object collectives.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import psutil
@@ -428,6 +430,25 @@ class LocalStranger(Stranger):
         return [*listed, *(f"torch.rendezvous.{prefix}" for prefix in prefixes)]
 
 
+def _attempt(outcomes: dict[str, str], what: str, action: Callable[[], object]) -> None:
+    """Run ``action`` while a stranger writes; ``outcomes[what]``: "served", or the error it ended with."""
+    try:
+        action()
+        outcomes[what] = "served"
+    except ParallelRuntimeError as e:
+        outcomes[what] = f"{type(e).__name__}: {e}"
+
+
+def _forty_steps(backend) -> None:
+    assert backend.call(StepsArgs(steps=40, seconds_per_step=0.05)).result.completed == 40
+
+
+def _assert_served_or_clear(outcomes: dict[str, str]) -> None:
+    """Each attacked start-up or run served, or ended with an error of the pack's (never a hang or a crash)."""
+    for outcome in outcomes.values():
+        assert outcome == "served" or outcome.split(":")[0] in ("BackendStartError", "BackendDied"), outcomes
+
+
 def _next_run(backend, args, outcomes: dict, cluster: dict):
     try:
         return backend.call(args)
@@ -455,20 +476,12 @@ def test_a_stranger_who_writes_pickles_into_every_key_runs_nothing(cluster, tmp_
     try:
         backend.shutdown()
         with Stranger(cluster["endpoint"], backend, pickle.dumps(_Payload(str(marker)))) as stranger:
-            try:
-                backend.start()
-                outcomes["start-up"] = "served"
-            except ParallelRuntimeError as e:
-                outcomes["start-up"] = f"{type(e).__name__}: {e}"
+            _attempt(outcomes, "start-up", backend.start)
             written = stranger.writes
         assert written > 0
         assert _next_run(backend, StatusArgs(), outcomes, cluster).result.world_size == 2
         with Stranger(cluster["endpoint"], backend, pickle.dumps(_Payload(str(marker)))) as stranger:
-            try:
-                assert backend.call(StepsArgs(steps=40, seconds_per_step=0.05)).result.completed == 40
-                outcomes["run"] = "served"
-            except ParallelRuntimeError as e:
-                outcomes["run"] = f"{type(e).__name__}: {e}"
+            _attempt(outcomes, "run", lambda: _forty_steps(backend))
             time.sleep(1.0)
             assert stranger.writes > written
         assert _next_run(backend, StepsArgs(steps=2, seconds_per_step=0), outcomes, cluster).result.completed == 2
@@ -476,8 +489,7 @@ def test_a_stranger_who_writes_pickles_into_every_key_runs_nothing(cluster, tmp_
         backend.deadlines = deadlines
     assert not marker.exists(), outcomes
     assert cluster["machine"].proc.poll() is None  # the joined machine serves on
-    for outcome in outcomes.values():
-        assert outcome == "served" or outcome.split(":")[0] in ("BackendStartError", "BackendDied"), outcomes
+    _assert_served_or_clear(outcomes)
 
 
 def test_a_local_stranger_who_lists_a_one_machine_backends_keys_runs_nothing(tmp_path):
@@ -495,22 +507,14 @@ def test_a_local_stranger_who_lists_a_one_machine_backends_keys_runs_nothing(tmp
     payload, outcomes, groups = pickle.dumps(_Payload(str(marker))), {}, []
     try:
         with LocalStranger(backend, payload) as stranger:
-            try:
-                backend.start()
-                outcomes["start-up"] = "served"
-            except ParallelRuntimeError as e:
-                outcomes["start-up"] = f"{type(e).__name__}: {e}"
+            _attempt(outcomes, "start-up", backend.start)
             written = stranger.writes
         assert not marker.exists(), outcomes
         assert written > 0, outcomes
         assert backend.call(StatusArgs()).result.world_size == 2, outcomes
         groups.append((backend.agent_pid, list(backend.worker_pids.values()), backend.run_dir, backend.shm_prefix))
         with LocalStranger(backend, payload) as stranger:
-            try:
-                assert backend.call(StepsArgs(steps=40, seconds_per_step=0.05)).result.completed == 40
-                outcomes["run"] = "served"
-            except ParallelRuntimeError as e:
-                outcomes["run"] = f"{type(e).__name__}: {e}"
+            _attempt(outcomes, "run", lambda: _forty_steps(backend))
             time.sleep(1.0)
             assert stranger.writes > 0 and any("parallel_diffusers" in key for key in stranger.seen), stranger.seen
         assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2, outcomes
@@ -518,8 +522,7 @@ def test_a_local_stranger_who_lists_a_one_machine_backends_keys_runs_nothing(tmp
     finally:
         backend.shutdown()
     assert not marker.exists(), outcomes
-    for outcome in outcomes.values():
-        assert outcome == "served" or outcome.split(":")[0] in ("BackendStartError", "BackendDied"), outcomes
+    _assert_served_or_clear(outcomes)
     for agent, ranks, run_dir, prefix in groups:
         assert_nothing_left([agent, *ranks], [run_dir], prefix)
 
