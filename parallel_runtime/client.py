@@ -195,6 +195,16 @@ class Backend:
 
     def _start_failure(self, what: str) -> str:
         g = self._group
+        if g.start_spoiled_by_store():
+            reachable = (
+                "another user of this machine"
+                if self.spec.nnodes == 1
+                else f"anyone who reaches {self.spec.rdzv_endpoint}"
+            )
+            what += (
+                f": a stranger's writes into its store broke its start-up (the store takes writes from {reachable}); "
+                "nothing of theirs ran. Run the prompt again"
+            )
         tails = "\n".join(f"--- rank {r} ---\n{g.log_tail(r)}" for r in sorted(g.worker_pids()))
         return (
             f"the parallel backend ({self.spec.ranks} {self.spec.device} ranks) {what}.\n"

@@ -140,13 +140,13 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("diffusers", "Flux2Pipeline._patchify_latents", "families/flux2.py", "the VAE's latent to FLUX.2's"),
     Internal("diffusers", "Flux2Pipeline._unpatchify_latents", "families/flux2.py", "FLUX.2's latent to the VAE's"),
     # torch: torchrun's agent with its stores bound to one address (worker/agent.py)
-    Internal("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
-             "DynamicRendezvousHandler._create_tcp_store_server", "worker/agent.py",
-             "replaced so the store's server listens on the backend's address only"),
-    Internal("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend", "TCPStore", "worker/agent.py",
-             "replaced so the rendezvous store listens on the backend's address only"),
     Internal("torch.distributed.elastic.rendezvous.static_tcp_rendezvous", "TCPStore", "worker/agent.py",
              "replaced so the static rendezvous's store listens on the backend's address and carries the beacon"),
+    Internal("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._assign_worker_ranks", "launcher.py",
+             "looked for in torchrun's log: where its agent reads back its own records from the store, so a failure "
+             "there is a stranger's write (client.py says so)"),
+    Internal("torch.distributed.elastic.rendezvous.static_tcp_rendezvous", "StaticTCPRendezvous.next_rendezvous",
+             "worker/agent.py", "wrapped to tell the ranks the port the store listens on (a free one, on one machine)"),
 )  # fmt: skip
 
 

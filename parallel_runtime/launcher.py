@@ -6,7 +6,9 @@ group and every rank's pid; nothing it started is left running, and the run dire
 included) is removed.
 
 torchrun runs as ``python -m parallel_runtime.worker.agent``: the same agent, with its TCP stores bound to one address
-(loopback on one machine) instead of every interface, and the collectives' sockets on that interface too.
+(loopback on one machine) instead of every interface, and the collectives' sockets on that interface too. Its
+rendezvous is torchrun's static one, on one machine as on several, so that it unpickles nothing a stranger writes into
+its store (``worker/agent.py``); on one machine its store listens on a free loopback port that the agent binds.
 
 Over several machines (``spec.nnodes`` > 1) this machine is node 0: its agent hosts the store of torchrun's static
 rendezvous on ``spec.rdzv_endpoint`` (and binds nothing else), and publishes there the backend's beacon, sealed with
@@ -76,6 +78,11 @@ class LaunchedGroup:
     def traceback_of(self, rank: int) -> str:
         return self.run_dir.tail(self.run_dir.rank_traceback(rank), lines=200)
 
+    def start_spoiled_by_store(self) -> bool:
+        """Whether torchrun's agent died reading back the records it wrote into its own store to number the ranks
+        (``_assign_worker_ranks``): only a stranger's writes into the store, which has no credentials, change them."""
+        return "in _assign_worker_ranks" in self.log_tail(lines=400)
+
     def failed_rank(self) -> int | None:
         """The rank that failed first: the earliest to leave a traceback, else torchrun's "Root Cause"."""
         first = self.run_dir.first_traceback()
@@ -111,9 +118,8 @@ def sweep_stale() -> list[str]:
     return removed
 
 
-def torchrun_command(spec: BackendSpec, run_dir: RunDir, rendezvous_args: list[str] | None = None) -> list[str]:
-    """torchrun's command for this machine's ranks: standalone on loopback, or (``rendezvous_args``) one machine of a
-    backend over several."""
+def torchrun_command(spec: BackendSpec, run_dir: RunDir, rendezvous_args: list[str]) -> list[str]:
+    """torchrun's command for this machine's ranks, with its rendezvous arguments (``rendezvous_arguments``)."""
     # torchrun's own logs go into the run directory, which teardown removes: by default it leaves a torchelastic_*
     # directory in /tmp behind for every launch.
     cmd = [
@@ -128,12 +134,8 @@ def torchrun_command(spec: BackendSpec, run_dir: RunDir, rendezvous_args: list[s
         "0.2",
         "--log-dir",
         run_dir.torchelastic,
+        *rendezvous_args,
     ]
-    if rendezvous_args is None:
-        # The address the ranks are told to reach the agent's store at (MASTER_ADDR): the one it listens on.
-        cmd += ["--standalone", "--local-addr", LOOPBACK]
-    else:
-        cmd += rendezvous_args
     return [*cmd, "-m", "parallel_runtime.worker"]
 
 
@@ -267,8 +269,11 @@ def launch(spec: BackendSpec, collective_timeout_s: float | None = None) -> Laun
     token = secrets.token_hex(32)
     run_dir = _new_run_dir(token)
     shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
-    rdzv_id, args = None, None
+    rdzv_id = None
     env = _environment(spec, run_dir, shm_prefix, collective_timeout_s)
+    # One machine alone runs the static rendezvous too (nothing unpickled, worker/agent.py), on loopback; port 0: its
+    # agent binds a free one and tells the ranks which.
+    args = rendezvous.rendezvous_arguments(f"{LOOPBACK}:0", nnodes=1, node_rank=0)
     if spec.nnodes > 1:
         rdzv_id = secrets.token_hex(16)
         args = rendezvous.rendezvous_arguments(spec.rdzv_endpoint, spec.nnodes, node_rank=0)

@@ -1,5 +1,6 @@
 """What the machines of a backend over several tell each other in node 0's store, before any rank starts, and how
-torchrun's rendezvous is run so that nothing a stranger can write into that store is ever unpickled.
+torchrun's rendezvous is run so that nothing a stranger can write into that store is ever unpickled (on one machine
+too: its agent's store is on loopback, but every local user can reach it and list its keys).
 
 The store (a TCP store hosted by node 0's torchrun agent, on the ``rdzv_endpoint`` the user chose) has no
 credentials: anyone who reaches its port can read, write and delete keys, and key names travel in clear. So:
@@ -184,8 +185,9 @@ def cluster_secret() -> str:
 
 
 def rendezvous_arguments(rdzv_endpoint: str, nnodes: int, node_rank: int) -> list[str]:
-    """torchrun's arguments for machine ``node_rank`` of a backend (node 0 hosts the store): the static rendezvous,
-    which pickles nothing (module docstring). Nothing secret: the rendezvous id goes in ``rendezvous_environment``."""
+    """torchrun's arguments for machine ``node_rank`` of a backend (node 0 hosts the store; port 0 in
+    ``rdzv_endpoint``: any free one, ``worker/agent.py``): the static rendezvous, which pickles nothing (module
+    docstring). Nothing secret: the rendezvous id goes in ``rendezvous_environment``."""
     # The store waits for the other machines a little past the host's own deadline, so no agent outlives it for long.
     timeout = int(join_deadline() + 30)
     return [

@@ -6,13 +6,15 @@ the nodes' steps. What is checked: images equal one process; a remote rank never
 no secret or a node rank already taken is refused while the group in use goes on; a machine that never joins is
 named, with its command, within the deadline; a machine killed mid-run is named in ``BackendDied`` and the next
 prompt runs once it has joined again; nothing is left on either side. And the threat model (README, *Security*):
-a stranger writing code-running pickles into every key of the store runs nothing; no process has a secret on its
-command line; the secret reaches no HTTP client but one on this machine; ranks refuse object collectives.
+a stranger writing code-running pickles into every key of the store runs nothing (and so does another user of the
+machine who lists a one-machine backend's keys); no process has a secret on its command line; the secret reaches
+no HTTP client but one on this machine; ranks refuse object collectives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import ipaddress
 import json
 import logging
@@ -24,14 +26,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch
 from diffusers import FluxPipeline
 from helpers import MODEL, TOKENS, at_step, generate, one_shot_images, wait_for
 
 from parallel_runtime import (
+    Backend,
     BackendDied,
     BackendSpec,
     BackendStartError,
@@ -347,6 +352,8 @@ class Stranger:
     """A plain TCP store client without the secret, handed the rendezvous id of whichever backend is current: it
     writes ``payload`` into every key of node 0's store it can name, again and again, until stopped."""
 
+    pause_s = 0.1  # between rounds of writes
+
     def __init__(self, endpoint: str, backend, payload: bytes):
         self.host, self.port = endpoint.rsplit(":", 1)
         self.backend, self.payload = backend, payload
@@ -354,7 +361,11 @@ class Stranger:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def keys(self) -> list[str]:
+    def where(self) -> tuple[str, int] | None:
+        """The store to write into, None while there is none to find."""
+        return self.host, int(self.port)
+
+    def keys(self, store: torch.distributed.TCPStore) -> list[str]:
         spec, group = self.backend.spec, self.backend._group
         ids = ["none"] + ([group.rdzv_id] if group is not None and group.rdzv_id else [])
         keys = [BEACON_KEY]
@@ -369,22 +380,28 @@ class Stranger:
             keys += [f"{ranks}op/{seq}", f"{ranks}ack/{seq}", *(f"{ranks}done/{seq}/{r}" for r in range(2))]
         return keys
 
+    def value(self, key: str) -> bytes:
+        """What goes into ``key``: the payload, base64-encoded where torch's c10d rendezvous keeps its state (which it
+        decodes before unpickling)."""
+        return base64.b64encode(self.payload) if key.startswith("torch.rendezvous.") else self.payload
+
     def _run(self) -> None:
         store = None
         while not self._stop.is_set():
             try:
                 if store is None:
-                    socket.create_connection((self.host, int(self.port)), timeout=1.0).close()
+                    if (where := self.where()) is None:
+                        raise OSError("no store to write into yet")
+                    socket.create_connection(where, timeout=1.0).close()
                     store = torch.distributed.TCPStore(
-                        self.host, int(self.port), is_master=False, timeout=timedelta(seconds=2),
-                        wait_for_workers=False,
-                    )  # fmt: skip
-                for key in self.keys():
-                    store.set(key, self.payload)
+                        *where, is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False
+                    )
+                for key in self.keys(store):
+                    store.set(key, self.value(key))
                     self.writes += 1
             except (OSError, RuntimeError):  # nothing listens (between backends), or the store went away
                 store = None
-            self._stop.wait(0.1)
+            self._stop.wait(self.pause_s)
 
     def __enter__(self) -> Stranger:
         self._thread.start()
@@ -393,6 +410,54 @@ class Stranger:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(30)
+
+
+class LocalStranger(Stranger):
+    """Another user of this machine, against a one-machine backend: it finds the store among the LISTEN sockets of
+    the backend's agent (``ss -ltn`` shows every user the port), lists its keys (``TCPStore.list_keys``) and writes
+    ``payload`` into each of them and into the key of torch's c10d rendezvous state for every prefix it sees, as fast
+    as it can."""
+
+    pause_s = 0.02
+
+    def __init__(self, backend, payload: bytes):
+        super().__init__("127.0.0.1:0", backend, payload)
+        self.seen: set[str] = set()
+
+    def where(self) -> tuple[str, int] | None:
+        if (pid := self.backend.agent_pid) is None:
+            return None
+        try:
+            sockets = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.Error:  # the agent is gone
+            return None
+        ports = [c.laddr.port for c in sockets if c.status == psutil.CONN_LISTEN]
+        return (self.host, ports[0]) if ports else None
+
+    def keys(self, store: torch.distributed.TCPStore) -> list[str]:
+        listed = store.list_keys()
+        self.seen.update(listed)
+        prefixes = {"none", *(key.split("/", 1)[0] for key in listed if "/" in key)}
+        return [*listed, *(f"torch.rendezvous.{prefix}" for prefix in prefixes)]
+
+
+def _attempt(outcomes: dict[str, str], what: str, action: Callable[[], object]) -> None:
+    """Run ``action`` while a stranger writes; ``outcomes[what]``: "served", or the error it ended with."""
+    try:
+        action()
+        outcomes[what] = "served"
+    except ParallelRuntimeError as e:
+        outcomes[what] = f"{type(e).__name__}: {e}"
+
+
+def _forty_steps(backend) -> None:
+    assert backend.call(StepsArgs(steps=40, seconds_per_step=0.05)).result.completed == 40
+
+
+def _assert_served_or_clear(outcomes: dict[str, str]) -> None:
+    """Each attacked start-up or run served, or ended with an error of the pack's (never a hang or a crash)."""
+    for outcome in outcomes.values():
+        assert outcome == "served" or outcome.split(":")[0] in ("BackendStartError", "BackendDied"), outcomes
 
 
 def _next_run(backend, args, outcomes: dict, cluster: dict):
@@ -422,20 +487,12 @@ def test_a_stranger_who_writes_pickles_into_every_key_runs_nothing(cluster, tmp_
     try:
         backend.shutdown()
         with Stranger(cluster["endpoint"], backend, pickle.dumps(_Payload(str(marker)))) as stranger:
-            try:
-                backend.start()
-                outcomes["start-up"] = "served"
-            except ParallelRuntimeError as e:
-                outcomes["start-up"] = f"{type(e).__name__}: {e}"
+            _attempt(outcomes, "start-up", backend.start)
             written = stranger.writes
         assert written > 0
         assert _next_run(backend, StatusArgs(), outcomes, cluster).result.world_size == 2
         with Stranger(cluster["endpoint"], backend, pickle.dumps(_Payload(str(marker)))) as stranger:
-            try:
-                assert backend.call(StepsArgs(steps=40, seconds_per_step=0.05)).result.completed == 40
-                outcomes["run"] = "served"
-            except ParallelRuntimeError as e:
-                outcomes["run"] = f"{type(e).__name__}: {e}"
+            _attempt(outcomes, "run", lambda: _forty_steps(backend))
             time.sleep(1.0)
             assert stranger.writes > written
         assert _next_run(backend, StepsArgs(steps=2, seconds_per_step=0), outcomes, cluster).result.completed == 2
@@ -443,8 +500,42 @@ def test_a_stranger_who_writes_pickles_into_every_key_runs_nothing(cluster, tmp_
         backend.deadlines = deadlines
     assert not marker.exists(), outcomes
     assert cluster["machine"].proc.poll() is None  # the joined machine serves on
-    for outcome in outcomes.values():
-        assert outcome == "served" or outcome.split(":")[0] in ("BackendStartError", "BackendDied"), outcomes
+    _assert_served_or_clear(outcomes)
+
+
+def test_a_local_stranger_who_lists_a_one_machine_backends_keys_runs_nothing(tmp_path):
+    """Issue 21 on one machine: its agent's store listens on loopback, where every user of the machine can find it
+    and list its keys. Such a user writing code-running pickles into all of them, during a start-up and during a run,
+    runs nothing (the agent runs torchrun's static rendezvous, which unpickles nothing, as over several machines); the
+    backend serves on or fails with an error, and the next run works."""
+    from parallel_runtime.watchdog import Deadlines
+
+    marker, probe = tmp_path / "ran", tmp_path / "probe"
+    pickle.loads(pickle.dumps(_Payload(str(probe))))
+    assert probe.exists()  # the payload is live: unpickled anywhere, it writes its marker
+    deadlines = Deadlines(load_s=60, stall_floor_s=20, heartbeat_s=10, stopped_s=2, cancel_s=4)
+    backend = Backend(BackendSpec(ranks=2, device="cpu"), deadlines=deadlines)
+    payload, outcomes, groups = pickle.dumps(_Payload(str(marker))), {}, []
+    try:
+        with LocalStranger(backend, payload) as stranger:
+            _attempt(outcomes, "start-up", backend.start)
+            written = stranger.writes
+        assert not marker.exists(), outcomes
+        assert written > 0, outcomes
+        assert backend.call(StatusArgs()).result.world_size == 2, outcomes
+        groups.append((backend.agent_pid, list(backend.worker_pids.values()), backend.run_dir, backend.shm_prefix))
+        with LocalStranger(backend, payload) as stranger:
+            _attempt(outcomes, "run", lambda: _forty_steps(backend))
+            time.sleep(1.0)
+            assert stranger.writes > 0 and any("parallel_diffusers" in key for key in stranger.seen), stranger.seen
+        assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2, outcomes
+        groups.append((backend.agent_pid, list(backend.worker_pids.values()), backend.run_dir, backend.shm_prefix))
+    finally:
+        backend.shutdown()
+    assert not marker.exists(), outcomes
+    _assert_served_or_clear(outcomes)
+    for agent, ranks, run_dir, prefix in groups:
+        assert_nothing_left([agent, *ranks], [run_dir], prefix)
 
 
 def test_a_rank_refuses_object_collectives(tmp_path):

@@ -8,17 +8,23 @@ one-machine backend), handed to the store as its listening socket (``master_list
 sealed with the backend's secret (``sealed``), so even a local user who reaches loopback can neither read a prompt nor
 forge an op.
 
-What the agent unpickles: over several machines, nothing. Their agents run torchrun's static rendezvous
-(``rendezvous.rendezvous_arguments``; node 0's agent hosts its store on ``rdzv_endpoint`` and publishes the backend's
-sealed beacon there, which the launcher sealed into the run directory's ``beacon`` file), and with it torchrun reads
-only JSON and counters from the store (``rendezvous``'s docstring). One machine alone runs ``--standalone``, torch's
-c10d rendezvous, whose state is a pickle in the store under a key named by a random id: that store listens on
-loopback only, and the id is on no command line and in no file (only in the agent's memory and its ranks'
-environment, which only this user can read), so no other user of the machine can name the key.
+What the agent unpickles: nothing, on one machine or several. Every agent runs torchrun's static rendezvous
+(``rendezvous.rendezvous_arguments``), with which torchrun reads only JSON and counters from the store
+(``rendezvous``'s docstring). torch's c10d rendezvous (``--standalone``) keeps its state in the store as a pickle
+and unpickles what it finds there; its key is no secret from a local user (``TCPStore.list_keys`` lists every key, and
+the store's port is in ``ss -ltn``), so on a one-machine backend any user of the machine could have run code as
+ComfyUI's user.
 
-The places patched are torch's store constructors in its rendezvous (``static_tcp_rendezvous.TCPStore``,
-``c10d_rendezvous_backend.TCPStore`` and ``DynamicRendezvousHandler._create_tcp_store_server``);
-tests/test_faults.py and tests/test_nodes.py fail if torch renames them or the stores listen anywhere else.
+A one-machine backend's agent asks for port 0: ``_bound_store`` binds a free port itself and hands the listening
+socket to the store, and ``_next_rendezvous`` tells the ranks the port the store really listens on (torch's static
+rendezvous would tell them the port it was given). The launcher picking a free port instead would leave a window in
+which another process can take it, and a start-up to retry. Over several machines node 0's agent hosts its store on
+``rdzv_endpoint`` and publishes the backend's sealed beacon there, which the launcher sealed into the run directory's
+``beacon`` file.
+
+The places patched are torch's static rendezvous's store constructor (``static_tcp_rendezvous.TCPStore``) and
+``StaticTCPRendezvous.next_rendezvous``; ``internals`` checks them before they are patched, and tests/test_faults.py
+and tests/test_nodes.py fail if the stores listen anywhere else.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous, static_tcp_rendezvous
+from torch.distributed.elastic.rendezvous import RendezvousInfo, static_tcp_rendezvous
 
 from ..internals import check
 from ..processes import process_alive
 from ..rendezvous import BEACON_KEY
 from ..rundir import RunDir
+
+check("worker/agent.py")  # before torch is patched: one error naming what torch renamed
 
 _LISTENERS: list[socket.socket] = []  # the bound sockets live as long as the stores that listen on them
 # How long an agent stopped by a signal waits to see whether its client goes too.
@@ -56,25 +64,30 @@ def _bound_store(host_name: str, port: int, *args: Any, is_master: bool = False,
     return dist.TCPStore(host_name, port, *args, is_master=is_master, **kwargs)
 
 
-def _create_tcp_store_server(self: Any, master_addr: str, master_port: int) -> dist.TCPStore:
-    return _bound_store(master_addr, master_port, is_master=True, multi_tenant=True)
-
-
 def _static_store(
     host_name: str, port: int, world_size: int, is_master: bool, timeout: timedelta, **kwargs: Any
 ) -> dist.TCPStore:
     """The static rendezvous's store. Node 0's does not wait for the other machines' agents to connect (torch's
     default): they learn that a backend is starting only from the beacon, published here as soon as the store
-    listens."""
+    listens (one machine alone has nobody to tell)."""
     if not is_master:
         return dist.TCPStore(host_name, port, world_size, is_master=False, timeout=timeout, **kwargs)
     store = _bound_store(host_name, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, **kwargs)
-    with open(RunDir(os.environ["COMFY_PARALLEL_RUN_DIR"]).beacon, "rb") as f:
-        store.set(BEACON_KEY, f.read())
+    if world_size > 1:
+        with open(RunDir(os.environ["COMFY_PARALLEL_RUN_DIR"]).beacon, "rb") as f:
+            store.set(BEACON_KEY, f.read())
     return store
 
 
-check("worker/agent.py")  # before torch is patched: one error naming what torch renamed
+_static_next_rendezvous = static_tcp_rendezvous.StaticTCPRendezvous.next_rendezvous
+
+
+def _next_rendezvous(self: static_tcp_rendezvous.StaticTCPRendezvous) -> RendezvousInfo:
+    """torch's, telling the ranks (``MASTER_PORT``) the port the store listens on: a one-machine backend asks for
+    port 0, a free one that ``_bound_store`` binds, and torch would pass the 0 on."""
+    info = _static_next_rendezvous(self)
+    info.bootstrap_store_info.master_port = info.store.underlying_store.port
+    return info
 
 
 def _clean_up_if_the_client_went_too() -> None:
@@ -93,8 +106,7 @@ def _clean_up_if_the_client_went_too() -> None:
 
 if __name__ == "__main__":
     static_tcp_rendezvous.TCPStore = _static_store
-    c10d_rendezvous_backend.TCPStore = _bound_store
-    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = _create_tcp_store_server
+    static_tcp_rendezvous.StaticTCPRendezvous.next_rendezvous = _next_rendezvous
     try:
         run.main()
     except SignalException:
