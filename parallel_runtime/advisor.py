@@ -1,5 +1,5 @@
 """Which strategy suits this box? ``comfy-parallel advise``: for a model's real size (its safetensors headers: each
-component's stored bytes, quantized dtypes included; nothing is loaded) and a box's GPUs (declared, or measured by
+component's parameters and stored dtypes; nothing is loaded) and a box's GPUs (declared, or measured by
 ``comfy-parallel doctor``'s checks), each strategy with its memory per GPU, the bytes it sends per step and its
 expected step time against one GPU, best first, with why; and what to change when nothing fits.
 
@@ -40,6 +40,9 @@ DEFAULT_TFLOPS = 500.0  # an H100's effective bf16 rate: FLUX.1-dev 1024² (1.25
 LINK_BANDWIDTH = {"nvlink": 150e9, "pcie": 20e9}
 NO_P2P_BANDWIDTH = 8e9
 ACTIVATION_BYTES = 2  # bf16
+# Weights on a GPU: the dtype widgets' "auto" is bf16 there, and the pack loads no narrower dtype (fp8 files are
+# dequantized), so a quantized file takes as much GPU memory as a bf16 one.
+LOADED_BYTES = 2
 ONE_GPU = "one GPU"  # the reference every step time is relative to
 GPUS_SYNTAX = (
     "<count>x<GiB>GB,<link>[,no-p2p][,bw=<GB/s>][,tflops=<rate>], link nvlink or pcie: e.g. 2x24GB,pcie,no-p2p, "
@@ -117,23 +120,32 @@ def measured_box(report: dict) -> Box:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSize:
-    """What a model folder's headers say: each component's stored bytes and dtypes, and the transformer's shape."""
+    """What a model folder's headers say: each component's parameters, stored bytes and dtypes, and the
+    transformer's shape. The ``*_bytes`` properties are what the components take on a GPU (``LOADED_BYTES``)."""
 
     name: str
     family: FamilyAdapter
     transformer_config: dict
     decoder_channels: int
-    component_bytes: dict[str, int]
-    component_dtypes: dict[str, tuple[str, ...]]
-    transformer_parameters: int
+    parameters: dict[str, int]
+    stored_bytes: dict[str, int]
+    stored_dtypes: dict[str, tuple[str, ...]]
+
+    @property
+    def transformer_parameters(self) -> int:
+        return self.parameters["transformer"]
 
     @property
     def transformer_bytes(self) -> int:
-        return self.component_bytes["transformer"]
+        return self.transformer_parameters * LOADED_BYTES
 
     @property
     def encoder_bytes(self) -> int:
-        return sum(b for c, b in self.component_bytes.items() if c.startswith("text_encoder"))
+        return sum(n for c, n in self.parameters.items() if c.startswith("text_encoder")) * LOADED_BYTES
+
+    @property
+    def vae_bytes(self) -> int:
+        return self.parameters.get("vae", 0) * LOADED_BYTES
 
 
 def read_model(model: str) -> ModelSize:
@@ -152,7 +164,7 @@ def read_model(model: str) -> ModelSize:
         path, family = ref.path, families.family(ref.family)
     sizes: dict[str, int] = {}
     dtypes: dict[str, tuple[str, ...]] = {}
-    parameters = 0
+    parameters: dict[str, int] = {}
     for component in sorted(os.listdir(path)):
         folder = os.path.join(path, component)
         files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
@@ -169,9 +181,7 @@ def read_model(model: str) -> ModelSize:
                 bits += elements * DTYPE_BITS[dtype]
                 count += elements
                 seen.add(dtype)
-        sizes[component], dtypes[component] = bits // 8, tuple(sorted(seen))
-        if component == "transformer":
-            parameters = count
+        sizes[component], dtypes[component], parameters[component] = bits // 8, tuple(sorted(seen)), count
     if "transformer" not in sizes:
         raise InvalidInput("--model", f"{model} has no transformer/*.safetensors to measure")
     with open(os.path.join(path, "transformer", "config.json")) as f:
@@ -180,7 +190,7 @@ def read_model(model: str) -> ModelSize:
     if os.path.isfile(os.path.join(path, "vae", "config.json")):
         with open(os.path.join(path, "vae", "config.json")) as f:
             channels = family.decoder_channels(json.load(f))
-    return ModelSize(os.path.basename(os.path.normpath(model)), family, config, channels, sizes, dtypes, parameters)
+    return ModelSize(os.path.basename(os.path.normpath(model)), family, config, channels, parameters, sizes, dtypes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,11 +219,11 @@ class Advice:
 
     def text(self) -> str:
         m, box = self.model, self.box
-        dtypes = ", ".join(f"{c} {'/'.join(d)}" for c, d in m.component_dtypes.items())
+        stored = ", ".join(f"{c} {_gib(b)} {'/'.join(m.stored_dtypes[c])}" for c, b in m.stored_bytes.items())
         lines = [
             f"{m.name} ({m.family.name}) at {self.width}×{self.height}: transformer {_gib(m.transformer_bytes)} "
             f"({m.transformer_parameters / 1e9:.2f} B parameters), text encoders {_gib(m.encoder_bytes)}, "
-            f"VAE {_gib(m.component_bytes.get('vae', 0))} — stored as {dtypes}",
+            f"VAE {_gib(m.vae_bytes)} in bf16 on the GPUs; stored as {stored}",
             f"box: {box.describe()}",
             "",
             f"{'strategy':<34} {'weights/GPU':>11} {'activations':>11} {'peak/GPU':>9} {'sends/step':>10} "
@@ -241,7 +251,8 @@ def basis(advice: Advice) -> list[str]:
     m = advice.model
     passes = " × 2 passes (true CFG)" if m.family.true_cfg else ""
     return [
-        f"memory: transformer weights as the strategy places them (tensor parallel: the measured per-rank share; a "
+        "memory: transformer weights in bf16 (what the pack loads, also from fp8 files) as the strategy places "
+        f"them (tensor parallel: the measured per-rank share; a "
         f"replica each under context / data / CFG parallelism; device_map: split evenly) + one step's bf16 "
         f"activations at {_text_tokens(m.family)} text tokens (the ranks' own estimate) + the VAE's weights, "
         f"which stay; the text encoders and the decode as their own stages (the staged memory policy: the encoders "
@@ -285,7 +296,7 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
     passes = 2 if family.true_cfg else 1
     one_gpu = passes * step_flops(config, model.transformer_parameters, tokens) / (box.tflops * 1e12)
     facts = TransformerFacts.from_config(config)
-    vae = model.component_bytes.get("vae", 0)  # small: it stays on its GPU through every stage
+    vae = model.vae_bytes  # small: it stays on its GPU through every stage
     decode = vae + decode_bytes(model.decoder_channels, 1, width, height, ACTIVATION_BYTES)
     usable = box.memory * HEADROOM
     n = box.gpus
@@ -308,7 +319,8 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
 
     whole = model.transformer_bytes
     single = StrategyPlan.from_widgets(facts, 1, strategy="device_map")
-    add(ONE_GPU, single, whole, 1, 0.0, "the reference: no split, the other GPUs idle")
+    idle = ", the other GPUs idle" if n > 1 else ""
+    add(ONE_GPU, single, whole, 1, 0.0, f"the reference: no split{idle}")
     if n > 1:
         hop = (n - 1) * tokens * hidden * ACTIVATION_BYTES * passes
         add(
@@ -404,15 +416,13 @@ def _changes(model: ModelSize, box: Box, width: int, height: int, options: list[
         gpus = math.ceil(model.transformer_bytes / room)
         if gpus > box.gpus:
             changes.append(f"more GPUs: device_map over {gpus} such GPUs holds the transformer")
-    stored = max(DTYPE_BITS[d] for d in model.component_dtypes["transformer"]) // 8
-    if stored > 1:
-        fp8 = model.transformer_bytes / stored / box.gpus + smallest.activations
-        verdict = "would fit" if fp8 <= usable else "would still not fit"
-        changes.append(
-            f"smaller weights: an fp8 or GGUF transformer (1 byte a parameter or less; the pack loads neither yet) "
-            f"{verdict} {f'under device_map over {box.gpus} GPUs' if box.gpus > 1 else 'on the GPU'}: "
-            f"{_gib(fp8)} per GPU"
-        )
+    fp8 = model.transformer_parameters / box.gpus + smallest.activations  # 1 byte a parameter
+    verdict = "would fit" if fp8 <= usable else "would still not fit"
+    where = f"under device_map over {box.gpus} GPUs" if box.gpus > 1 else "on the GPU"
+    changes.append(
+        "smaller weights: an fp8 or GGUF transformer (1 byte a parameter or less; the pack runs neither yet: it "
+        f"dequantizes fp8) {verdict} {where}: {_gib(fp8)} per GPU"
+    )
     changes.append("GPUs with more memory")
     return changes
 

@@ -118,7 +118,7 @@ def test_the_sparse_folder_is_flux1_dev_and_takes_no_disk(flux1_dev: str) -> Non
     assert model.family.key == "flux" and model.transformer_parameters == TRANSFORMER_PARAMETERS
     assert model.transformer_bytes == WEIGHTS
     assert model.encoder_bytes == sum(ENCODER_PARAMETERS.values()) * BYTES
-    assert model.component_dtypes["transformer"] == ("BF16",)
+    assert model.stored_dtypes["transformer"] == ("BF16",) and model.stored_bytes["transformer"] == WEIGHTS
 
 
 def _by_name(advice) -> dict:
@@ -223,7 +223,8 @@ def test_tiny_model_folders(tmp_path) -> None:
         with safe_open(path, "pt") as f:
             tensors = [f.get_tensor(k) for k in f.keys()]
         assert model.transformer_parameters == sum(t.numel() for t in tensors)
-        assert model.transformer_bytes == sum(t.numel() * t.element_size() for t in tensors)
+        assert model.stored_bytes["transformer"] == sum(t.numel() * t.element_size() for t in tensors)
+        assert model.transformer_bytes == model.transformer_parameters * 2  # loaded in bf16 on GPUs
         advice = advise(model, parse_gpus("2x24GB,pcie,no-p2p"), 512, 512)
         assert all(o.fits for o in advice.options)
         names = {o.name for o in advice.options}
@@ -231,10 +232,14 @@ def test_tiny_model_folders(tmp_path) -> None:
         assert ("cfg_parallel (ulysses 1 per half)" in names) == (key == "qwenimage")
 
 
-def test_fp8_weights_count_one_byte(tmp_path) -> None:
+def test_fp8_files_are_stored_in_one_byte_and_loaded_in_two(tmp_path, flux1_dev: str) -> None:
+    """The pack dequantizes fp8 (its dtypes are bf16, fp16 and fp32), so on the GPUs an fp8 file is a bf16 model."""
     model = read_model(write_flux1_dev(str(tmp_path / "fp8"), "F8_E4M3"))
-    assert model.transformer_bytes == TRANSFORMER_PARAMETERS
-    assert model.component_dtypes["transformer"] == ("F8_E4M3",)
+    assert model.stored_bytes["transformer"] == TRANSFORMER_PARAMETERS
+    assert model.stored_dtypes["transformer"] == ("F8_E4M3",)
+    assert model.transformer_bytes == WEIGHTS
+    box = parse_gpus("2x24GB,pcie,no-p2p")
+    assert advise(model, box, WIDTH, HEIGHT).options == advise(read_model(flux1_dev), box, WIDTH, HEIGHT).options
 
 
 @pytest.mark.parametrize(
