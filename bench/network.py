@@ -3,16 +3,8 @@
     python bench/network.py [--config transformer/config.json] [--size 1024] [--text-tokens 512] [--ranks 2 4 8]
 
 Counts the bytes each rank sends per step (bf16 activations, batch 1, no CFG batch: FLUX.1-dev is guidance-distilled)
-in the collectives diffusers 0.42 runs, read from its code:
-
-- Ulysses: 4 all-to-alls per attention layer (query, key, value before; the output after), each over the rank's
-  slice of the whole sequence (image + text tokens × heads × head_dim); a rank sends (P-1)/P of what it holds.
-- Ring: one all-gather of key and value per attention layer (``TemplatedRingAttention``): a rank sends its slice to
-  each of the P-1 others.
-- Tensor parallel: an all-reduce after every rowwise layer of ``FluxTransformer2DModel._tp_plan`` (a double-stream
-  block: attention out and feed-forward out of the image and the text stream; a single-stream block: ``proj_out``),
-  each over the whole sequence × hidden size; a ring all-reduce sends 2(P-1)/P of it per rank.
-- Data parallel: nothing per step (each rank makes whole images; only the final latents travel).
+in the collectives diffusers 0.42 runs: the arithmetic, and what it counts, is ``parallel_runtime/estimates.py``'s
+``step_bytes`` (the strategy advisor, ``comfy-parallel advise``, uses the same).
 
 Without ``--config`` the shape is FLUX.1-dev's (19 double-stream and 38 single-stream blocks, 24 heads of 128). The
 per-step compute it is measured against: FLUX.1-dev 1024² takes about 240 ms a step on one H100 (xDiT: 6.71 s for 28
@@ -23,23 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from parallel_runtime.estimates import step_bytes
 
 FLUX1_DEV = {"num_layers": 19, "num_single_layers": 38, "num_attention_heads": 24, "attention_head_dim": 128}
 LINKS_GBIT = {"10 GbE": 10, "25 GbE": 25, "100 Gb IB/RoCE": 100, "400 Gb IB": 400}
-BF16 = 2
-
-
-def per_rank_bytes(config: dict, tokens: int, text_tokens: int, ranks: int) -> dict[str, float]:
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    attention_layers = config["num_layers"] + config["num_single_layers"]
-    sequence = tokens + text_tokens
-    share = (ranks - 1) / ranks
-    slice_bytes = sequence / ranks * hidden * BF16  # one rank's slice of q, k, v or the output
-    ulysses = attention_layers * 4 * slice_bytes * share
-    ring = attention_layers * 2 * slice_bytes * (ranks - 1)
-    reduced = (config["num_layers"] * 2 + config["num_single_layers"]) * sequence * hidden * BF16
-    tp = reduced * 2 * share
-    return {"ulysses": ulysses, "ring": ring, "tensor_parallel": tp, "data_parallel": 0.0}
 
 
 def main() -> None:
@@ -58,7 +41,7 @@ def main() -> None:
     print(f"{what}: MiB each rank sends per step")
     print(f"| strategy | {' | '.join(f'{p} ranks' for p in args.ranks)} | time per step at {args.ranks[0]} ranks |")
     print("|---|" + "---|" * len(args.ranks) + "---|")
-    rows = {p: per_rank_bytes(config, tokens, args.text_tokens, p) for p in args.ranks}
+    rows = {p: step_bytes(config, tokens, args.text_tokens, p) for p in args.ranks}
     for strategy in rows[args.ranks[0]]:
         sizes = " | ".join(f"{rows[p][strategy] / 2**20:,.0f}" for p in args.ranks)
         first = rows[args.ranks[0]][strategy]

@@ -1,4 +1,5 @@
-"""``comfy-parallel``: check a backend, build tiny offline models, run the demo, join another machine's backend."""
+"""``comfy-parallel``: check a backend, advise a strategy, build tiny offline models, run the demo, join another
+machine's backend."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .advisor import GPUS_SYNTAX
 from .families import REGISTRY
 
 DOCTOR_STEP_S = 60.0
@@ -239,6 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--step-timeout", type=float, default=DOCTOR_STEP_S, help="seconds each check may take (start: twice that)"
     )
+    p = sub.add_parser(
+        "advise",
+        help="which strategy suits a model on this machine's GPUs (or declared ones): memory, traffic, step time",
+        description="Reads the model's safetensors headers (nothing loads) and lists each strategy with its memory "
+        "per GPU, the bytes it sends per step and its expected step time against one GPU, best first. Without "
+        "--gpus it measures this machine's GPUs with doctor's checks.",
+    )
+    p.add_argument("--model", required=True, help="a diffusers folder: its path, or its name in ComfyUI's models")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--gpus", help="declare the GPUs instead of measuring them: " + GPUS_SYNTAX)
     p = sub.add_parser("demo", help="generate an image with the nodes' steps on a tiny offline FLUX.1 model")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
@@ -289,6 +302,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  weights loaded: {result['load_counts']}")
         return 0
 
+    if args.command == "advise":
+        from .advisor import advise, measured_box, parse_gpus, read_model
+        from .errors import InvalidInput
+
+        try:
+            model = read_model(args.model)
+            box = parse_gpus(args.gpus) if args.gpus else measured_box(doctor(0, "cuda"))
+            print(advise(model, box, args.width, args.height).text())
+        except InvalidInput as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "doctor":
         report = doctor(args.ranks, args.device, args.step_timeout)
         if args.json:

@@ -2,14 +2,8 @@
 strategy before any weights load, against what the rank's device has free.
 
 The estimates are coarse on purpose: they exist to refuse what cannot work (a 16384² image, a decode of a huge latent)
-with an error naming the widget and the fix, instead of a rank killed for memory half-way through. They were measured
-on the tiny models in fp32 on CPU (peak RSS growth over the loaded model, 1024² to 2048²):
-
-- a transformer step holds about ``ACTIVATION_COPIES`` copies of the hidden state per token at its peak (q, k, v, the
-  attention output, the MLP's 4× hidden layer, norms and modulation; measured 28 to 31). Context parallelism splits
-  the tokens over its degree; tensor parallelism splits everything but the residual stream
-  (``TP_REPLICATED_COPIES``); data parallelism gives each rank its share of the batch;
-- a VAE decode holds about ``VAE_COPIES`` copies of its first-level feature map per pixel (measured 5 to 7).
+with an error naming the widget and the fix, instead of a rank killed for memory half-way through. Their arithmetic,
+and how it was measured, is ``parallel_runtime/estimates.py`` (the strategy advisor uses the same).
 
 Ranks of one machine on CPU share its memory, so there each rank counts what all of them need together.
 
@@ -27,17 +21,13 @@ import struct
 
 import torch
 
+from ..estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, weights_share
 from ..families import FamilyAdapter
 from ..strategy import StrategyPlan
 from ..wire import Sampling
 from .diagnostics import memory_of
 from .ops import WidgetError
 
-ACTIVATION_COPIES = 32
-TP_REPLICATED_COPIES = 8
-VAE_COPIES = 8
-TP_SHARDED_WEIGHTS = 0.7  # the share of a DiT's weights its _tp_plan splits (FLUX.1-dev: 14.2 of 22.2 GiB at tp 2)
-HEADROOM = 0.9  # of the free memory an estimate may use
 CAP_ENV = "COMFY_PARALLEL_MEMORY_CAP_GB"
 
 
@@ -118,16 +108,12 @@ def _free(device: torch.device, local_ranks: int) -> tuple[int, int]:
 def step_activations(
     family: FamilyAdapter, model_dir: str, plan: StrategyPlan, sampling: Sampling, text_tokens: int, dtype: torch.dtype
 ) -> int:
-    """Bytes of activations one denoising step holds on a rank at its peak."""
+    """Bytes of activations one denoising step holds on a rank at its peak (``estimates.activation_bytes``)."""
     with open(os.path.join(model_dir, "transformer", "config.json")) as f:
         config = json.load(f)
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
     tokens = (sampling.width // family.pixels_per_token) * (sampling.height // family.pixels_per_token) + text_tokens
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
-    copies = ACTIVATION_COPIES
-    if plan.shards_weights:
-        copies = TP_REPLICATED_COPIES + (ACTIVATION_COPIES - TP_REPLICATED_COPIES) / plan.tp_degree
-    return int(images * math.ceil(tokens / plan.cp_degree) * hidden * dtype.itemsize * copies)
+    return activation_bytes(plan, hidden_size(config), tokens, images, dtype.itemsize)
 
 
 def check_denoise(
@@ -148,9 +134,7 @@ def check_denoise(
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     weights = 0
     if loads_weights:
-        weights = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize
-        if plan.shards_weights:
-            weights *= 1 - TP_SHARDED_WEIGHTS + TP_SHARDED_WEIGHTS / plan.tp_degree
+        weights = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize * weights_share(plan)
     free, sharing = _free(device, local_ranks if plan.spmd else 1)
     need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
     if need > have:
@@ -188,8 +172,8 @@ def decode_need(
     family: FamilyAdapter, vae_config: dict, images: int, width: int, height: int, dtype: torch.dtype
 ) -> int:
     """Bytes a VAE decode of ``images`` of ``width`` × ``height`` holds at its peak (its first-level feature maps,
-    ``VAE_COPIES`` of them)."""
-    return images * height * width * family.decoder_channels(vae_config) * dtype.itemsize * VAE_COPIES
+    ``estimates.VAE_COPIES`` of them)."""
+    return decode_bytes(family.decoder_channels(vae_config), images, width, height, dtype.itemsize)
 
 
 def samples_size(family: FamilyAdapter, samples: torch.Tensor) -> tuple[int, int, int]:
@@ -225,9 +209,9 @@ def check_encode(
     family: FamilyAdapter, vae_config: dict, pixels: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> None:
     """WidgetError (``pixels``) when encoding these images cannot fit the device: the encoder's first level holds
-    about as many full-resolution feature maps as the decoder's last (``VAE_COPIES``)."""
+    about as many full-resolution feature maps as the decoder's last (``estimates.VAE_COPIES``)."""
     images, height, width = pixels.shape[0], pixels.shape[1], pixels.shape[2]
-    need = images * height * width * family.decoder_channels(vae_config) * dtype.itemsize * VAE_COPIES
+    need = decode_bytes(family.decoder_channels(vae_config), images, width, height, dtype.itemsize)
     free, _ = _free(device, 1)
     if need > free * HEADROOM:
         raise WidgetError(
