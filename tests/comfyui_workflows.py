@@ -135,11 +135,13 @@ def assert_close_uint8(got: np.ndarray, expected: np.ndarray) -> None:
 
 
 def reference_uint8(model_dir: Path, prompt: str, seed: int) -> np.ndarray:
-    """diffusers' one-shot pipeline, quantised the way ComfyUI's SaveImage does: ``uint8(clip(255 * x))``."""
+    """diffusers' one-shot pipeline, in float32 as the CPU backend runs it (a folder converted from ComfyUI's files
+    keeps its text encoders in fp16, as those files are), quantised the way ComfyUI's SaveImage does:
+    ``uint8(clip(255 * x))``."""
     import torch
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline.from_pretrained(model_dir)
+    pipe = FluxPipeline.from_pretrained(model_dir, dtype=torch.float32)
     image = pipe(
         prompt,
         num_inference_steps=STEPS,

@@ -12,9 +12,8 @@ import re
 
 import numpy as np
 import pytest
-import torch
 from comfyui_host import PromptRejected
-from comfyui_workflows import assert_close_uint8, saved_png
+from comfyui_workflows import assert_close_uint8, reference_uint8, saved_png
 
 pytestmark = pytest.mark.comfyui
 PROMPT = "a photo of a horse in the city"
@@ -23,25 +22,6 @@ PROMPT = "a photo of a horse in the city"
 @pytest.fixture(scope="module")
 def files(tiny_comfy_files):
     return tiny_comfy_files["fp8_scaled"]
-
-
-def reference_uint8(model_dir, seed: int) -> np.ndarray:
-    """diffusers' one-shot pipeline on the diffusers folder, in float32 as the CPU backend runs it (the folder keeps
-    the text encoders in fp16, as ComfyUI's files are), quantised as SaveImage does."""
-    from comfyui_workflows import GUIDANCE, SIZE, STEPS
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline.from_pretrained(model_dir, dtype=torch.float32)
-    image = pipe(
-        PROMPT,
-        num_inference_steps=STEPS,
-        guidance_scale=GUIDANCE,
-        width=SIZE,
-        height=SIZE,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="pt",
-    ).images[0]
-    return np.clip(255.0 * image.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
 
 
 def workflow(names: dict, seed: int, encode: dict | None = None, sample: dict | None = None) -> dict:
@@ -110,7 +90,7 @@ def test_a_refused_file_is_a_400_naming_the_input(comfyui_server, files, comfyui
 def test_comfyui_files_through_the_nodes_equal_the_diffusers_folder(comfyui_server, files, comfyui_files_dir):
     names, reference = files
     prompt_id, _ = comfyui_server.run(workflow(names, seed=5), timeout=600)
-    assert_close_uint8(saved_png(comfyui_server, prompt_id), reference_uint8(reference, seed=5))
+    assert_close_uint8(saved_png(comfyui_server, prompt_id), reference_uint8(reference, PROMPT, seed=5))
     converted = os.listdir(comfyui_files_dir / "converted")
     assert len(converted) == 1 and converted[0].startswith("tiny-flux1-dev-fp8_scaled-"), converted
 
