@@ -24,7 +24,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,9 +101,15 @@ def run(args: argparse.Namespace) -> dict:
                         raise Cancel
 
             if event == "kill":
-                victim = rng.choice(sorted(backend.worker_pids.values()))
-                timer = threading.Timer(rng.uniform(0.2, 1.0), os.kill, (victim, signal.SIGKILL))
-                timer.start()
+                # Struck at a denoising step, not after a timer: a timer could fire after a fast run ended, killing a
+                # rank in the next op, which the drill did not ask for.
+                victim, at, struck = rng.choice(sorted(backend.worker_pids.values())), rng.randint(1, steps - 1), []
+
+                def progress(step: int, total: int, text: str | None, victim=victim, at=at, struck=struck) -> None:
+                    if step >= at and text is None and not struck:
+                        struck.append(step)
+                        os.kill(victim, signal.SIGKILL)
+
             try:
                 latent = jobs.sample(handle, positive, seed=seed, steps=steps, guidance_scale=3.5, width=args.size,
                                      height=args.size, batch_size=2, on_progress=progress)  # fmt: skip
