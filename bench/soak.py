@@ -102,8 +102,9 @@ def run(args: argparse.Namespace) -> dict:
 
             if event == "kill":
                 # Struck at a denoising step, not after a timer: a timer could fire after a fast run ended, killing a
-                # rank in the next op, which the drill did not ask for.
-                victim, at, struck = rng.choice(sorted(backend.worker_pids.values())), rng.randint(1, steps - 1), []
+                # rank in the next op, which the drill did not ask for. In the first half: the client's last step lags
+                # the ranks', so a kill at the last one could land after the run.
+                victim, at, struck = rng.choice(sorted(backend.worker_pids.values())), rng.randint(1, steps // 2), []
 
                 def progress(step: int, total: int, text: str | None, victim=victim, at=at, struck=struck) -> None:
                     if step >= at and text is None and not struck:
