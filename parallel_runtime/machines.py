@@ -125,8 +125,10 @@ def _read_beacon(rdzv_endpoint: str, secret: str) -> Beacon | None:
         return unseal(secret, BEACON_KEY, record, Beacon)
     except Tampered:
         raise ForeignBeacon(
-            f"the backend at {rdzv_endpoint} holds a different secret, so this machine may not join it: copy the join "
-            "command again from the Parallel Backend node (or the Parallel tab) on the ComfyUI host"
+            f"the backend at {rdzv_endpoint} published a beacon this machine's secret does not open, so this machine "
+            "may not join it: either the backend holds a different secret (copy the join command again from the "
+            "Parallel Backend node, or the Parallel tab, on the ComfyUI host), or something other than the ComfyUI "
+            "host wrote that beacon into its store (a stranger on the network: check who can reach that port)"
         ) from None
 
 

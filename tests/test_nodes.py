@@ -567,7 +567,7 @@ def test_a_rank_refuses_object_collectives(tmp_path):
 
 
 REFUSALS = {  # (secret, node rank) → what the refused machine is told
-    "wrong secret": ("not-the-secret", 1, "holds a different secret"),
+    "wrong secret": ("not-the-secret", 1, "the backend holds a different secret"),
     "no secret": (None, 1, "refused: no secret"),
     "node rank taken": (SECRET, 1, "node rank 1 of this backend is already taken"),
     "node rank out of range": (SECRET, 5, "--node-rank 5 is not a node of this backend"),
