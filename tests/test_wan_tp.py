@@ -19,6 +19,8 @@ from helpers import run_ranks
 from parallel_runtime import families
 from parallel_runtime.errors import InvalidInput
 from parallel_runtime.strategy import StrategyPlan, TransformerFacts
+from parallel_runtime.worker.ops import WidgetError
+from parallel_runtime.worker.tp_slices import shard_specs, tp_layers
 
 CHECK_SCRIPT = Path(__file__).with_name("_wan_tp_check.py")
 TOLERANCE = 1e-5  # float32: the split sums the rowwise layers' parts in another order than one matmul does
@@ -143,3 +145,22 @@ def test_widths_tensor_parallelism_cannot_split_are_refused_by_name(config, rank
     assert refused.value.widget == "tp_degree"
     for word in words:
         assert word in str(refused.value)
+
+
+def test_on_the_ranks_a_width_that_does_not_split_is_refused_before_any_weight_is_read():
+    """What the strategy's checks cannot know of (a block's width) is refused by the load's first step, naming the
+    weight: here a feed-forward width of 64 over 3 ranks, on a model on the meta device."""
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**TINY)
+    with pytest.raises(WidgetError) as refused:
+        shard_specs(model, 3)
+    assert refused.value.widget == "tp_degree" and "blocks.0.ffn.net.0.proj.weight" in str(refused.value)
+
+
+def test_a_planned_layer_the_config_leaves_out_is_not_split():
+    """Wan T2V has no image projections (None in its blocks): the plan's layers for them drop out, I2V keeps them."""
+    with torch.device("meta"):
+        t2v, i2v = WanTransformer3DModel(**TINY), WanTransformer3DModel(**TINY_I2V)
+    image = {"blocks.*.attn2.add_k_proj", "blocks.*.attn2.add_v_proj"}
+    assert set(families.TP_PLANS["WanTransformer3DModel"].layers) - set(tp_layers(t2v)) == image
+    assert set(tp_layers(i2v)) == set(families.TP_PLANS["WanTransformer3DModel"].layers)

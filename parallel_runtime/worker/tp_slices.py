@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..families import TensorParallelPlan, tp_plan
-from .ops import OpError
+from .ops import OpError, WidgetError
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -97,7 +97,7 @@ def shard_specs(model: torch.nn.Module, ranks: int) -> dict:
     try:
         return resolve_tp_shard_specs(model, tp_layers(model), ranks)
     except ValueError as e:  # a width the strategy's checks did not know of: refused before any weight is read
-        raise OpError(f"tp_degree: {e} Use a tp_degree that divides it") from None
+        raise WidgetError("tp_degree", f"{e} Use a tp_degree that divides it (and as many ranks)") from None
 
 
 class HeadShardedRMSNorm(torch.nn.Module):
