@@ -295,7 +295,7 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
     hidden = hidden_size(config)
     passes = 2 if family.true_cfg else 1
     one_gpu = passes * step_flops(config, model.transformer_parameters, tokens) / (box.tflops * 1e12)
-    facts = TransformerFacts.from_config(config)
+    facts = TransformerFacts.from_config(config, families.tp_plan(config["_class_name"]))
     vae = model.vae_bytes  # small: it stays on its GPU through every stage
     decode = vae + decode_bytes(model.decoder_channels, 1, width, height, ACTIVATION_BYTES)
     usable = box.memory * HEADROOM

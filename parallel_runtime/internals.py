@@ -96,8 +96,12 @@ INTERNALS: tuple[Internal, ...] = (
              "the process group of the ranks that share a pass under cfg_parallel × context parallelism"),
     Internal("diffusers.models.modeling_utils", "ModelMixin._cp_plan", "worker/lora.py",
              "the layers context parallelism hooks, which a PEFT adapter must not wrap; strategy.py reads it too"),
-    Internal("diffusers.models.modeling_utils", "ModelMixin._tp_plan", "worker/tp_slices.py",
-             "the layers tensor parallelism shards, loaded slice by slice; worker/lora.py and strategy.py read it"),
+    Internal("diffusers.models.modeling_utils", "ModelMixin._tp_plan", "families/__init__.py",
+             "the layers tensor parallelism shards (tp_plan), for a class the pack writes no plan for; "
+             "worker/tp_slices.py loads them slice by slice, worker/lora.py fuses LoRAs into the slices"),
+    Internal("diffusers.models.transformers.transformer_wan", "WanAttention.heads", "families/wan/tp_plan.py",
+             "what Wan's processor splits q/k/v into heads by: a rank's share under tensor parallelism",
+             on_instances=True),
     Internal("diffusers.models.attention_dispatch", "_AttentionBackendRegistry", "worker/strategies.py",
              "the process-wide attention backend, restored after set_attention_backend changed it for one model"),
     # diffusers: tensor parallelism's own helpers, loading slices and LoRAs (worker/tp_slices.py, worker/lora.py)

@@ -15,8 +15,12 @@ import enum
 import functools
 import importlib.util
 import math
+from typing import TYPE_CHECKING
 
 from .errors import InvalidInput
+
+if TYPE_CHECKING:
+    from .families import TensorParallelPlan
 
 
 class Strategy(str, enum.Enum):
@@ -163,25 +167,32 @@ class TransformerFacts:
         class_name: the diffusers class (``FluxTransformer2DModel``, ...).
         heads: attention heads (``num_attention_heads``), or None when the config does not say.
         has_cp_plan: the class declares ``_cp_plan`` (context parallelism is possible).
-        has_tp_plan: the class declares ``_tp_plan`` (tensor parallelism is possible).
+        has_tp_plan: a tensor-parallel plan splits the class (``families.tp_plan``: diffusers' ``_tp_plan`` or the
+            pack's).
+        tp_widths: the widths that plan splits besides the heads, as (the user's word, its size in the config).
     """
 
     class_name: str
     heads: int | None
     has_cp_plan: bool
     has_tp_plan: bool
+    tp_widths: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def from_config(cls, config: dict) -> TransformerFacts:
+    def from_config(cls, config: dict, tp_plan: TensorParallelPlan | None) -> TransformerFacts:
+        """The facts of the transformer ``config`` describes; ``tp_plan`` is its class's (``families.tp_plan``, which
+        the caller looks up: this shared module sits below the families, whose adapters carry plans)."""
         import diffusers  # lazily: its model classes are only looked up, not loaded
 
         name = config["_class_name"]
         model = getattr(diffusers, name, None)
+        widths = {} if tp_plan is None else tp_plan.widths
         return cls(
             class_name=name,
             heads=config.get("num_attention_heads"),
             has_cp_plan=getattr(model, "_cp_plan", None) is not None,
-            has_tp_plan=getattr(model, "_tp_plan", None) is not None,
+            has_tp_plan=tp_plan is not None,
+            tp_widths=tuple((word, config[key]) for key, word in widths.items() if config.get(key)),
         )
 
 
@@ -274,8 +285,8 @@ class StrategyPlan:
         if not facts.has_tp_plan:
             raise InvalidInput(
                 "strategy",
-                f"{facts.class_name} has no tensor-parallel plan (_tp_plan) in this "
-                "diffusers; use context_parallel or data_parallel. Models with one: "
+                f"{facts.class_name} has no tensor-parallel plan (diffusers' _tp_plan, or one the pack writes); "
+                "use context_parallel or data_parallel. diffusers' models with one: "
                 f"{_models_with('_tp_plan')}",
             )
         if not with_tokens and tp != self.ranks:
@@ -297,6 +308,13 @@ class StrategyPlan:
                 f"{facts.heads} attention heads do not split over tp_degree {tp}; use a "
                 f"divisor of {facts.heads} (and as many ranks)",
             )
+        for word, width in facts.tp_widths:
+            if width % tp:
+                raise InvalidInput(
+                    "tp_degree",
+                    f"the {word} {width} does not split over tp_degree {tp}; use a divisor of {width} "
+                    "(and as many ranks)",
+                )
 
     def _check_cfg_parallel(self) -> None:
         if self.cfg_degree != 2:

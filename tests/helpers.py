@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from diffusers import Flux2Pipeline, QwenImagePipeline
@@ -149,6 +154,27 @@ def one_shot_images(pipe, **settings) -> Callable[..., torch.Tensor]:
         return cache[key]
 
     return reference
+
+
+# -- check scripts on real ranks ---------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_ranks(script: Path, nproc: int, work: Path, *cases: str, timeout: float = 600) -> dict:
+    """``script RESULTS_JSON CASE...`` on ``nproc`` CPU ranks under torchrun (gloo, a CPU-only view even on a GPU
+    machine), and the results its rank 0 wrote there. torchrun's logs go into ``work``: by default it leaves a
+    torchelastic_* folder in /tmp per launch."""
+    results = work / "results.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--log-dir", str(work / "torchelastic"), str(script), str(results), *cases]  # fmt: skip
+    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert process.returncode == 0, process.stderr[-4000:]
+    return json.loads(results.read_text())
 
 
 # -- waiting on events ---------------------------------------------------------------------------------------------

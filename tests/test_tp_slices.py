@@ -7,15 +7,13 @@ tp_cp, through the whole backend, are checked by tests/test_strategies.py and te
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
+from helpers import run_ranks
 from safetensors.torch import load_file, save_file
 
 from bench.tp_load_memory import save_flux
@@ -23,22 +21,11 @@ from parallel_runtime.families.flux.tiny import make_tiny_model as make_tiny_flu
 from parallel_runtime.families.flux2.tiny import make_tiny_model as make_tiny_flux2
 from parallel_runtime.families.qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
 
-REPO = Path(__file__).resolve().parents[1]
 CHECK_SCRIPT = Path(__file__).with_name("_tp_slices_check.py")
 
 
 def run_check(work: Path, *cases: str) -> dict:
-    results = work / "results.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        "CUDA_VISIBLE_DEVICES": "",
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "--log-dir", str(work / "torchelastic"), str(CHECK_SCRIPT), str(results), *cases]  # fmt: skip
-    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert process.returncode == 0, process.stderr[-4000:]
-    return json.loads(results.read_text())
+    return run_ranks(CHECK_SCRIPT, 2, work, *cases)
 
 
 def _save_transformer(transformer: torch.nn.Module, folder: Path, **save: object) -> str:

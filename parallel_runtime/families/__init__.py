@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_steps
+from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, TensorParallelPlan, img2img_steps
 from .files import FilesLayout
 from .flux import Flux1, Flux1Files
 from .flux2 import Flux2, Flux2Files
 from .qwenimage import QwenImage, QwenImageFiles
+from .wan.tp_plan import WAN_TP_PLAN
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
@@ -24,6 +25,26 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.
 FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(), Flux2Files(), QwenImageFiles())
+
+# The tensor-parallel plans the pack writes (``families/<key>/tp_plan.py``), by the transformer class they split: for
+# classes whose diffusers ships no ``_tp_plan``.
+TP_PLANS: dict[str, TensorParallelPlan] = {"WanTransformer3DModel": WAN_TP_PLAN}
+
+
+def tp_plan(class_name: str) -> TensorParallelPlan | None:
+    """How tensor parallelism splits the diffusers transformer class ``class_name``: the pack's plan for it, else the
+    class's own ``_tp_plan``, else None (it cannot be split).
+
+    Looked up by the class's name, not through a family: the strategy's checks (from a config's ``_class_name``), the
+    slice-by-slice load (from the class) and the LoRAs fused under TP (from the model) all know the class, and not
+    every one knows the family; a family with several transformer classes plans each. Imports diffusers only for a
+    class the pack has no plan for."""
+    if class_name in TP_PLANS:
+        return TP_PLANS[class_name]
+    import diffusers
+
+    layers = getattr(getattr(diffusers, class_name, None), "_tp_plan", None)
+    return TensorParallelPlan(layers=layers) if layers is not None else None
 
 
 def family(key: str) -> FamilyAdapter:
@@ -59,14 +80,17 @@ __all__ = [
     "FILES_LAYOUTS",
     "IMAGE_INPUTS",
     "REGISTRY",
+    "TP_PLANS",
     "FamilyAdapter",
     "FilesLayout",
     "LatentLayout",
     "Placement",
+    "TensorParallelPlan",
     "family",
     "for_pipeline",
     "img2img_steps",
     "join_words",
     "names",
     "supported",
+    "tp_plan",
 ]

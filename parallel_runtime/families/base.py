@@ -79,6 +79,32 @@ class Placement:
         return {"device_map": self.device_map, **({"max_memory": self.max_memory} if self.max_memory else {})}
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorParallelPlan:
+    """How tensor parallelism splits a transformer: diffusers' ``_tp_plan``, or one the pack writes for a class that
+    has none (``families/<key>/tp_plan.py``, listed in ``families.TP_PLANS``), with what such a plan needs beyond it.
+
+    Args:
+        layers: diffusers' ``_tp_plan`` form: module globs (one ``*`` over a ModuleList) to "colwise" / "rowwise" (or
+            diffusers' packed styles). A planned layer that a model's config leaves out (None in its block, as
+            Wan T2V's image projections) is not split.
+        head_norms: RMSNorms over the whole width of a colwise layer's output (all the heads): each rank normalises
+            its own columns, with the mean square summed over the TP ranks (by ``worker/tp_slices.py``), so it
+            equals the norm of the whole row. Without that sum each rank would divide by its own heads' mean square:
+            a run that is silently wrong.
+        head_counts: attention modules whose processor splits a projection into ``heads`` (``unflatten(2, (heads,
+            -1))``): ``heads`` becomes the rank's share.
+        widths: config keys of the widths the plan splits besides the attention heads, with the user's word for
+            each ("feed-forward width"): the strategy refuses a ``tp_degree`` that does not divide one, by name,
+            before anything loads.
+    """
+
+    layers: dict[str, Any]
+    head_norms: tuple[str, ...] = ()
+    head_counts: tuple[str, ...] = ()
+    widths: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 class FamilyAdapter(abc.ABC):
     """One model family: declarations the client validates against, and the stages the ranks run.
 

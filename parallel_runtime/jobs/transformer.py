@@ -55,7 +55,7 @@ def plan_transformer(
     budget = parse_max_memory(max_memory)
     config = model_folders.transformer_config(ref)
     plan = StrategyPlan.from_widgets(
-        TransformerFacts.from_config(config),
+        TransformerFacts.from_config(config, families.tp_plan(config["_class_name"])),
         spec.world_size,
         strategy=strategy,
         ring_degree=ring_degree,

@@ -14,7 +14,7 @@ strength of 0 is no LoRA. How (``LoraMode``):
   it under tensor parallelism). Under tensor parallelism (diffusers refuses adapters on a sharded model, and
   sharding a model that has them) each rank computes only its own slice of the delta: for a layer sharded by rows
   (colwise) its rows of B times A, for one sharded by columns (rowwise) B times its columns of A, in the blocks the
-  model's ``_tp_plan`` shards packed layers by (diffusers' ``resolve_tp_shard_specs`` and ``_local_shard``, the
+  model's tensor-parallel plan shards packed layers by (diffusers' ``resolve_tp_shard_specs`` and ``_local_shard``, the
   arithmetic that sliced the weights when they were loaded, checked against each weight's DTensor placement), so no
   rank ever holds a layer's full weight or delta. Fusing is refused, with the numbers, when the copies would not fit
   the machine's free memory.
@@ -43,6 +43,7 @@ from ..families.lora import LoraError, LoraWeights, read_lora
 from ..strategy import StrategyPlan
 from ..wire import LoraMode, LoraRef, TransformerSpec
 from .ops import OpContext, OpError, WidgetError
+from .tp_slices import shard_specs
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class _Fused:
 
 class _Slices:
     """This rank's part of a transformer's tensors: the whole tensor, or under tensor parallelism the slice the
-    model's ``_tp_plan`` gave the rank."""
+    model's tensor-parallel plan (``families.tp_plan``) gave the rank."""
 
     def __init__(self, transformer: torch.nn.Module):
         self.transformer = transformer
@@ -242,9 +243,7 @@ class _Slices:
         self.mesh = getattr(tp, "_mesh", None) if tp is not None else None
         self.specs = {}
         if self.mesh is not None:
-            from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
-
-            self.specs = resolve_tp_shard_specs(transformer, type(transformer)._tp_plan, self.mesh.size())
+            self.specs = shard_specs(transformer, self.mesh.size())
 
     def local(self, name: str) -> torch.Tensor:
         """The rank's own tensor for ``module.weight`` (a view: writing it changes the model)."""
@@ -255,12 +254,12 @@ class _Slices:
         spec = self.specs.get(name)
         sharded = spec is not None and spec.dim is not None
         if sharded and not isinstance(tensor, DTensor):
-            raise OpError(f"{name} should be sharded by the model's _tp_plan but is whole on this rank")
+            raise OpError(f"{name} should be sharded by the model's tensor-parallel plan but is whole on this rank")
         if isinstance(tensor, DTensor):
             expected = Replicate() if spec is None or spec.dim is None else Shard(spec.dim)
             if tuple(tensor.placements) != (expected,):
                 raise OpError(
-                    f"{name} is placed {tensor.placements} on this rank, not as the model's _tp_plan says "
+                    f"{name} is placed {tensor.placements} on this rank, not as the model's tensor-parallel plan says "
                     f"({expected}); the pack cannot merge a LoRA into it"
                 )
             tensor = tensor.to_local()

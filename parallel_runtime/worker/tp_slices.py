@@ -1,6 +1,6 @@
 """A tensor-parallel transformer read slice by slice: each rank copies only its own part of every weight the model's
-``_tp_plan`` shards, straight from the safetensors files into the tensor it keeps, so no rank holds the whole model,
-not even while loading.
+tensor-parallel plan (``families.tp_plan``: diffusers' ``_tp_plan``, or the pack's) shards, straight from the
+safetensors files into the tensor it keeps, so no rank holds the whole model, not even while loading.
 
 diffusers 0.42.1's own tensor-parallel load (``from_pretrained(parallel_config=TensorParallelConfig(...))``) reads
 slices too, but it makes each one in the file's dtype first and then casts it (and concatenates the blocks of a
@@ -20,6 +20,10 @@ bias), the rest whole, diffusers' own tensor-parallel forward hooks, and ``_para
 guards (no adapters, no ``enable_parallelism``) and the pack's fused LoRAs (``worker/lora.py``) see it as diffusers
 sharded it. The slicing arithmetic is diffusers' (``resolve_tp_shard_specs`` gives each weight's dimension and
 blocks; a rank takes its equal part of every block).
+
+A plan the pack writes may also name what diffusers' plan form cannot say (``families.TensorParallelPlan``): RMSNorms
+over all the heads, which become ``HeadShardedRMSNorm`` (each rank normalises its own columns with the mean square of
+the whole row, summed over the TP ranks), and attention modules whose ``heads`` count becomes the rank's share.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import os
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .ops import OpError
+from ..families import TensorParallelPlan, tp_plan
+from .ops import OpError, WidgetError
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -51,6 +57,85 @@ def weight_files(model_dir: str) -> list[str]:
         f"{folder} has no {SAFETENSORS_WEIGHTS_NAME} (nor its .index.json): tensor_parallel reads each rank's slice "
         "of a safetensors file; save the model with safe_serialization=True, or pick another strategy"
     )
+
+
+def _planned(model: torch.nn.Module, pattern: str) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """(parent, attribute, module) of each module a plan's glob names (one ``*`` over a ModuleList, as diffusers'
+    ``_tp_plan`` keys), leaving out those the model's config does not build (None or absent: Wan T2V has no image
+    projections). A name that is neither fails loudly: ``get_submodule`` raises for a wrong path."""
+    prefix, star, suffix = pattern.partition("*")
+    containers = model.get_submodule(prefix.strip(".")) if star else [model]
+    path = suffix.strip(".") if star else pattern
+    parent_path, _, attribute = path.rpartition(".")
+    for container in containers:
+        parent = container.get_submodule(parent_path)
+        module = getattr(parent, attribute, None)
+        if module is not None:
+            yield parent, attribute, module
+
+
+def _plan_of(cls: type) -> TensorParallelPlan:
+    plan = tp_plan(cls.__name__)
+    if plan is None:
+        raise OpError(
+            f"{cls.__name__} has no tensor-parallel plan (neither diffusers' _tp_plan nor one the pack writes); "
+            "use context_parallel or data_parallel"
+        )
+    return plan
+
+
+def tp_layers(model: torch.nn.Module) -> dict:
+    """The layers of the model's tensor-parallel plan that this model has, in diffusers' ``_tp_plan`` form."""
+    layers = _plan_of(type(model)).layers
+    return {pattern: style for pattern, style in layers.items() if next(_planned(model, pattern), None) is not None}
+
+
+def shard_specs(model: torch.nn.Module, ranks: int) -> dict:
+    """diffusers' ``TPShardSpec`` of every weight the model's plan splits over ``ranks``, by the weight's name."""
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+    try:
+        return resolve_tp_shard_specs(model, tp_layers(model), ranks)
+    except ValueError as e:  # a width the strategy's checks did not know of: refused before any weight is read
+        raise WidgetError("tp_degree", f"{e} Use a tp_degree that divides it (and as many ranks)") from None
+
+
+class HeadShardedRMSNorm(torch.nn.Module):
+    """An RMSNorm over a width whose columns are split over the TP ranks (all the heads of a colwise projection): each
+    rank normalises its own columns by the mean square of the whole row, summed over the ranks, and scales them by its
+    part of the weight, so the result is the rank's columns of the whole norm. The weight stays whole (it is small),
+    under its own name, so the model's tensors keep their names and shapes and a LoRA that changes it still fits."""
+
+    def __init__(self, norm: torch.nn.RMSNorm, mesh: DeviceMesh):
+        super().__init__()
+        (self.width,) = norm.normalized_shape
+        self.eps = norm.eps
+        self.weight = norm.weight
+        self.group, self.rank, self.ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        columns = hidden_states.shape[-1]
+        if columns * self.ranks != self.width:
+            raise RuntimeError(f"a rank's {columns} columns × {self.ranks} ranks is not the norm's width {self.width}")
+        upcast = hidden_states.float()
+        squares = upcast.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares, group=self.group)
+        eps = self.eps if self.eps is not None else torch.finfo(hidden_states.dtype).eps
+        normed = upcast * torch.rsqrt(squares / self.width + eps)
+        if self.weight is not None:
+            normed = normed * self.weight.narrow(0, self.rank * columns, columns).float()
+        return normed.type_as(hidden_states)
+
+
+def split_heads(model: torch.nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
+    """What a plan needs beyond its layers, once they are split over ``mesh``: its norms over all the heads reduce over
+    the ranks, and its attention modules count the rank's heads."""
+    for pattern in plan.head_norms:
+        for parent, attribute, norm in _planned(model, pattern):
+            setattr(parent, attribute, HeadShardedRMSNorm(norm, mesh))
+    for pattern in plan.head_counts:
+        for _, _, attention in _planned(model, pattern):
+            attention.heads //= mesh.size()
 
 
 def _parts(
@@ -79,12 +164,13 @@ def _target_dtype(key: str, stored: torch.dtype, dtype: torch.dtype, keep_in_fp3
 def load_tensor_parallel(
     cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, mesh: DeviceMesh
 ) -> torch.nn.Module:
-    """This rank's ``cls`` transformer from ``model_dir``, sharded over ``mesh`` by the class's ``_tp_plan``
-    (collective only where diffusers' forward hooks are: every rank of ``mesh`` calls it together)."""
+    """This rank's ``cls`` transformer from ``model_dir``, sharded over ``mesh`` by the class's tensor-parallel plan
+    (``families.tp_plan``; collective only where diffusers' forward hooks and the plan's head norms are: every rank of
+    ``mesh`` calls it together)."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from diffusers import TensorParallelConfig
-    from diffusers.hooks.tensor_parallel import _check_tp_supported, apply_tensor_parallel, resolve_tp_shard_specs
+    from diffusers.hooks.tensor_parallel import _check_tp_supported, apply_tensor_parallel
     from diffusers.models.modeling_utils import no_init_weights
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -97,8 +183,9 @@ def load_tensor_parallel(
             "config.json), which tensor parallelism cannot shard; use an unquantized (bf16 / fp16) folder, or "
             "another strategy"
         )
+    plan = _plan_of(cls)
     tp_config = TensorParallelConfig(mesh=mesh)
-    _check_tp_supported(cls.__name__, cls._tp_plan, config.get("num_attention_heads"), tp_config)
+    _check_tp_supported(cls.__name__, plan.layers, config.get("num_attention_heads"), tp_config)
     files = weight_files(model_dir)
 
     # As from_pretrained builds it: on the meta device, under the run dtype, no initialisation run.
@@ -110,7 +197,7 @@ def load_tensor_parallel(
         if previous is not None:
             torch.set_default_dtype(previous)
     model._resolve_parallel_config(tp_config)  # records the config on the model, as from_pretrained does
-    specs = resolve_tp_shard_specs(model, cls._tp_plan, mesh.size())
+    specs = shard_specs(model, mesh.size())
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
     keep_in_fp32 = cls._keep_in_fp32_modules or []
     rank, ranks = mesh.get_local_rank(), mesh.size()
@@ -170,5 +257,6 @@ def load_tensor_parallel(
     model.eval()
     # Every planned weight is placed already: this registers diffusers' forward hooks only.
     tp_config = model._parallel_config.tensor_parallel_config
-    apply_tensor_parallel(model, tp_config, cls._tp_plan, weights_already_sharded=True)
+    apply_tensor_parallel(model, tp_config, tp_layers(model), weights_already_sharded=True)
+    split_heads(model, plan, mesh)
     return model
