@@ -111,6 +111,12 @@ def _tensors(folder, component):
     return out
 
 
+def _same_experts(folder, reference):
+    for component in ("transformer", "transformer_2"):
+        ours, theirs = _tensors(folder, component), _tensors(reference, component)
+        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs), component
+
+
 def _config(folder, component):
     with open(os.path.join(folder, component, "config.json")) as f:
         return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
@@ -151,11 +157,15 @@ def test_wan_converted_folder_is_the_diffusers_folder(tiny, fmt):
     assert tokenizer.model_max_length == wan_files.MAX_SEQUENCE_LENGTH
 
 
-def _video(folder, pipeline, steps, components=None, **kwargs):
-    pipe = pipeline.from_pretrained(folder, torch_dtype=torch.float32, **(components or {}))
+def _video(folder, pipeline, steps, **kwargs):
+    pipe = pipeline.from_pretrained(folder, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    return _run(pipe, steps, **kwargs), pipe
+
+
+def _run(pipe, steps, **kwargs):
     frames = pipe(
-        PROMPT,
+        prompt=PROMPT,
         negative_prompt="blurry",
         height=32,
         width=32,
@@ -166,7 +176,7 @@ def _video(folder, pipeline, steps, components=None, **kwargs):
         output_type="np",
         **kwargs,
     ).frames
-    return torch.as_tensor(frames), pipe
+    return torch.as_tensor(frames)
 
 
 def test_wan21_converted_runs_as_the_diffusers_folder(tiny):
@@ -194,9 +204,7 @@ def test_wan22_experts_convert_and_run_as_the_diffusers_folder(tiny):
     assert (plan.variant, plan.transformer_2.widget) == ("Wan 2.2 A14B T2V", "diffusion_model_2")
     name, _ = jobs.model_from_comfy_files(**names)
     folder = os.path.join(base, "converted", name)
-    for component in ("transformer", "transformer_2"):
-        ours, theirs = _tensors(folder, component), _tensors(reference, component)
-        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs), component
+    _same_experts(folder, reference)
     with open(os.path.join(folder, "model_index.json")) as f:
         assert json.load(f)["boundary_ratio"] == wan_files.WAN22_T2V_BOUNDARY
     ours, pipe = _video(folder, WanPipeline, 4, guidance_scale_2=3.0)
@@ -206,7 +214,8 @@ def test_wan22_experts_convert_and_run_as_the_diffusers_folder(tiny):
     boundary = wan_files.WAN22_T2V_BOUNDARY * pipe.scheduler.config.num_train_timesteps
     assert any(t < boundary for t in pipe.scheduler.timesteps) and any(t >= boundary for t in pipe.scheduler.timesteps)
     # The high-noise expert on every step makes another video: the converted low-noise expert ran.
-    one_expert, _ = _video(folder, WanPipeline, 4, {"transformer_2": pipe.transformer}, guidance_scale_2=3.0)
+    pipe.transformer_2 = pipe.transformer
+    one_expert = _run(pipe, 4, guidance_scale_2=3.0)
     assert not torch.allclose(ours, one_expert, atol=1e-3)
 
 
@@ -278,3 +287,30 @@ def test_wan_refusals_name_the_input(tiny):
     ti2v = {**transformer, "patch_embedding.weight": torch.zeros(256, 48, 1, 2, 2, dtype=torch.bfloat16)}
     _refused({**names, "diffusion_model": _write(models, "diffusion_models", "ti2v.safetensors", ti2v)},
              "diffusion_model", "TI2V-5B")  # fmt: skip
+
+
+@pytest.mark.slow  # a second pipeline of two experts; Wan 2.2 A14B T2V's runs by default
+def test_wan22_i2v_experts_convert_and_run_as_the_diffusers_folder(tiny):
+    """Wan 2.2 A14B I2V from its two files: WanImageToVideoPipeline without an image encoder (the start image enters
+    through its latents), both experts bit for bit, its boundary, and the video from a start image equal to the
+    diffusers folder's."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files
+
+    base, models, _, _ = tiny
+    made = make_tiny_wan_files(str(models), str(base / "reference"), seed=2, formats=("bf16",), experts=True, i2v=True)
+    names, reference = made["bf16"]
+    plan = jobs.validate_comfy_files(**names)
+    assert plan.variant == "Wan 2.2 A14B I2V"
+    name, _ = jobs.model_from_comfy_files(**names)
+    folder = os.path.join(base, "converted", name)
+    _same_experts(folder, reference)
+    with open(os.path.join(folder, "model_index.json")) as f:
+        index = json.load(f)
+    assert (index["_class_name"], index["boundary_ratio"]) == ("WanImageToVideoPipeline", wan_files.WAN22_I2V_BOUNDARY)
+    image = Image.fromarray((torch.arange(32 * 32 * 3) % 251).reshape(32, 32, 3).to(torch.uint8).numpy())
+    ours, _ = _video(folder, WanImageToVideoPipeline, 2, image=image)
+    theirs, _ = _video(reference, WanImageToVideoPipeline, 2, image=image)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
