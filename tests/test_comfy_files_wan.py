@@ -157,6 +157,30 @@ def test_wan_converted_folder_is_the_diffusers_folder(tiny, fmt):
     assert tokenizer.model_max_length == wan_files.MAX_SEQUENCE_LENGTH
 
 
+def test_wan_scaled_fp8_text_encoder_is_dequantized(tiny):
+    """ComfyUI's umt5_xxl_fp8_e4m3fn_scaled layout (fp8 matrices, a ``scale_weight`` each, the ``scaled_fp8`` marker,
+    the SentencePiece model beside them): the converted text encoder is rewritten (not linked) as weight × scale in
+    bf16 without ComfyUI's bookkeeping or the tokenizer data, and the tokenizer is still made from the file."""
+    from parallel_runtime.families.tiny import quantized
+
+    base, models, made, _ = tiny
+    names, _ = made["bf16"]
+    source = load_file(os.path.join(models, "text_encoders", names["text_encoder"]))
+    spiece = source.pop(wan_files.SPIECE_KEY)
+    stored, expected = quantized(source, "fp8_scaled", {k: [k] for k in source}, dict)
+    fp8 = _write(models, "text_encoders", "tiny_umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+                 {**stored, wan_files.SPIECE_KEY: spiece})  # fmt: skip
+    assert stored["encoder.block.0.layer.0.SelfAttention.q.weight"].dtype == torch.float8_e4m3fn
+    name, _ = jobs.model_from_comfy_files(**{**names, "text_encoder": fp8})
+    folder = os.path.join(base, "converted", name)
+    written = os.path.join(folder, "text_encoder", "model.safetensors")
+    assert not os.path.islink(written)
+    ours = load_file(written)
+    assert set(ours) == set(expected)
+    assert all(ours[k].dtype == v.dtype and torch.equal(ours[k], v) for k, v in expected.items())
+    assert os.path.isfile(os.path.join(folder, "tokenizer", "spiece.model"))
+
+
 def _video(folder, pipeline, steps, **kwargs):
     pipe = pipeline.from_pretrained(folder, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
