@@ -259,9 +259,9 @@ def _refused(names, widget, *words):
 
 def test_wan_refusals_name_the_input(tiny):
     """Each file that does not fit is refused at validation, naming its widget and what to pick instead: an expert
-    without its pair, the experts swapped, Wan 2.2 I2V's high-noise expert alone, a second transformer for a model of
-    one, files cut short, T5 for UMT5, a text encoder without its tokenizer, Wan 2.2's VAE, and the Wan models this
-    pack does not convert."""
+    without its pair, the experts swapped, Wan 2.2 I2V's high-noise expert alone, a second expert of another size or
+    not Wan's, a second transformer for a family of one, files cut short, T5 for UMT5, a text encoder without its
+    tokenizer, Wan 2.2's VAE, and the Wan models this pack does not convert."""
     _, models, made, (expert_names, _) = tiny
     names, _ = made["bf16"]
     transformer = load_file(os.path.join(models, "diffusion_models", names["diffusion_model"]))
@@ -282,6 +282,10 @@ def test_wan_refusals_name_the_input(tiny):
     vae = load_file(os.path.join(models, "vae", names["vae"]))
     not_wan = _write(models, "diffusion_models", "not_wan.safetensors", vae)
     _refused({**expert_names, "diffusion_model_2": not_wan}, "diffusion_model_2", "not a Wan transformer")
+    # A family of one transformer (Qwen-Image's keys) is refused a second before its files are read further.
+    qwen = {"txt_norm.weight": torch.zeros(4), "transformer_blocks.0.img_mod.1.weight": torch.zeros(4, 4)}
+    qwen_names = {**expert_names, "diffusion_model": _write(models, "diffusion_models", "qwen.safetensors", qwen)}
+    _refused(qwen_names, "diffusion_model_2", "Qwen-Image takes one transformer", "none")
     short = {k: v for k, v in transformer.items() if not k.startswith("blocks.1.ffn.")}
     _refused({**names, "diffusion_model": _write(models, "diffusion_models", "short.safetensors", short)},
              "diffusion_model", "lacks blocks.1.ffn.0.bias")  # fmt: skip
