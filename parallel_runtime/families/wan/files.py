@@ -28,8 +28,8 @@ What the shapes cannot tell, and how it is decided:
 - which expert is which: the widget (``diffusion_model`` the high-noise one, ``diffusion_model_2`` the low-noise);
 - T2V or I2V: the transformer's input channels (16: T2V; 36: the noise, a mask and the start image's latents),
   and Wan 2.1 I2V by its image embedding (``img_emb``);
-- the scheduler's flow shift and the experts' boundary: the published ones (Wan's own configs: shift 3 for Wan 2.1,
-  12 with boundary 0.875 for Wan 2.2 T2V A14B, 5 with boundary 0.9 for its I2V).
+- the scheduler's flow shift and the experts' boundary: the published ones (shift 3 for Wan 2.1, as Wan-AI's diffusers
+  folders; 12 with boundary 0.875 for Wan 2.2 T2V A14B, 5 with boundary 0.9 for its I2V, as Wan 2.2's own configs).
 
 Refused by name: Wan 2.1 I2V (it also needs the CLIP vision file, which this node does not take), Wan 2.2 TI2V-5B and
 its 48-channel VAE (not converted yet), and the other Wan models (VACE, FLF2V, Fun camera, S2V, HuMo, Animate); a
@@ -65,7 +65,8 @@ ROPE_MAX_SEQ_LEN = 1024
 # The transformer's input channels: T2V the noise; I2V the noise, a 4-channel mask and the start image's latents.
 T2V_CHANNELS = 16
 I2V_CHANNELS = 36
-# The two experts' switch (``boundary_ratio``) and the scheduler's flow shift, per model (Wan's own configs).
+# The two experts' switch (``boundary_ratio``) and the scheduler's flow shift, per model: Wan 2.2's from the original
+# repository's configs (``boundary``, ``sample_shift``), Wan 2.1's Wan-AI's diffusers folders' (3.0, for 480p).
 WAN22_T2V_BOUNDARY, WAN22_T2V_SHIFT = 0.875, 12.0
 WAN22_I2V_BOUNDARY, WAN22_I2V_SHIFT = 0.9, 5.0
 WAN21_SHIFT = 3.0
