@@ -10,7 +10,7 @@ from parallel_runtime.families import FILES_LAYOUTS, join_words
 from . import comfy
 from .types import CATEGORY
 
-WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae")
+WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae", "diffusion_model_2")
 # A model name for a combo input: a plain "COMBO" output type (io.Combo.Output's type is its list of options, which
 # ComfyUI's link check compares with the input's "COMBO" and refuses).
 ModelName = io.Custom("COMBO")
@@ -75,6 +75,17 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                     "vae",
                     options=comfy_files.widget_options("vae"),
                     tooltip=(f"The VAE from models/vae: {join_words(_picked('vae', whose=True), 'or')}."),
+                ),
+                io.Combo.Input(
+                    "diffusion_model_2",
+                    options=comfy_files.widget_options("diffusion_model_2"),
+                    default=comfy_files.NO_FILE,
+                    optional=True,
+                    tooltip=(
+                        "A second transformer from models/diffusion_models (or unet): "
+                        f"{join_words(_picked('diffusion_model_2'), 'or')}, with the high-noise expert in "
+                        "diffusion_model; none for every other model."
+                    ),
                 ),
             ],
             outputs=[

@@ -63,6 +63,7 @@ FOLDERS = {
     "text_encoder": ("text_encoders", "clip"),
     "text_encoder_2": ("text_encoders", "clip"),
     "vae": ("vae",),
+    "diffusion_model_2": ("diffusion_models", "unet"),
 }
 USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
 SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
@@ -267,6 +268,7 @@ class FilesPlan:
     Args:
         family: the family adapter's key; variant: what the user has ("FLUX.1-dev", "FLUX.1-schnell", "Qwen-Image").
         transformer, text_encoders, vae: the files (text_encoders in the pipeline's order).
+        transformer_2: a second transformer (Wan 2.2 A14B's low-noise expert), or None.
         name: the model name the nodes take (the folder's name below ``converted_root``); folder: its path.
         configs: each component's config.
         write_bytes: what the conversion writes to disk (links cost nothing).
@@ -283,21 +285,24 @@ class FilesPlan:
     configs: dict[str, dict]
     write_bytes: int
     contents: FilesContents
+    transformer_2: SourceFile | None = None
 
     @property
     def converted(self) -> bool:
         return os.path.isfile(os.path.join(self.folder, "model_index.json"))
 
 
-# The value of a text-encoder widget its family does not use (ComfyUI's combos need a value).
+# The value of a widget its family does not use (ComfyUI's combos need a value).
 NO_FILE = "none"
+# The widgets a family may leave at NO_FILE: a second text encoder, a second transformer (Wan 2.2 A14B's two experts).
+OPTIONAL_WIDGETS = ("text_encoder_2", "diffusion_model_2")
 
 
 def widget_options(widget: str) -> list[str]:
-    """What a widget's combo offers: its folder's files, and for ``text_encoder_2`` first "none" (families with one
-    text encoder leave it there)."""
+    """What a widget's combo offers: its folder's files, and for the optional widgets first "none" (families with one
+    text encoder or one transformer leave them there)."""
     files = list_files(widget)
-    return [NO_FILE, *files] if widget == "text_encoder_2" else files
+    return [NO_FILE, *files] if widget in OPTIONAL_WIDGETS else files
 
 
 def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
@@ -383,7 +388,21 @@ def _text_encoders(layout: FilesLayout, picked: dict[str, str]) -> list[SourceFi
     return files
 
 
-def plan_files(diffusion_model: str, text_encoder: str, text_encoder_2: str, vae: str) -> FilesPlan:
+def _second_transformer(layout: FilesLayout, value: str) -> SourceFile | None:
+    """``diffusion_model_2``'s file, read, for a layout that takes one; a layout that does not takes "none"."""
+    if value in ("", NO_FILE):
+        return None
+    if "diffusion_model_2" not in layout.widget_files:
+        raise InvalidInput(
+            "diffusion_model_2",
+            f"{layout.name} takes one transformer, in diffusion_model; set diffusion_model_2 to none",
+        )
+    return read_file("diffusion_model_2", value, "diffusion_model_2")
+
+
+def plan_files(
+    diffusion_model: str, text_encoder: str, text_encoder_2: str, vae: str, diffusion_model_2: str = NO_FILE
+) -> FilesPlan:
     """The widgets' files read (headers only) and checked, the family told by the transformer's keys (its
     ``FilesLayout`` says what the folder holds), and the cache folder named. Raises InvalidInput naming the widget and
     the fix."""
@@ -391,8 +410,13 @@ def plan_files(diffusion_model: str, text_encoder: str, text_encoder_2: str, vae
     layout, variant = _layout_of(transformer)
     encoders = _text_encoders(layout, {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2})
     vae_file = read_file("vae", vae, "vae")
-    contents = layout.contents(variant, transformer, encoders, vae_file)
-    files = (transformer, *contents.text_encoders, vae_file)
+    transformer_2 = _second_transformer(layout, diffusion_model_2)
+    if transformer_2 is None:  # the layouts of one transformer are never given a second
+        contents = layout.contents(variant, transformer, encoders, vae_file)
+    else:
+        contents = layout.contents(variant, transformer, encoders, vae_file, transformer_2=transformer_2)
+    # A second transformer is the last identity, so a folder converted before it existed keeps its name.
+    files = (transformer, *contents.text_encoders, vae_file, *([transformer_2] if transformer_2 else []))
     key = hashlib.sha256(json.dumps([CONVERSION_VERSION, [f.identity for f in files]]).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(transformer.path))[0]
     name = f"{stem}-{key}"
@@ -407,6 +431,7 @@ def plan_files(diffusion_model: str, text_encoder: str, text_encoder_2: str, vae
         configs={c.name: c.config for c in contents.components},
         write_bytes=sum(_write_bytes(c) for c in contents.components),
         contents=contents,
+        transformer_2=transformer_2,
     )
 
 

@@ -53,6 +53,7 @@ GROWN_AFTER_0_1_0 = {
     "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler"],  # img2img, inpainting; the samplers
     "LoadShardedTransformer": ["cache", "cache_threshold"],  # step caching
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
+    "ParallelModelFromComfyFiles": ["diffusion_model_2"],  # Wan 2.2 A14B's low-noise expert
 }
 CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
 for _node_id, _grown in GROWN_AFTER_0_1_0.items():

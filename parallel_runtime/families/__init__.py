@@ -15,6 +15,7 @@ from .files import FilesLayout
 from .flux import Flux1, Flux1Files
 from .flux2 import Flux2, Flux2Files
 from .qwenimage import QwenImage, QwenImageFiles
+from .wan.files import WanFiles
 from .wan.tp_plan import WAN_TP_PLAN
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
@@ -24,7 +25,7 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
 )
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.
-FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(), Flux2Files(), QwenImageFiles())
+FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(), Flux2Files(), QwenImageFiles(), WanFiles())
 
 # The tensor-parallel plans the pack writes (``families/<key>/tp_plan.py``), by the transformer class they split: for
 # classes whose diffusers ships no ``_tp_plan``.

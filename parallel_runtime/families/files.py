@@ -157,7 +157,8 @@ class FilesLayout(abc.ABC):
         variants: the variants it converts, for the node's description ("FLUX.1 (dev and schnell)").
         transformer_layout: the keys its transformer file has, for the refusal of one that fits no family.
         widget_files: per widget it takes (in the node's order), what the user picks there, for the node's tooltips
-            and messages ("CLIP-L (clip_l.safetensors)"; the first file named is the example).
+            and messages ("CLIP-L (clip_l.safetensors)"; the first file named is the example). A layout that names
+            ``diffusion_model_2`` takes a second transformer there (Wan 2.2 A14B's low-noise expert).
     """
 
     family: ClassVar[str]
@@ -178,10 +179,16 @@ class FilesLayout(abc.ABC):
 
     @abc.abstractmethod
     def contents(
-        self, variant: str, transformer: SourceHeader, text_encoders: list[SourceHeader], vae: SourceHeader
+        self,
+        variant: str,
+        transformer: SourceHeader,
+        text_encoders: list[SourceHeader],
+        vae: SourceHeader,
+        transformer_2: SourceHeader | None = None,
     ) -> FilesContents:
         """The folder's contents from the headers (``text_encoders`` in ``text_encoder_widgets``' order), after checking
-        that the files are this family's and fit together; ``InvalidInput`` naming the widget and the fix otherwise."""
+        that the files are this family's and fit together; ``InvalidInput`` naming the widget and the fix otherwise.
+        ``transformer_2`` (``diffusion_model_2``'s file) is given only to a layout whose ``widget_files`` name it."""
 
 
 def count(shapes: Shapes, pattern: str) -> int:

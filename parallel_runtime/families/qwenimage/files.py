@@ -244,7 +244,8 @@ def vae_config(shapes: Shapes) -> dict:
     }
 
 
-def _wan_vae(checkpoint: dict) -> dict:
+def wan_vae_to_diffusers(checkpoint: dict) -> dict:
+    """Wan 2.1's VAE in its original layout as diffusers' (diffusers' own converter; Wan's layout uses it too)."""
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     return convert_wan_vae_to_diffusers(checkpoint)
@@ -322,7 +323,7 @@ class QwenImageFiles(FilesLayout):
                 Component("text_encoder", encoder, configs["text_encoder"], weights="model.safetensors"),
                 # Already in diffusers' keys: linked, or rewritten only to drop a prefix or undo fp8.
                 Component("transformer", transformer, configs["transformer"]),
-                Component("vae", vae, configs["vae"], convert=_wan_vae),
+                Component("vae", vae, configs["vae"], convert=wan_vae_to_diffusers),
             ),
             text_encoders=(encoder,),
         )

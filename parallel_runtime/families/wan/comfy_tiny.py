@@ -1,0 +1,232 @@
+"""A tiny Wan written as ComfyUI's own files (``make_tiny_wan_files``), with the diffusers folder of the same weights
+it must convert to; for tests, examples and benchmarks (a tiny builder: nothing the nodes import).
+
+The files are written by the inverse of diffusers' conversion, from the original model's own names (ComfyUI's
+``comfy/ldm/wan/model.py``: ``self_attn.q``, ``cross_attn.k_img``, ``norm3``, ``ffn.0``, ``modulation``, ``head.head``),
+never with diffusers' converters, so a test that compares the conversion with the diffusers folder is not circular
+(tests/test_comfy_files_wan.py also checks that diffusers' ``convert_wan_transformer_to_diffusers`` undoes
+``comfy_transformer`` exactly). The VAE's inverse is Qwen-Image's (the same Wan 2.1 VAE; ``qwenimage/tiny.py``'s
+``wan_vae``), shared on purpose.
+
+What ComfyUI's files do not carry is Wan's own: heads 128 wide, Wan 2.1's VAE shape (four levels, two residual
+blocks each) and the UMT5 tokenizer, here a small SentencePiece model trained offline on the tiny builders' words, held
+in the text-encoder file as ComfyUI's are (``spiece_model``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+
+import torch
+from diffusers import (
+    AutoencoderKLWan,
+    UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from safetensors.torch import save_file
+from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
+
+from ..qwenimage.tiny import wan_vae
+from ..tiny import FORMATS, WORDS, quantized, tagged_groups, write_formats
+from . import files as wan_files
+
+# diffusers' names → the original's, by prefix: the block's layers, then the model's.
+_BLOCK_NAMES = (
+    ("attn1.to_out.0", "self_attn.o"),
+    ("attn2.to_out.0", "cross_attn.o"),
+    ("attn2.add_k_proj", "cross_attn.k_img"),
+    ("attn2.add_v_proj", "cross_attn.v_img"),
+    ("attn2.norm_added_k", "cross_attn.norm_k_img"),
+    ("attn1.to_", "self_attn."),  # to_q, to_k, to_v → q, k, v
+    ("attn2.to_", "cross_attn."),
+    ("attn1.", "self_attn."),  # norm_q, norm_k
+    ("attn2.", "cross_attn."),
+    ("norm2", "norm3"),  # the norm before cross-attention: the original's third
+    ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"),
+    ("scale_shift_table", "modulation"),
+)
+_MODEL_NAMES = (
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
+    ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+    ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
+    ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
+    ("proj_out", "head.head"),
+    ("scale_shift_table", "head.modulation"),
+    ("patch_embedding", "patch_embedding"),
+)
+
+
+def _renamed(name: str, names: tuple[tuple[str, str], ...]) -> str:
+    for diffusers, original in names:
+        if name.startswith(diffusers):
+            return original + name[len(diffusers) :]
+    raise KeyError(f"no original name for {name!r}")
+
+
+def comfy_transformer(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``WanTransformer3DModel``'s state dict in the original Wan layout (ComfyUI's files, without their prefix)."""
+    out = {}
+    for key, value in sd.items():
+        if key.startswith("blocks."):
+            _, index, rest = key.split(".", 2)
+            out[f"blocks.{index}.{_renamed(rest, _BLOCK_NAMES)}"] = value
+        else:
+            out[_renamed(key, _MODEL_NAMES)] = value
+    return out
+
+
+def tiny_spiece_model() -> bytes:
+    """A small SentencePiece unigram model over the tiny builders' words, with T5's special ids (pad 0, eos 1, unk 2,
+    no bos), as UMT5's is; deterministic (one thread)."""
+    import sentencepiece
+
+    sentences = [" ".join(WORDS)] + [f"a {w} and the {v}" for w in WORDS for v in WORDS[:5]]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=80,
+        hard_vocab_limit=False,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def _tokenizer(spiece: bytes) -> T5Tokenizer:
+    with tempfile.TemporaryDirectory() as scratch:
+        with open(os.path.join(scratch, "spiece.model"), "wb") as f:
+            f.write(spiece)
+        return T5Tokenizer.from_pretrained(scratch, extra_ids=0, model_max_length=wan_files.MAX_SEQUENCE_LENGTH)
+
+
+def _transformer(in_channels: int) -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=wan_files.HEAD_DIM,
+        in_channels=in_channels,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=wan_files.EPS,
+    )
+
+
+def make_tiny_wan_files(
+    models_dir: str,
+    reference_root: str,
+    *,
+    seed: int = 0,
+    formats: tuple[str, ...] = FORMATS,
+    experts: bool = False,
+    i2v: bool = False,
+) -> dict[str, tuple[dict[str, str], str]]:
+    """Write a tiny Wan as ComfyUI's files under ``models_dir`` (one transformer file per format in ``formats``; with
+    ``experts``, Wan 2.2 A14B's two, the low-noise one in bf16; ``i2v`` for Wan 2.2 A14B I2V, which needs
+    ``experts``), and for each format a diffusers folder below ``reference_root`` with the same weights. Returns, per
+    format, the widgets' values (the node's five) and the reference folder."""
+    if not formats or set(formats) - set(FORMATS):
+        raise ValueError(f"formats must be some of {FORMATS}")
+    if i2v and not experts:
+        raise ValueError("Wan 2.1 I2V's files are not converted (it needs the CLIP vision file): i2v needs experts")
+    spiece = tiny_spiece_model()
+    tokenizer = _tokenizer(spiece)
+    in_channels = wan_files.I2V_CHANNELS if i2v else wan_files.T2V_CHANNELS
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer) + 16,  # padded past the tokenizer, as UMT5-XXL's 256384
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=32,
+                relative_attention_max_distance=128,
+                feed_forward_proj="gated-gelu",
+                dense_act_fn="gelu_new",
+                is_gated_act=True,
+                layer_norm_epsilon=1e-6,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+                tie_word_embeddings=False,
+            )
+        )
+        transformer = _transformer(in_channels)
+        low_noise = _transformer(in_channels) if experts else None
+        vae = AutoencoderKLWan(
+            base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+        )
+    text_encoder.to(torch.bfloat16)  # as ComfyUI's umt5_xxl_fp16 (bf16 here)
+    weights = transformer.state_dict()
+    transformer.to(torch.bfloat16)
+    shift = (wan_files.WAN22_I2V_SHIFT if i2v else wan_files.WAN22_T2V_SHIFT) if experts else wan_files.WAN21_SHIFT
+    scheduler = UniPCMultistepScheduler.from_config(
+        {k: v for k, v in wan_files.scheduler(shift).items() if not k.startswith("_")}
+    )
+    parts = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
+    if experts:
+        low_noise.to(torch.bfloat16)
+        boundary = wan_files.WAN22_I2V_BOUNDARY if i2v else wan_files.WAN22_T2V_BOUNDARY
+        parts |= {"transformer_2": low_noise, "boundary_ratio": boundary}
+    pipe = (WanImageToVideoPipeline if i2v else WanPipeline)(transformer=transformer, **parts)
+    kind = "i2v" if i2v else "t2v"
+    stem = f"tiny_wan2.2_{kind}_high_noise_14B" if experts else "tiny_wan2.1_t2v_1.3B"
+    # The text encoder's and the VAE's names carry the model's, so that several tiny Wans share a models folder.
+    names = {
+        "text_encoder": f"{stem}_umt5_xxl_bf16.safetensors",
+        "text_encoder_2": "none",
+        "vae": f"{stem}_wan_2.1_vae.safetensors",
+        "diffusion_model_2": f"tiny_wan2.2_{kind}_low_noise_14B_bf16.safetensors" if experts else "none",
+    }
+    files = [
+        (
+            "text_encoders",
+            names["text_encoder"],
+            {
+                # ComfyUI's T5 keeps the embedding once (``shared``); transformers ties the encoder's to it.
+                **{k: v for k, v in text_encoder.state_dict().items() if k != "encoder.embed_tokens.weight"},
+                wan_files.SPIECE_KEY: torch.frombuffer(bytearray(spiece), dtype=torch.uint8),
+            },
+        ),
+        ("vae", names["vae"], wan_vae(vae.state_dict())),
+    ]
+    if experts:
+        files.append(("diffusion_models", names["diffusion_model_2"], comfy_transformer(low_noise.state_dict())))
+    for folder, name, tensors in files:
+        os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, name))
+    groups = tagged_groups(weights, comfy_transformer)
+    return write_formats(
+        models_dir,
+        reference_root,
+        stem,
+        pipe,
+        names,
+        formats,
+        lambda fmt: quantized(weights, fmt, groups, comfy_transformer),
+    )

@@ -1,0 +1,434 @@
+"""Wan as ComfyUI distributes it: the single files' key layouts and the diffusers folder they make.
+
+ComfyUI keeps Wan as three files, four for Wan 2.2 A14B:
+
+- the transformer in the original Wan layout (``wan2.1_t2v_14B_bf16.safetensors``, ``..._fp8_scaled``,
+  ``wan2.1_t2v_1.3B_fp16.safetensors`` in ``models/diffusion_models``, often behind ComfyUI's
+  ``model.diffusion_model.`` prefix: ``patch_embedding``, ``blocks.N.self_attn.q``, ``blocks.N.cross_attn.k_img``,
+  ``blocks.N.modulation``, ``head.head``), moved tensor by tensor into ``WanTransformer3DModel``'s keys
+  (``transformer_moves``; a rename, nothing split or fused: tests/test_comfy_files_wan.py checks it against diffusers'
+  own ``convert_wan_transformer_to_diffusers``);
+- Wan 2.2 A14B's two experts, one file each (``wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors`` in
+  ``diffusion_model``, ``wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors`` in ``diffusion_model_2``): the pipeline's
+  ``transformer`` (high noise) and ``transformer_2`` (low noise), switched at the boundary timestep;
+- the text encoder, UMT5-XXL's encoder (``umt5_xxl_fp8_e4m3fn_scaled.safetensors`` / ``umt5_xxl_fp16`` in
+  ``models/text_encoders``) in transformers' own key names, with its SentencePiece model as a uint8 tensor
+  ``spiece_model`` (ComfyUI's tokenizer reads it from there): linked as it is (rewritten when fp8), the tokenizer
+  made from that model (``write_tokenizer``);
+- the VAE, Wan 2.1's (``wan_2.1_vae.safetensors``, which Wan 2.2 A14B uses too) in its original layout, through
+  diffusers' ``convert_wan_vae_to_diffusers``. Its shape checks and converter are Qwen-Image's (whose VAE is Wan
+  2.1's): shared on purpose, imported from ``families/qwenimage/files.py``.
+
+What the shapes cannot tell, and how it is decided:
+
+- heads are 128 wide in every Wan (ComfyUI assumes the same): the head count is the width over 128;
+- Wan 2.1 14B T2V and either Wan 2.2 A14B T2V expert have the same shapes: two transformer files make Wan 2.2
+  A14B, one makes Wan 2.1; a lone file whose name says it is an expert (``high_noise`` / ``low_noise``) is refused,
+  and so are the experts picked the wrong way round (by their names, when they say);
+- which expert is which: the widget (``diffusion_model`` the high-noise one, ``diffusion_model_2`` the low-noise);
+- T2V or I2V: the transformer's input channels (16: T2V; 36: the noise, a mask and the start image's latents),
+  and Wan 2.1 I2V by its image embedding (``img_emb``);
+- the scheduler's flow shift and the experts' boundary: the published ones (shift 3 for Wan 2.1, as Wan-AI's diffusers
+  folders; 12 with boundary 0.875 for Wan 2.2 T2V A14B, 5 with boundary 0.9 for its I2V, as Wan 2.2's own configs).
+
+Refused by name: Wan 2.1 I2V (it also needs the CLIP vision file, which this node does not take), Wan 2.2 TI2V-5B and
+its 48-channel VAE (not converted yet), and the other Wan models (VACE, FLF2V, Fun camera, S2V, HuMo, Animate); a
+diffusers folder runs what is refused here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import ClassVar
+
+from ...errors import InvalidInput
+from ..files import (
+    Component,
+    FilesContents,
+    FilesLayout,
+    Move,
+    Shapes,
+    SourceHeader,
+    TokenizerFromFile,
+    configs_from_shapes,
+    count,
+)
+from ..flux.files import t5_config
+from ..qwenimage import files as qwenimage_files
+
+# Every Wan's attention heads are 128 wide (not in the weights: the head count is the width over this).
+HEAD_DIM = 128
+# The transformer's constants (WanTransformer3DModel's defaults and the published configs): not in the weights.
+EPS = 1e-6
+ROPE_MAX_SEQ_LEN = 1024
+# The transformer's input channels: T2V the noise; I2V the noise, a 4-channel mask and the start image's latents.
+T2V_CHANNELS = 16
+I2V_CHANNELS = 36
+# The two experts' switch (``boundary_ratio``) and the scheduler's flow shift, per model: Wan 2.2's from the original
+# repository's configs (``boundary``, ``sample_shift``), Wan 2.1's Wan-AI's diffusers folders' (3.0, for 480p).
+WAN22_T2V_BOUNDARY, WAN22_T2V_SHIFT = 0.875, 12.0
+WAN22_I2V_BOUNDARY, WAN22_I2V_SHIFT = 0.9, 5.0
+WAN21_SHIFT = 3.0
+# The tokenizer's length: WanPipeline pads and cuts prompts to 512 tokens (ComfyUI pads to at least 512).
+MAX_SEQUENCE_LENGTH = 512
+SPIECE_KEY = "spiece_model"
+# Names that say a file is one of Wan 2.2 A14B's experts (ComfyUI's: wan2.2_t2v_high_noise_14B_...).
+HIGH_NOISE, LOW_NOISE = "high_noise", "low_noise"
+# The published sizes, by the transformer's width.
+SIZES = {1536: "1.3B", 5120: "14B"}
+
+
+def scheduler(flow_shift: float) -> dict:
+    """The scheduler of Wan-AI's diffusers folders: UniPC on flow sigmas, shifted by ``flow_shift``."""
+    return {
+        "_class_name": "UniPCMultistepScheduler",
+        "num_train_timesteps": 1000,
+        "beta_start": 0.0001,
+        "beta_end": 0.02,
+        "beta_schedule": "linear",
+        "trained_betas": None,
+        "solver_order": 2,
+        "prediction_type": "flow_prediction",
+        "thresholding": False,
+        "dynamic_thresholding_ratio": 0.995,
+        "sample_max_value": 1.0,
+        "predict_x0": True,
+        "solver_type": "bh2",
+        "lower_order_final": True,
+        "disable_corrector": [],
+        "solver_p": None,
+        "use_karras_sigmas": False,
+        "use_exponential_sigmas": False,
+        "use_beta_sigmas": False,
+        "use_flow_sigmas": True,
+        "flow_shift": flow_shift,
+        "timestep_spacing": "linspace",
+        "steps_offset": 0,
+        "final_sigmas_type": "zero",
+        "rescale_betas_zero_snr": False,
+    }
+
+
+# -- the transformer ---------------------------------------------------------------------------------------------
+def is_transformer(shapes: Shapes) -> bool:
+    """Wan's transformer in the original layout (ComfyUI and diffusers tell it by ``head.modulation``)."""
+    return "head.modulation" in shapes and "patch_embedding.weight" in shapes
+
+
+# Wan models ComfyUI tells by a key of their own (comfy/model_detection.py), which this pack does not run.
+OTHER_MODELS = (
+    ("vace_patch_embedding.weight", "Wan VACE"),
+    ("control_adapter.conv.weight", "Wan Fun camera control"),
+    ("casual_audio_encoder.encoder.final_linear.weight", "Wan 2.2 S2V"),
+    ("audio_proj.audio_proj_glob_1.layer.bias", "HuMo"),
+    ("face_adapter.fuser_blocks.0.k_norm.weight", "Wan 2.2 Animate"),
+    ("img_emb.emb_pos", "Wan FLF2V (first and last frame)"),
+    ("ref_conv.weight", "Wan Fun (a reference image)"),
+)
+
+
+def transformer_config(shapes: Shapes) -> dict:
+    """``WanTransformer3DModel``'s config from the file's shapes (ComfyUI's model_detection reads the same)."""
+    inner, in_channels, *patch = shapes["patch_embedding.weight"]
+    if inner % HEAD_DIM:
+        raise ValueError(f"a width of {inner}, which is not {HEAD_DIM}-wide heads (every Wan's)")
+    image = "img_emb.proj.0.weight" in shapes
+    return {
+        "_class_name": "WanTransformer3DModel",
+        "patch_size": list(patch),
+        "num_attention_heads": inner // HEAD_DIM,
+        "attention_head_dim": HEAD_DIM,
+        "in_channels": in_channels,
+        "out_channels": shapes["head.head.weight"][0] // (patch[0] * patch[1] * patch[2]),
+        "text_dim": shapes["text_embedding.0.weight"][1],
+        "freq_dim": shapes["time_embedding.0.weight"][1],
+        "ffn_dim": shapes["blocks.0.ffn.0.weight"][0],
+        "num_layers": count(shapes, r"blocks\.(\d+)\."),
+        "cross_attn_norm": "blocks.0.norm3.weight" in shapes,
+        "qk_norm": "rms_norm_across_heads" if "blocks.0.self_attn.norm_q.weight" in shapes else None,
+        "eps": EPS,
+        "image_dim": shapes["img_emb.proj.0.weight"][0] if image else None,
+        "added_kv_proj_dim": inner if image else None,
+        "rope_max_seq_len": ROPE_MAX_SEQ_LEN,
+        "pos_embed_seq_len": None,
+    }
+
+
+def transformer_moves(config: dict) -> list[Move]:
+    """Every tensor of ``WanTransformer3DModel`` and its key in the original Wan layout (a rename, one to one)."""
+    moves: list[Move] = []
+
+    def layer(target: str, source: str, parts: tuple[str, ...] = ("weight", "bias")) -> None:
+        moves.extend(Move(f"{target}.{part}", f"{source}.{part}") for part in parts)
+
+    layer("patch_embedding", "patch_embedding")
+    embedder = "condition_embedder"
+    layer(f"{embedder}.time_embedder.linear_1", "time_embedding.0")
+    layer(f"{embedder}.time_embedder.linear_2", "time_embedding.2")
+    layer(f"{embedder}.time_proj", "time_projection.1")
+    layer(f"{embedder}.text_embedder.linear_1", "text_embedding.0")
+    layer(f"{embedder}.text_embedder.linear_2", "text_embedding.2")
+    if config["image_dim"] is not None:
+        for target, index in (("norm1", 0), ("ff.net.0.proj", 1), ("ff.net.2", 3), ("norm2", 4)):
+            layer(f"{embedder}.image_embedder.{target}", f"img_emb.proj.{index}")
+    for i in range(config["num_layers"]):
+        t, s = f"blocks.{i}", f"blocks.{i}"
+        for attn, original in (("attn1", "self_attn"), ("attn2", "cross_attn")):
+            for target, source in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o")):
+                layer(f"{t}.{attn}.{target}", f"{s}.{original}.{source}")
+            if config["qk_norm"] is not None:
+                layer(f"{t}.{attn}.norm_q", f"{s}.{original}.norm_q", ("weight",))
+                layer(f"{t}.{attn}.norm_k", f"{s}.{original}.norm_k", ("weight",))
+        if config["added_kv_proj_dim"] is not None:
+            layer(f"{t}.attn2.add_k_proj", f"{s}.cross_attn.k_img")
+            layer(f"{t}.attn2.add_v_proj", f"{s}.cross_attn.v_img")
+            layer(f"{t}.attn2.norm_added_k", f"{s}.cross_attn.norm_k_img", ("weight",))
+        if config["cross_attn_norm"]:
+            layer(f"{t}.norm2", f"{s}.norm3")  # the original's norm3 (before cross-attention) is diffusers' norm2
+        layer(f"{t}.ffn.net.0.proj", f"{s}.ffn.0")
+        layer(f"{t}.ffn.net.2", f"{s}.ffn.2")
+        moves.append(Move(f"{t}.scale_shift_table", f"{s}.modulation"))
+    layer("proj_out", "head.head")
+    moves.append(Move("scale_shift_table", "head.modulation"))
+    return moves
+
+
+def _expert(name: str) -> str | None:
+    """Which of Wan 2.2 A14B's experts a file's name says it is, or None."""
+    lower = os.path.basename(name).lower()
+    return next((which for which in (HIGH_NOISE, LOW_NOISE) if which in lower), None)
+
+
+# -- the text encoder --------------------------------------------------------------------------------------------
+def is_umt5(shapes: Shapes) -> bool:
+    """UMT5's encoder: T5's layout with a relative attention bias in every block (T5 has one, in the first)."""
+    return (
+        "shared.weight" in shapes and "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight" in shapes
+    )
+
+
+def umt5_config(shapes: Shapes) -> dict:
+    """UMT5-XXL's config (google/umt5-xxl's, which Wan-AI's text_encoder holds) at the file's sizes: T5 v1.1's read
+    of the shapes (FLUX.1's T5-XXL, shared on purpose), as the UMT5 model."""
+    return {**t5_config(shapes), "architectures": ["UMT5EncoderModel"], "model_type": "umt5"}
+
+
+def write_tokenizer(spiece: bytes, folder: str) -> None:
+    """The tokenizer WanPipeline takes (T5's, as google/umt5-xxl's) made from the text-encoder file's SentencePiece
+    model, the one ComfyUI's UMT5 tokenizer runs. ValueError when the data is not a SentencePiece model."""
+    import sentencepiece
+    from transformers import T5Tokenizer
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_proto=spiece)
+    except RuntimeError as e:
+        raise ValueError(f"not a SentencePiece model ({e})") from None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "spiece.model")
+    with open(path, "wb") as f:
+        f.write(spiece)
+    # No sentinel <extra_id_*> tokens: ComfyUI's tokenizer has none, and no prompt needs them.
+    T5Tokenizer.from_pretrained(folder, extra_ids=0, model_max_length=MAX_SEQUENCE_LENGTH).save_pretrained(folder)
+
+
+# -- the VAE -----------------------------------------------------------------------------------------------------
+def vae_config(shapes: Shapes) -> dict:
+    """``AutoencoderKLWan``'s config: Wan 2.1's VAE read as Qwen-Image's (the same VAE), the rest Wan's defaults."""
+    read = qwenimage_files.vae_config(shapes)
+    return {
+        "_class_name": "AutoencoderKLWan",
+        **{k: read[k] for k in ("base_dim", "z_dim", "dim_mult", "num_res_blocks", "attn_scales")},
+        **{k: read[k] for k in ("temperal_downsample", "dropout", "latents_mean", "latents_std")},
+        "in_channels": read["input_channels"],
+        "out_channels": shapes["decoder.head.2.weight"][0],
+    }
+
+
+# -- the layout --------------------------------------------------------------------------------------------------
+def model_index(i2v: bool, experts: bool) -> dict:
+    """model_index.json: WanPipeline, or WanImageToVideoPipeline without an image encoder (Wan 2.2 A14B I2V reads
+    the start image through its latents only); Wan 2.2 A14B with its second expert and their boundary."""
+    index = {
+        "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
+        "_diffusers_version": "0.42.1",
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5Tokenizer"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"] if experts else [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "boundary_ratio": (WAN22_I2V_BOUNDARY if i2v else WAN22_T2V_BOUNDARY) if experts else None,
+        "expand_timesteps": False,
+    }
+    if i2v:
+        index |= {"image_encoder": [None, None], "image_processor": [None, None]}
+    return index
+
+
+class WanFiles(FilesLayout):
+    """Wan 2.1 T2V (1.3B, 14B) and Wan 2.2 A14B (T2V, I2V; both experts): the transformer (Wan 2.2's high-noise expert)
+    in ``diffusion_model``, Wan 2.2's low-noise expert in ``diffusion_model_2``, UMT5-XXL in ``text_encoder``, Wan
+    2.1's VAE."""
+
+    family = "wan"
+    name = "Wan"
+    text_encoder_widgets = ("text_encoder",)
+    variants = "Wan 2.1 T2V (1.3B, 14B) and Wan 2.2 A14B (T2V and I2V, both experts)"
+    transformer_layout = "in Wan's original layout"
+    widget_files: ClassVar[Mapping[str, str]] = {
+        "diffusion_model": (
+            "wan2.1_t2v_14B_bf16.safetensors, wan2.1_t2v_1.3B_fp16.safetensors or an fp8 one; for Wan 2.2 A14B its "
+            "high-noise expert (wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors)"
+        ),
+        "text_encoder": "UMT5-XXL (umt5_xxl_fp8_e4m3fn_scaled.safetensors, or umt5_xxl_fp16)",
+        "vae": "wan_2.1_vae.safetensors",
+        "diffusion_model_2": "Wan 2.2 A14B's low-noise expert (wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors)",
+    }
+
+    def variant(self, shapes: Shapes) -> str | None:
+        if not is_transformer(shapes):
+            return None
+        for key, model in OTHER_MODELS:
+            if key in shapes:
+                raise InvalidInput(
+                    "diffusion_model",
+                    f"the file is {model}'s transformer, which this pack does not run; pick a Wan text-to-video or "
+                    "Wan 2.2 A14B file, or use a diffusers folder",
+                )
+        in_channels = shapes["patch_embedding.weight"][1]
+        if "img_emb.proj.0.weight" in shapes:
+            raise InvalidInput(
+                "diffusion_model",
+                "the file is Wan 2.1 I2V's transformer, which also needs the CLIP vision model (clip_vision_h), a "
+                "file this node does not take; use a diffusers folder of it (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers), "
+                "or Wan 2.2 A14B I2V's two files",
+            )
+        if in_channels not in (T2V_CHANNELS, I2V_CHANNELS):
+            raise InvalidInput(
+                "diffusion_model",
+                f"the file's transformer takes {in_channels} latent channels: Wan 2.2 TI2V-5B (48, with Wan 2.2's "
+                "VAE), whose ComfyUI files are not converted yet; use a diffusers folder "
+                "(Wan-AI/Wan2.2-TI2V-5B-Diffusers), or a Wan 2.1 / Wan 2.2 A14B file",
+            )
+        return "Wan I2V" if in_channels == I2V_CHANNELS else "Wan T2V"
+
+    def contents(
+        self,
+        variant: str,
+        transformer: SourceHeader,
+        text_encoders: list[SourceHeader],
+        vae: SourceHeader,
+        transformer_2: SourceHeader | None = None,
+    ) -> FilesContents:
+        (encoder,) = text_encoders
+        i2v = variant == "Wan I2V"
+        experts = self._experts(i2v, transformer, transformer_2)
+        if not is_umt5(encoder.shapes):
+            what = "T5-XXL (FLUX.1's t5xxl)" if "shared.weight" in encoder.shapes else "not UMT5-XXL"
+            raise InvalidInput(
+                encoder.widget,
+                f"{encoder.name!r} is {what}; Wan takes umt5_xxl_fp8_e4m3fn_scaled.safetensors (or umt5_xxl_fp16) "
+                "from models/text_encoders",
+            )
+        if SPIECE_KEY not in encoder.shapes:
+            raise InvalidInput(
+                encoder.widget,
+                f"{encoder.name!r} does not carry its tokenizer (ComfyUI's UMT5 files hold it as {SPIECE_KEY!r}); "
+                "pick umt5_xxl_fp8_e4m3fn_scaled.safetensors as ComfyUI distributes it, or use a diffusers folder",
+            )
+        if qwenimage_files.WAN22_VAE_KEY in vae.shapes:
+            raise InvalidInput(
+                vae.widget,
+                f"{vae.name!r} is Wan 2.2's 48-channel VAE (TI2V-5B's); Wan 2.1 and Wan 2.2 A14B use "
+                "wan_2.1_vae.safetensors: pick that",
+            )
+        if not qwenimage_files.is_vae(vae.shapes):
+            raise InvalidInput(
+                vae.widget, f"{vae.name!r} is not a Wan VAE in its original layout; pick wan_2.1_vae.safetensors"
+            )
+        derivations = [
+            ("transformer", transformer, transformer_config),
+            ("text_encoder", encoder, umt5_config),
+            ("vae", vae, vae_config),
+        ]
+        if experts is not None:
+            derivations.append(("transformer_2", experts, transformer_config))
+        configs = configs_from_shapes(derivations, "Wan")
+        if experts is not None and configs["transformer_2"] != configs["transformer"]:
+            raise InvalidInput(
+                experts.widget,
+                f"{experts.name!r} is not the same model as {transformer.name!r} (its sizes differ); pick the "
+                "low-noise expert of the same Wan 2.2 A14B",
+            )
+        model = configs["transformer"]
+        if configs["text_encoder"]["d_model"] != model["text_dim"]:
+            raise InvalidInput(
+                encoder.widget,
+                f"{encoder.name!r} is {configs['text_encoder']['d_model']} wide, but the transformer reads "
+                f"{model['text_dim']}-wide text: pick UMT5-XXL (umt5_xxl_fp8_e4m3fn_scaled.safetensors)",
+            )
+        if configs["vae"]["z_dim"] != model["out_channels"]:
+            raise InvalidInput(
+                vae.widget,
+                f"{vae.name!r} has {configs['vae']['z_dim']} latent channels, but the transformer makes "
+                f"{model['out_channels']}: pick wan_2.1_vae.safetensors",
+            )
+        moves = transformer_moves(model)
+        for file in (transformer, experts):
+            missing = sorted({m.source for m in moves} - set(file.shapes)) if file is not None else []
+            if missing:
+                raise InvalidInput(
+                    file.widget, f"{file.name!r} lacks {missing[0]} (cut short, or not Wan); pick Wan's complete file"
+                )
+        width = HEAD_DIM * model["num_attention_heads"]
+        size = SIZES.get(width, f"({model['num_layers']} layers, {width} wide)")
+        if experts is None:
+            named, shift = f"Wan 2.1 T2V {size}", WAN21_SHIFT
+        else:
+            named, shift = f"Wan 2.2 A14B {'I2V' if i2v else 'T2V'}", WAN22_I2V_SHIFT if i2v else WAN22_T2V_SHIFT
+        components = [
+            # Transformers' own names: linked as it is; the SentencePiece tensor rides along, unused by the model.
+            Component("text_encoder", encoder, configs["text_encoder"], weights="model.safetensors"),
+            Component("transformer", transformer, model, moves=tuple(moves)),
+        ]
+        if experts is not None:
+            components.append(Component("transformer_2", experts, model, moves=tuple(moves)))
+        components.append(Component("vae", vae, configs["vae"], convert=qwenimage_files.wan_vae_to_diffusers))
+        return FilesContents(
+            variant=named,
+            model_index=model_index(i2v, experts is not None),
+            scheduler=scheduler(shift),
+            tokenizers=(),
+            components=tuple(components),
+            text_encoders=(encoder,),
+            tokenizers_from_files=(TokenizerFromFile("tokenizer", encoder, SPIECE_KEY, write_tokenizer),),
+        )
+
+    @staticmethod
+    def _experts(i2v: bool, transformer: SourceHeader, transformer_2: SourceHeader | None) -> SourceHeader | None:
+        """Wan 2.2 A14B's low-noise expert, or None for Wan 2.1; refused where the files say otherwise (see the
+        module's docstring for what the shapes cannot tell)."""
+        first = _expert(transformer.name)
+        if transformer_2 is None:
+            if i2v or first is not None:
+                raise InvalidInput(
+                    "diffusion_model_2",
+                    f"{transformer.name!r} is one of Wan 2.2 A14B's two experts, which run together: pick the "
+                    "high-noise one in diffusion_model and the low-noise one "
+                    f"(e.g. wan2.2_{'i2v' if i2v else 't2v'}_low_noise_14B_fp8_scaled.safetensors) here",
+                )
+            return None
+        if not is_transformer(transformer_2.shapes):
+            raise InvalidInput(
+                transformer_2.widget,
+                f"{transformer_2.name!r} is not a Wan transformer; pick Wan 2.2 A14B's low-noise expert, or none",
+            )
+        if first == LOW_NOISE or _expert(transformer_2.name) == HIGH_NOISE:
+            raise InvalidInput(
+                "diffusion_model",
+                f"the experts are the wrong way round ({transformer.name!r} in diffusion_model, "
+                f"{transformer_2.name!r} in diffusion_model_2): pick the high-noise expert in diffusion_model and "
+                "the low-noise one in diffusion_model_2",
+            )
+        return transformer_2

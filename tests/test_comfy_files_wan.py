@@ -1,0 +1,344 @@
+"""ComfyUI's Wan files (``families/wan/files.py``, ``comfy_files``): the inverse layout (``families/wan/comfy_tiny.py``)
+against diffusers' own converter and the conversion's moves against the same converter, the converted folder bit for
+bit against the diffusers folder of the same model in every weight format, the tokenizer made from the file's
+SentencePiece model giving ComfyUI's token ids, ``WanPipeline`` on the converted folder equal to the diffusers folder's
+(Wan 2.1, and Wan 2.2 A14B's two experts from two files), and refusals that name the input.
+
+The tiny files come from ``parallel_runtime.families.wan.comfy_tiny.make_tiny_wan_files``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel_runtime import InvalidInput, jobs
+from parallel_runtime.comfy_files import apply_moves, group_moves
+from parallel_runtime.families.wan import files as wan_files
+
+PROMPT = "a photo of a cat on a red house"
+
+
+def _environment(models, converted):
+    saved = {k: os.environ.get(k) for k in ("COMFY_PARALLEL_COMFY_MODELS", "COMFY_PARALLEL_CONVERTED")}
+    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = str(models)
+    os.environ["COMFY_PARALLEL_CONVERTED"] = str(converted)
+    return saved
+
+
+def _restore(saved):
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Wan 2.1 T2V (every transformer format) and a tiny Wan 2.2 A14B T2V (two experts) as ComfyUI's files in
+    one models folder, with their reference diffusers folders, listed for the module and converted below a folder of
+    its own."""
+    from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files
+
+    base = tmp_path_factory.mktemp("comfy-files-wan")
+    models = base / "models"
+    made = make_tiny_wan_files(str(models), str(base / "reference"))
+    experts = make_tiny_wan_files(str(models), str(base / "reference"), seed=1, formats=("bf16",), experts=True)
+    saved = _environment(models, base / "converted")
+    yield base, models, made, experts["bf16"]
+    _restore(saved)
+
+
+def _transformer_sd(image: bool) -> dict[str, torch.Tensor]:
+    from parallel_runtime.families.wan.comfy_tiny import _transformer
+
+    torch.manual_seed(0)
+    model = _transformer(wan_files.T2V_CHANNELS)
+    if image:  # Wan 2.1 I2V's image embedding and added key / value projections (refused for conversion, but mapped)
+        from diffusers import WanTransformer3DModel
+
+        config = {k: v for k, v in model.config.items() if not k.startswith("_")}
+        model = WanTransformer3DModel(**{**config, "image_dim": 24, "added_kv_proj_dim": 256})
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["t2v", "with-image-embedding"])
+def test_wan_layout_against_diffusers_converter(image):
+    """diffusers' ``convert_wan_transformer_to_diffusers`` undoes the inverse layout exactly (also behind ComfyUI's
+    prefix), and the conversion's moves, from the config the shapes give, make the same tensors as that converter."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    from parallel_runtime.families.wan.comfy_tiny import comfy_transformer
+
+    sd = _transformer_sd(image)
+    original = comfy_transformer(sd)
+    prefixed = {f"model.diffusion_model.{k}": v for k, v in original.items()}
+    for checkpoint in (dict(original), prefixed):
+        theirs = convert_wan_transformer_to_diffusers(checkpoint)
+        assert set(theirs) == set(sd)
+        assert all(torch.equal(theirs[k], sd[k]) for k in sd)
+    config = wan_files.transformer_config({k: tuple(v.shape) for k, v in original.items()})
+    assert (config["num_attention_heads"], config["image_dim"]) == (2, 24 if image else None)
+    moves = wan_files.transformer_moves(config)
+    assert {m.source for m in moves} == set(original)
+    ours = dict(apply_moves(group_moves(moves), iter(original.items())))
+    assert set(ours) == set(sd) and all(torch.equal(ours[k], sd[k]) for k in sd)
+
+
+def test_wan_vae_layout_against_diffusers_converter():
+    """The VAE's inverse (Qwen-Image's, the same Wan 2.1 VAE) undone by diffusers' converter into AutoencoderKLWan."""
+    from diffusers import AutoencoderKLWan
+
+    from parallel_runtime.families.qwenimage.files import wan_vae_to_diffusers
+    from parallel_runtime.families.qwenimage.tiny import wan_vae
+
+    torch.manual_seed(0)
+    sd = AutoencoderKLWan(base_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=2).state_dict()
+    theirs = wan_vae_to_diffusers(wan_vae(sd))
+    assert set(theirs) == set(sd) and all(torch.equal(theirs[k], sd[k]) for k in sd)
+
+
+def _tensors(folder, component):
+    sub = os.path.join(folder, component)
+    out = {}
+    for f in sorted(f for f in os.listdir(sub) if f.endswith(".safetensors")):
+        out |= load_file(os.path.join(sub, f))
+    return out
+
+
+def _same_experts(folder, reference):
+    for component in ("transformer", "transformer_2"):
+        ours, theirs = _tensors(folder, component), _tensors(reference, component)
+        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs), component
+
+
+def _config(folder, component):
+    with open(os.path.join(folder, component, "config.json")) as f:
+        return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_scaled"])
+def test_wan_converted_folder_is_the_diffusers_folder(tiny, fmt):
+    """The transformer and the VAE bit for bit and in the same dtype as the diffusers folder of the same model (fp8
+    cast back, scaled fp8 dequantized, ComfyUI's prefix dropped), their configs the reference's; the text encoder's
+    file linked, not copied; the tokenizer from the file's SentencePiece model giving ComfyUI's token ids."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    from parallel_runtime.families.wan.comfy_tiny import tiny_spiece_model
+
+    base, _, made, _ = tiny
+    names, reference = made[fmt]
+    plan = jobs.validate_comfy_files(**names)
+    assert (plan.family, plan.variant, plan.transformer_2) == ("wan", "Wan 2.1 T2V (2 layers, 256 wide)", None)
+    name, _ = jobs.model_from_comfy_files(**names)
+    folder = os.path.join(base, "converted", name)
+    for component in ("transformer", "vae"):
+        ours, theirs = _tensors(folder, component), _tensors(reference, component)
+        assert set(ours) == set(theirs), component
+        for key, value in theirs.items():
+            assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"
+        config, expected = _config(folder, component), _config(reference, component)
+        assert {k: config[k] for k in config} == {k: expected[k] for k in config}, component
+    assert os.path.islink(os.path.join(folder, "text_encoder", "model.safetensors"))
+    assert _config(folder, "text_encoder")["model_type"] == "umt5"
+    with open(os.path.join(folder, "model_index.json")) as f:
+        index = json.load(f)
+    assert (index["_class_name"], index["boundary_ratio"]) == ("WanPipeline", None)
+    comfy = sentencepiece.SentencePieceProcessor(model_proto=tiny_spiece_model(), add_eos=True)  # ComfyUI's tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"))
+    for text in (PROMPT, "zebra über naïve  words", ""):
+        assert tokenizer(text)["input_ids"] == comfy.encode(text)
+    assert tokenizer.model_max_length == wan_files.MAX_SEQUENCE_LENGTH
+
+
+def test_wan_scaled_fp8_text_encoder_is_dequantized(tiny):
+    """ComfyUI's umt5_xxl_fp8_e4m3fn_scaled layout (fp8 matrices, a ``scale_weight`` each, the ``scaled_fp8`` marker,
+    the SentencePiece model beside them): the converted text encoder is rewritten (not linked) as weight × scale in
+    bf16 without ComfyUI's bookkeeping or the tokenizer data, and the tokenizer is still made from the file."""
+    from parallel_runtime.families.tiny import quantized
+
+    base, models, made, _ = tiny
+    names, _ = made["bf16"]
+    source = load_file(os.path.join(models, "text_encoders", names["text_encoder"]))
+    spiece = source.pop(wan_files.SPIECE_KEY)
+    stored, expected = quantized(source, "fp8_scaled", {k: [k] for k in source}, dict)
+    fp8 = _write(models, "text_encoders", "tiny_umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+                 {**stored, wan_files.SPIECE_KEY: spiece})  # fmt: skip
+    assert stored["encoder.block.0.layer.0.SelfAttention.q.weight"].dtype == torch.float8_e4m3fn
+    name, _ = jobs.model_from_comfy_files(**{**names, "text_encoder": fp8})
+    folder = os.path.join(base, "converted", name)
+    written = os.path.join(folder, "text_encoder", "model.safetensors")
+    assert not os.path.islink(written)
+    ours = load_file(written)
+    assert set(ours) == set(expected)
+    assert all(ours[k].dtype == v.dtype and torch.equal(ours[k], v) for k, v in expected.items())
+    assert os.path.isfile(os.path.join(folder, "tokenizer", "spiece.model"))
+
+
+def _video(folder, pipeline, steps, **kwargs):
+    pipe = pipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return _run(pipe, steps, **kwargs), pipe
+
+
+def _run(pipe, steps, **kwargs):
+    frames = pipe(
+        prompt=PROMPT,
+        negative_prompt="blurry",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=steps,
+        guidance_scale=4.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        **kwargs,
+    ).frames
+    return torch.as_tensor(frames)
+
+
+def test_wan21_converted_runs_as_the_diffusers_folder(tiny):
+    """WanPipeline on the folder converted from the scaled-fp8 files equals it on the diffusers folder of the same
+    weights (text encoder, tokenizer, transformer, VAE, scheduler all from the conversion)."""
+    from diffusers import WanPipeline
+
+    base, _, made, _ = tiny
+    names, reference = made["fp8_scaled"]
+    name, _ = jobs.model_from_comfy_files(**names)
+    ours, _ = _video(os.path.join(base, "converted", name), WanPipeline, 2)
+    theirs, _ = _video(reference, WanPipeline, 2)
+    assert ours.shape == (1, 5, 32, 32, 3)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_wan22_experts_convert_and_run_as_the_diffusers_folder(tiny):
+    """Wan 2.2 A14B from its two files (the high-noise expert in diffusion_model, the low-noise one in
+    diffusion_model_2): both experts bit for bit, the boundary and flow shift Wan's, and WanPipeline's video equal to
+    the diffusers folder's over steps on both sides of the boundary (the low-noise expert changes it)."""
+    from diffusers import WanPipeline
+
+    base, _, _, (names, reference) = tiny
+    plan = jobs.validate_comfy_files(**names)
+    assert (plan.variant, plan.transformer_2.widget) == ("Wan 2.2 A14B T2V", "diffusion_model_2")
+    name, _ = jobs.model_from_comfy_files(**names)
+    folder = os.path.join(base, "converted", name)
+    _same_experts(folder, reference)
+    with open(os.path.join(folder, "model_index.json")) as f:
+        assert json.load(f)["boundary_ratio"] == wan_files.WAN22_T2V_BOUNDARY
+    ours, pipe = _video(folder, WanPipeline, 4, guidance_scale_2=3.0)
+    theirs, _ = _video(reference, WanPipeline, 4, guidance_scale_2=3.0)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+    pipe.scheduler.set_timesteps(4)
+    boundary = wan_files.WAN22_T2V_BOUNDARY * pipe.scheduler.config.num_train_timesteps
+    assert any(t < boundary for t in pipe.scheduler.timesteps) and any(t >= boundary for t in pipe.scheduler.timesteps)
+    # The high-noise expert on every step makes another video: the converted low-noise expert ran.
+    pipe.transformer_2 = pipe.transformer
+    one_expert = _run(pipe, 4, guidance_scale_2=3.0)
+    assert not torch.allclose(ours, one_expert, atol=1e-3)
+
+
+def _write(models, folder, name, tensors):
+    os.makedirs(os.path.join(models, folder), exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models, folder, name))
+    return name
+
+
+def _refused(names, widget, *words):
+    with pytest.raises(InvalidInput) as e:
+        jobs.validate_comfy_files(**names)
+    assert e.value.widget == widget, str(e.value)
+    for word in words:
+        assert word in str(e.value), str(e.value)
+
+
+def test_wan_refusals_name_the_input(tiny):
+    """Each file that does not fit is refused at validation, naming its widget and what to pick instead: an expert
+    without its pair, the experts swapped, Wan 2.2 I2V's high-noise expert alone, a second expert of another size or
+    not Wan's, a second transformer for a family of one, files cut short, T5 for UMT5, a text encoder without its
+    tokenizer, Wan 2.2's VAE, and the Wan models this pack does not convert."""
+    _, models, made, (expert_names, _) = tiny
+    names, _ = made["bf16"]
+    transformer = load_file(os.path.join(models, "diffusion_models", names["diffusion_model"]))
+    text = load_file(os.path.join(models, "text_encoders", names["text_encoder"]))
+
+    lone = {**expert_names, "diffusion_model_2": "none"}
+    _refused(lone, "diffusion_model_2", "two experts", "low_noise")
+    swapped = {
+        **expert_names,
+        "diffusion_model": expert_names["diffusion_model_2"],
+        "diffusion_model_2": expert_names["diffusion_model"],
+    }
+    _refused(swapped, "diffusion_model", "wrong way round")
+    i2v = {**transformer, "patch_embedding.weight": torch.zeros(256, 36, 1, 2, 2, dtype=torch.bfloat16)}
+    _refused({**names, "diffusion_model": _write(models, "diffusion_models", "i2v.safetensors", i2v)},
+             "diffusion_model_2", "two experts")  # fmt: skip
+    _refused({**expert_names, "diffusion_model_2": "i2v.safetensors"}, "diffusion_model_2", "not the same model")
+    vae = load_file(os.path.join(models, "vae", names["vae"]))
+    not_wan = _write(models, "diffusion_models", "not_wan.safetensors", vae)
+    _refused({**expert_names, "diffusion_model_2": not_wan}, "diffusion_model_2", "not a Wan transformer")
+    # A family of one transformer (Qwen-Image's keys) is refused a second before its files are read further.
+    qwen = {"txt_norm.weight": torch.zeros(4), "transformer_blocks.0.img_mod.1.weight": torch.zeros(4, 4)}
+    qwen_names = {**expert_names, "diffusion_model": _write(models, "diffusion_models", "qwen.safetensors", qwen)}
+    _refused(qwen_names, "diffusion_model_2", "Qwen-Image takes one transformer", "none")
+    short = {k: v for k, v in transformer.items() if not k.startswith("blocks.1.ffn.")}
+    _refused({**names, "diffusion_model": _write(models, "diffusion_models", "short.safetensors", short)},
+             "diffusion_model", "lacks blocks.1.ffn.0.bias")  # fmt: skip
+    path = os.path.join(models, "diffusion_models", "truncated.safetensors")
+    with open(os.path.join(models, "diffusion_models", names["diffusion_model"]), "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) - 100])
+    _refused({**names, "diffusion_model": "truncated.safetensors"}, "diffusion_model", "not a readable safetensors")
+
+    t5 = {k: v for k, v in text.items() if "relative_attention_bias" not in k or ".block.0." in k}
+    _refused({**names, "text_encoder": _write(models, "text_encoders", "t5.safetensors", t5)},
+             "text_encoder", "T5-XXL", "umt5_xxl")  # fmt: skip
+    untokenized = {k: v for k, v in text.items() if k != wan_files.SPIECE_KEY}
+    _refused({**names, "text_encoder": _write(models, "text_encoders", "untokenized.safetensors", untokenized)},
+             "text_encoder", "tokenizer")  # fmt: skip
+    wan22 = {**vae, "decoder.upsamples.0.upsamples.0.residual.2.weight": torch.zeros(1)}
+    _refused({**names, "vae": _write(models, "vae", "wan22_vae.safetensors", wan22)}, "vae", "48-channel")
+
+    for key, model in wan_files.OTHER_MODELS[:2]:
+        other = {**transformer, key: torch.zeros(1, dtype=torch.bfloat16)}
+        _refused({**names, "diffusion_model": _write(models, "diffusion_models", "other.safetensors", other)},
+                 "diffusion_model", model)  # fmt: skip
+    image = {**transformer, "img_emb.proj.0.weight": torch.zeros(1280, dtype=torch.bfloat16)}
+    _refused({**names, "diffusion_model": _write(models, "diffusion_models", "wan21_i2v.safetensors", image)},
+             "diffusion_model", "clip_vision_h")  # fmt: skip
+    ti2v = {**transformer, "patch_embedding.weight": torch.zeros(256, 48, 1, 2, 2, dtype=torch.bfloat16)}
+    _refused({**names, "diffusion_model": _write(models, "diffusion_models", "ti2v.safetensors", ti2v)},
+             "diffusion_model", "TI2V-5B")  # fmt: skip
+
+
+@pytest.mark.slow  # a second pipeline of two experts; Wan 2.2 A14B T2V's runs by default
+def test_wan22_i2v_experts_convert_and_run_as_the_diffusers_folder(tiny):
+    """Wan 2.2 A14B I2V from its two files: WanImageToVideoPipeline without an image encoder (the start image enters
+    through its latents), both experts bit for bit, its boundary, and the video from a start image equal to the
+    diffusers folder's."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files
+
+    base, models, _, _ = tiny
+    made = make_tiny_wan_files(str(models), str(base / "reference"), seed=2, formats=("bf16",), experts=True, i2v=True)
+    names, reference = made["bf16"]
+    plan = jobs.validate_comfy_files(**names)
+    assert plan.variant == "Wan 2.2 A14B I2V"
+    name, _ = jobs.model_from_comfy_files(**names)
+    folder = os.path.join(base, "converted", name)
+    _same_experts(folder, reference)
+    with open(os.path.join(folder, "model_index.json")) as f:
+        index = json.load(f)
+    assert (index["_class_name"], index["boundary_ratio"]) == ("WanImageToVideoPipeline", wan_files.WAN22_I2V_BOUNDARY)
+    image = Image.fromarray((torch.arange(32 * 32 * 3) % 251).reshape(32, 32, 3).to(torch.uint8).numpy())
+    ours, _ = _video(folder, WanImageToVideoPipeline, 2, image=image)
+    theirs, _ = _video(reference, WanImageToVideoPipeline, 2, image=image)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
