@@ -1,7 +1,7 @@
 """The end-to-end host itself, against a real ComfyUI (COMFYUI_DIR): our pack imports, core prompts run
 over /prompt + the websocket, images come back through /view, bad prompts get a 400 with node_errors,
-runtime errors and interrupts arrive as websocket events. Only ComfyUI core nodes are used here, so these
-tests hold whatever state the pack's own nodes are in.
+runtime errors and interrupts arrive as websocket events. Only ComfyUI core nodes are used here (and, in a server of
+its own, a test-only node that runs until interrupted), so these tests hold whatever state the pack's own nodes are in.
 """
 
 import io
@@ -109,36 +109,34 @@ def test_runtime_error_arrives_as_execution_error(comfyui_server):
     assert last["data"]["traceback"]
 
 
-def test_interrupt_stops_the_running_prompt_and_the_server_goes_on(comfyui_server):
-    # A chain of slow core nodes (ImageBlur on 512x512: 0.4 s (0.26.0) to 1.3 s (0.3.75) each on 2 CPU
-    # cores): ComfyUI checks for an interrupt before each node, so interrupting during the first one stops
-    # the prompt long before the last one runs.
-    n = 8
+def test_interrupt_stops_the_running_prompt_and_the_server_goes_on(comfyui_dir):
+    """A server of its own with a test-only pack (tests/comfyui_blocker) whose node runs until interrupted: the
+    interrupt is sent once that node reports progress, so it lands while the node runs on a machine of any speed.
+    ComfyUI raises its interruption in the node, the prompt ends interrupted before its output node, and the server
+    runs the next prompt."""
     workflow = {
-        "0": {"class_type": "EmptyImage", "inputs": {"width": 512, "height": 512, "batch_size": 1, "color": 0x336699}}
+        "0": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0x336699}},
+        "1": {"class_type": "WaitForInterrupt", "inputs": {"image": ["0", 0]}},
+        "out": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
     }
-    for i in range(1, n + 1):
-        workflow[str(i)] = {
-            "class_type": "ImageBlur",
-            "inputs": {"image": [str(i - 1), 0], "blur_radius": 31, "sigma": 10.0},
-        }
-    workflow["out"] = {"class_type": "PreviewImage", "inputs": {"images": [str(n), 0]}}
+    blocker = REPO_ROOT / "tests" / "comfyui_blocker"
+    with ComfyUIServer(comfyui_dir, pack_dir=blocker, pack_name="comfyui_blocker") as server:
+        start = len(server.messages())
+        prompt_id = server.post_prompt(workflow)
+        server.wait_for(
+            lambda m: m["type"] == "progress" and m["data"].get("prompt_id") == prompt_id and m["data"]["node"] == "1",
+            timeout=60,
+            start=start,
+        )
+        server.interrupt(prompt_id)
+        messages = server.follow(prompt_id, timeout=60)
+        assert messages[-1]["type"] == "execution_interrupted", [m["type"] for m in messages]
+        assert messages[-1]["data"]["node_id"] == "1"
+        assert "out" not in messages[-1]["data"]["executed"]
+        assert server.history(prompt_id, timeout=10)["status"]["status_str"] == "error"
 
-    start = len(comfyui_server.messages())
-    prompt_id = comfyui_server.post_prompt(workflow)
-    comfyui_server.wait_for(
-        lambda m: m["type"] == "executing" and m["data"].get("prompt_id") == prompt_id and m["data"].get("node") == "1",
-        timeout=60,
-        start=start,
-    )
-    comfyui_server.interrupt(prompt_id)
-    messages = comfyui_server.follow(prompt_id, timeout=60)
-    assert messages[-1]["type"] == "execution_interrupted", [m["type"] for m in messages]
-    assert "out" not in messages[-1]["data"]["executed"]
-    assert comfyui_server.history(prompt_id, timeout=10)["status"]["status_str"] == "error"
-
-    # The next prompt runs normally.
-    comfyui_server.run(_solid_image_to_png(0x00FF00), timeout=60)
+        # The next prompt runs normally.
+        server.run(_solid_image_to_png(0x00FF00), timeout=60)
 
 
 def test_a_pack_that_fails_to_import_fails_the_start(comfyui_dir, tmp_path):

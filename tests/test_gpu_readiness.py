@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from helpers import wait_for
 
 from parallel_runtime import BackendSpec, InvalidInput, OpFailed, default_spec, get_backend, jobs, launcher
 from parallel_runtime.spec import parse_gpus
@@ -29,6 +30,7 @@ from parallel_runtime.strategy import (
 )
 from parallel_runtime.watchdog import Deadlines
 from parallel_runtime.wire import ArmFaultArgs, Fault, FreeArgs, PeerCopy, PeersArgs, StatusArgs
+from parallel_runtime.worker.group import COLLECT_WAIT_S
 
 SPEC = BackendSpec(ranks=2, device="cpu")
 FACTS = TransformerFacts("FluxTransformer2DModel", heads=4, has_cp_plan=True, has_tp_plan=True)
@@ -124,8 +126,15 @@ def test_the_ranks_get_their_own_environment(backend):
     # doctor's peer check on the same ranks: one pair, its pattern intact both ways.
     (pair,) = [p for r in backend.call(PeersArgs(nbytes=1 << 16)).per_rank if r is not None for p in r.pairs]
     assert (pair.source, pair.target, pair.kind, pair.ok, pair.nbytes) == (0, 1, "collective", True, 2 << 16)
-    # The rank logs carry c10d's warnings now, yet an idle rank's waits for the next op leave none there.
-    time.sleep(2.5)
+    # The rank logs carry c10d's warnings now, yet an idle rank's waits for the next op leave none there: a wait as
+    # short as the group's shortest (group.COLLECT_WAIT_S) would have timed out and logged by the time every rank has
+    # renewed its heartbeat (a file, from a thread of its own) that many times over after the last op.
+    idle_since, run_dir = time.time(), backend._group.run_dir
+    wait_for(
+        lambda: all(os.path.getmtime(run_dir.rank_heartbeat(rank)) > idle_since + 3 * COLLECT_WAIT_S for rank in pids),
+        60,
+        "every rank renewing its heartbeat while idle",
+    )
     for rank in pids:
         log = backend._group.log_tail(rank, lines=200)
         assert f"a collective times out after {backend.deadlines.collective_s:.0f} s" in log, log

@@ -493,8 +493,7 @@ def test_a_stranger_who_writes_pickles_into_every_key_runs_nothing(cluster, tmp_
         assert _next_run(backend, StatusArgs(), outcomes, cluster).result.world_size == 2
         with Stranger(cluster["endpoint"], backend, pickle.dumps(_Payload(str(marker)))) as stranger:
             _attempt(outcomes, "run", lambda: _forty_steps(backend))
-            time.sleep(1.0)
-            assert stranger.writes > written
+            wait_for(lambda: stranger.writes > written, 60, "the stranger writing into the running backend's store")
         assert _next_run(backend, StepsArgs(steps=2, seconds_per_step=0), outcomes, cluster).result.completed == 2
     finally:
         backend.deadlines = deadlines
@@ -529,8 +528,11 @@ def test_a_local_stranger_who_lists_a_one_machine_backends_keys_runs_nothing(tmp
         groups.append((backend.agent_pid, list(backend.worker_pids.values()), backend.run_dir, backend.shm_prefix))
         with LocalStranger(backend, payload) as stranger:
             _attempt(outcomes, "run", lambda: _forty_steps(backend))
-            time.sleep(1.0)
-            assert stranger.writes > 0 and any("parallel_diffusers" in key for key in stranger.seen), stranger.seen
+            wait_for(
+                lambda: stranger.writes > 0 and any("parallel_diffusers" in key for key in stranger.seen),
+                60,
+                f"the stranger writing into the ranks' op keys (it saw {stranger.seen})",
+            )
         assert backend.call(StepsArgs(steps=2, seconds_per_step=0)).result.completed == 2, outcomes
         groups.append((backend.agent_pid, list(backend.worker_pids.values()), backend.run_dir, backend.shm_prefix))
     finally:
