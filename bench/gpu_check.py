@@ -26,6 +26,8 @@ process, or clean their backend up on the way out). Everything is printed as one
   and data parallel ranks load (straight to the rank's GPU): the rank's peak host RSS growth against the model's size.
 * ``strategies``: bench/strategies.py on 1 rank on that folder at 1024²: the pack's per-step time on a CUDA rank
   against the same denoise loop in one process (both synchronised with the GPU at every step).
+* ``compile``: bench/compile.py on 1 rank on that folder at 1024²: ``compile regional`` (inductor) against eager,
+  per step, and the compile time.
 
 Exit status: 0 when every check that ran passed, 1 otherwise, 2 without a GPU.
 """
@@ -448,6 +450,20 @@ def check_host_rss(args: argparse.Namespace) -> dict:
     return result
 
 
+def _one_rank_json(args: argparse.Namespace, script: str, model_dir: str, sizing: list[str]) -> dict:
+    """The JSON report of a bench script's ``device_map`` row on one rank (a child process with a deadline)."""
+    cmd = [sys.executable, os.path.join(HERE, script), "--device", args.device, "--ranks", "1",
+           "--strategies", "device_map", "--steps", "5", "--repeats", "2", "--json", "--model-dir", model_dir,
+           *sizing]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=270)
+    except subprocess.TimeoutExpired as e:
+        raise CheckFailed(f"{script} did not finish within 270 s: {_tail(e.stderr, 800)}") from None
+    if done.returncode != 0 and "{" not in done.stdout:
+        raise CheckFailed(f"{script} exited {done.returncode}: {done.stderr[-1500:]}")
+    return json.loads(done.stdout[done.stdout.index("{") :])
+
+
 def check_strategies(args: argparse.Namespace) -> dict:
     """bench/strategies.py on one rank at FLUX.1-dev's width (2 + 4 blocks): the pack against one process."""
     model_dir = _width_model(args)
@@ -457,16 +473,7 @@ def check_strategies(args: argparse.Namespace) -> dict:
     else:
         sizing = ["--preset", "flux1-dev", "--double-blocks", "2", "--single-blocks", "4", "--width", "1024",
                   "--height", "1024", "--max-sequence-length", "512"]  # fmt: skip
-    cmd = [sys.executable, os.path.join(HERE, "strategies.py"), "--device", args.device, "--ranks", "1",
-           "--strategies", "device_map", "--steps", "5", "--repeats", "2", "--json", "--model-dir", model_dir,
-           *sizing]  # fmt: skip
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=270)
-    except subprocess.TimeoutExpired as e:
-        raise CheckFailed(f"strategies.py did not finish within 270 s: {_tail(e.stderr, 800)}") from None
-    if done.returncode != 0 and "{" not in done.stdout:
-        raise CheckFailed(f"strategies.py exited {done.returncode}: {done.stderr[-1500:]}")
-    report = json.loads(done.stdout[done.stdout.index("{") :])
+    report = _one_rank_json(args, "strategies.py", model_dir, sizing)
     (row,) = report["rows"]
     if "ms_per_image_step" not in row:
         raise CheckFailed(f"device_map on one rank: {row.get('error') or row.get('skipped')}")
@@ -485,6 +492,25 @@ def check_strategies(args: argparse.Namespace) -> dict:
     return result
 
 
+def check_compile(args: argparse.Namespace) -> dict:
+    """bench/compile.py on one rank (``device_map``) at FLUX.1-dev's width (2 + 4 blocks): compiled / eager per step,
+    and the compile time, with inductor."""
+    model_dir = _width_model(args)
+    if args.smoke:
+        sizing = ["--size", "64", "--max-sequence-length", "16", "--preset", "bench", "--double-blocks", "1",
+                  "--single-blocks", "1", "--backend", "aot_eager"]  # fmt: skip
+    else:
+        sizing = ["--preset", "flux1-dev", "--double-blocks", "2", "--single-blocks", "4", "--size", "1024",
+                  "--max-sequence-length", "512"]  # fmt: skip
+    (row,) = _one_rank_json(args, "compile.py", model_dir, sizing)["rows"]
+    result = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}
+    result["summary"] = (
+        f"compiled {result['compiled_ms']} ms/step vs eager {result['eager_ms']} ms/step (×{result['ratio']}); "
+        f"compile ≈ {result['compile_s']} s"
+    )
+    return result
+
+
 CHECKS: dict[str, tuple[Callable[[argparse.Namespace], dict], float]] = {
     "gpu": (check_gpu, 30),
     "attention": (check_attention, 90),
@@ -494,6 +520,7 @@ CHECKS: dict[str, tuple[Callable[[argparse.Namespace], dict], float]] = {
     "width": (check_width, 120),
     "host_rss": (check_host_rss, 200),
     "strategies": (check_strategies, 280),
+    "compile": (check_compile, 280),
 }
 
 

@@ -222,7 +222,7 @@ class ParallelSampler(io.ComfyNode):
             jobs.sample,
             handle,
             w.pop("positive"),
-            on_cache_report=lambda report: comfy.show_text(cls, report.describe()),
+            on_result=lambda result: [comfy.show_text(cls, note) for note in result.notes()],
             **w,
         )
         if w["latent_image"] is not None:

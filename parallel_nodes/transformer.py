@@ -5,7 +5,7 @@ from comfy_api.latest import io
 from parallel_runtime import default_spec, jobs
 from parallel_runtime.families import names
 from parallel_runtime.strategy import ATTENTION_BACKENDS, Strategy, strategies_on
-from parallel_runtime.wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode
+from parallel_runtime.wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, CompileMode
 
 from . import comfy
 from .types import CATEGORY, Transformer, backend_input, dtype_input, max_memory_input, model_input
@@ -135,6 +135,20 @@ class LoadShardedTransformer(io.ComfyNode):
                     tooltip=(
                         "first_block_cache: the relative change of the first block's output below which a step "
                         "reuses the previous step's other blocks; higher skips more and strays further."
+                    ),
+                ),
+                io.Combo.Input(
+                    "compile",
+                    options=[m.value for m in CompileMode],
+                    default=CompileMode.OFF.value,
+                    optional=True,
+                    tooltip=(
+                        "off: run the transformer as it is.\n"
+                        "regional: torch.compile each repeated block on every rank (diffusers' "
+                        "compile_repeated_blocks), once per loaded transformer and kept across runs; the first run "
+                        "and each new size pay the compile, ParallelSampler's text says when a run recompiled and "
+                        "why. LoRA strengths change without a recompile. Not with a step cache. CPU ranks need a C++ "
+                        "compiler."
                     ),
                 ),
             ],

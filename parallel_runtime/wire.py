@@ -197,6 +197,43 @@ class CacheReport:
         )
 
 
+class CompileMode(str, enum.Enum):
+    """LoadShardedTransformer's ``compile`` widget (``worker/compiled.py``)."""
+
+    OFF = "off"
+    # diffusers' compile_repeated_blocks: torch.compile of each transformer block class, once per resident transformer.
+    REGIONAL = "regional"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """What torch.compile did on rank 0 during one denoise of a ``regional`` transformer.
+
+    Args:
+        backend: torch.compile's backend on the ranks (``inductor``, or ``COMPILE_BACKEND_ENV``'s).
+        first: the blocks were wrapped for this run (the transformer was loaded, or loaded again, for it).
+        graphs: the graphs dynamo compiled during the run; 0 when every pass reused compiled code (also after a
+            reload: dynamo keeps the code per block class, and the weights are its inputs).
+        reasons: why compiled code was not reused (dynamo's guard failures, e.g. a new image size), each once.
+    """
+
+    backend: str
+    first: bool
+    graphs: int
+    reasons: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.graphs == 0:
+            return f"compile regional ({self.backend}): no recompile, every pass ran compiled blocks"
+        if self.first:
+            return f"compile regional ({self.backend}): compiled the blocks ({self.graphs} graphs) in this run"
+        why = "; ".join(self.reasons) if self.reasons else "dynamo gave no guard failure"
+        return f"compile regional ({self.backend}): recompiled {self.graphs} graphs because {why}"
+
+
+COMPILE_BACKEND_ENV = "COMFY_PARALLEL_COMPILE_BACKEND"  # torch.compile's backend on the ranks (default inductor)
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerSpec:
     """What LoadShardedTransformer chose: the model, how it is split, its dtype and its ``device_map`` budget; and
@@ -209,6 +246,18 @@ class TransformerSpec:
     loras: tuple[LoraRef, ...] = ()
     lora_mode: LoraMode = LoraMode.AUTO
     cache: StepCache = StepCache()
+    compile: CompileMode = CompileMode.OFF
+
+    def __post_init__(self) -> None:
+        if self.compile is not CompileMode.OFF and self.cache.mode is not CacheMode.OFF:
+            # Measured: diffusers' cache hooks are installed for each run and their state is guarded in the compiled
+            # blocks, so every run recompiled them (10 s of a 0.2 s run on the tiny FLUX.1), which costs more than
+            # either saves.
+            raise InvalidInput(
+                "compile",
+                f"regional compilation and the step cache ({self.cache.mode.value}) together recompile the blocks "
+                "on every run; set compile to off to keep the cache, or cache to off to compile",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,9 +285,51 @@ class Sampling:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchSplit:
+    """How data parallelism shared a batch's images over the ranks (``worker/speeds.py``).
+
+    Args:
+        images: each rank's count of consecutive images, rank by rank.
+        speeds: each rank's speed the split followed, in image-steps per second (measured in its last data-parallel
+            run) or relative (declared in ``RANK_SPEEDS_ENV``); empty for an even split.
+        source: ``measured``, ``declared`` or ``even`` (no rank has measured a run yet, and none was declared).
+    """
+
+    images: tuple[int, ...]
+    speeds: tuple[float, ...] = ()
+    source: str = "even"
+
+    def describe(self) -> str:
+        counts = ", ".join(f"rank {r}: {n}" for r, n in enumerate(self.images))
+        if self.source == "even":
+            return f"data_parallel: images split evenly ({counts}); the next run follows the ranks' measured speeds"
+        speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
+        unit = (
+            "image-steps/s measured in the last run" if self.source == "measured" else f"declared in {RANK_SPEEDS_ENV}"
+        )
+        return f"data_parallel: images by speed ({counts}; speeds {speeds}, {unit})"
+
+
+RANK_SPEEDS_ENV = "COMFY_PARALLEL_RANK_SPEEDS"  # relative speeds per rank ("1,0.5") for a first data-parallel run
+
+
+@dataclasses.dataclass(frozen=True)
 class DenoiseResult:
     shape: tuple[int, ...]
     cache: CacheReport | None = None  # rank 0's, when a step cache is on
+    compile: CompileReport | None = None  # rank 0's, when compile is regional
+    split: BatchSplit | None = None  # data parallelism's share of the images
+    devices: tuple[str, ...] = ()  # each rank's device name, when a run over unequal ones waited for the slowest
+
+    def notes(self) -> list[str]:
+        """What the sampler's node says about the run besides the image."""
+        notes = [report.describe() for report in (self.cache, self.compile, self.split) if report is not None]
+        if self.devices:
+            notes.append(
+                f"the ranks run on unequal devices ({', '.join(self.devices)}): every step waits for the slowest, "
+                "which sets the pace (data_parallel gives each its own share instead)"
+            )
+        return notes
 
 
 @dataclasses.dataclass(frozen=True)

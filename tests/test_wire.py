@@ -60,7 +60,16 @@ EXAMPLES: dict[type, tuple[object, object]] = {
         ),
         wire.EncodeResult({"prompt_embeds": (2, 512, 4096), "pooled_prompt_embeds": (2, 768)}),
     ),
-    DenoiseArgs: (DENOISE, wire.DenoiseResult((2, 16, 6, 8), cache=CACHE)),
+    DenoiseArgs: (
+        DENOISE,
+        wire.DenoiseResult(
+            (2, 16, 6, 8),
+            cache=CACHE,
+            compile=wire.CompileReport("inductor", first=False, graphs=2, reasons=("tensor 'x' size mismatch",)),
+            split=wire.BatchSplit((3, 1), speeds=(2.5, 0.8), source="measured"),
+            devices=("NVIDIA H200", "NVIDIA L40S"),
+        ),
+    ),
     wire.DecodeArgs: (
         wire.DecodeArgs(MODEL, "cuda:1", Dtype.FLOAT16, over_ranks=True),
         wire.DecodeResult((2, 48, 64, 3), tiles_per_rank=(3, 3, 2, 2), peak_bytes_per_rank=(1 << 30, 9 << 28)),

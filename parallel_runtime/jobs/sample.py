@@ -14,7 +14,7 @@ from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter, img2img_steps
 from ..samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
-from ..wire import CacheReport, DenoiseArgs, Sampling
+from ..wire import CacheReport, DenoiseArgs, DenoiseResult, Sampling
 from .encode import Conditioning
 from .transformer import TransformerHandle
 from .widgets import check_finite
@@ -324,6 +324,7 @@ def sample(
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_cache_report: Callable[[CacheReport], None] | None = None,
+    on_result: Callable[[DenoiseResult], None] | None = None,
 ) -> torch.Tensor:
     """Denoise on the backend; ComfyUI LATENT samples in the family's layout (FLUX.1 ``[B, 16, H/8, W/8]``, FLUX.2
     ``[B, 128, H/16, W/16]``, Qwen-Image ``[B, 16, 1, H/8, W/8]``). ``true_cfg_scale`` reaches only families with
@@ -335,7 +336,8 @@ def sample(
     img2img pipelines do it at strength ``denoise`` (``steps × denoise`` steps run, rounded up), and inpainting where
     its ``noise_mask`` is 1. ``sampler`` and ``scheduler`` pick the diffusers scheduler and its sigma schedule
     (``samplers``; euler and simple are the family's own). With the transformer's step cache on,
-    ``on_cache_report`` gets what it skipped (rank 0's passes)."""
+    ``on_cache_report`` gets what it skipped (rank 0's passes). ``on_result`` gets the whole result: what compiling
+    did, how data parallelism split the batch, the unequal devices that set the pace (``DenoiseResult.notes``)."""
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
@@ -379,4 +381,6 @@ def sample(
     )
     if on_cache_report is not None and result.result.cache is not None:
         on_cache_report(result.result.cache)
+    if on_result is not None:
+        on_result(result.result)
     return result.tensors["samples"]

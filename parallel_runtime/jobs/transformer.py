@@ -9,7 +9,7 @@ from .. import families, model_folders
 from ..errors import InvalidInput
 from ..spec import BackendSpec
 from ..strategy import StrategyPlan, TransformerFacts, check_attention
-from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, StepCache, TransformerSpec
+from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, CompileMode, StepCache, TransformerSpec
 from .widgets import check_finite, parse_max_memory, resolve_dtype
 
 
@@ -46,11 +46,13 @@ def plan_transformer(
     tp_degree: int = 0,
     cache: str = "off",
     cache_threshold: float = FIRST_BLOCK_CACHE_THRESHOLD,
+    compile: str = CompileMode.OFF.value,
 ) -> TransformerHandle:
     """The transformer handle LoadShardedTransformer's widgets describe, checked against the model's config and the
-    backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree), and the step cache. Loads
-    nothing."""
+    backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree), the step cache and compilation.
+    Loads nothing."""
     step_cache = _step_cache(cache, cache_threshold)
+    compiled = _compile(compile)
     ref = model_folders.resolve(model)
     budget = parse_max_memory(max_memory)
     config = model_folders.transformer_config(ref)
@@ -74,7 +76,9 @@ def plan_transformer(
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(
         backend=spec,
-        spec=TransformerSpec(model=ref, dtype=resolved, plan=plan, max_memory=budget, cache=step_cache),
+        spec=TransformerSpec(
+            model=ref, dtype=resolved, plan=plan, max_memory=budget, cache=step_cache, compile=compiled
+        ),
         config=config,
     )
 
@@ -88,3 +92,13 @@ def _step_cache(cache: str, threshold: float) -> StepCache:
         ) from None
     check_finite("cache_threshold", threshold)
     return StepCache(mode, float(threshold)) if mode is CacheMode.FIRST_BLOCK_CACHE else StepCache(mode)
+
+
+def _compile(compile: str) -> CompileMode:
+    try:
+        mode = CompileMode(compile)
+    except ValueError:
+        raise InvalidInput(
+            "compile", f"unknown compile {compile!r}; choose one of {', '.join(m.value for m in CompileMode)}"
+        ) from None
+    return mode

@@ -168,6 +168,19 @@ def default_budget(
     return budget
 
 
+def describe_budget(budget: dict[int | str, int]) -> str:
+    """What a ``default_budget`` gives each GPU, and which one limits the split: the GPU with the least room holds the
+    fewest layers (on unequal or unequally busy GPUs, the smaller or busier one)."""
+    gpus = {k: v for k, v in budget.items() if isinstance(k, int)}
+    if not gpus:
+        return ""
+    shares = ", ".join(f"GPU {k} {_gib(v)}" for k, v in gpus.items())
+    least = min(gpus, key=lambda k: gpus[k])
+    return (
+        f"device_map budget from each GPU's free memory: {shares}; GPU {least} has the least room and limits the split"
+    )
+
+
 def decode_need(
     family: FamilyAdapter, vae_config: dict, images: int, width: int, height: int, dtype: torch.dtype
 ) -> int:

@@ -35,7 +35,7 @@ from ..wire import (
     VaeEncodeArgs,
     VaeEncodeResult,
 )
-from . import lora, memory, step_cache, strategies, vae_tiles
+from . import compiled, lora, memory, speeds, step_cache, strategies, vae_tiles
 from .diagnostics import flush, memory_of, reset_peak
 from .models import ModelKey, ResidentModels
 from .ops import OpContext, OpError, OpFn, OpResult, WidgetError, op
@@ -154,14 +154,17 @@ def _device_map_budget(
     return memory.default_budget(free, vae, activations, memory_of(torch.device("cpu")).free_bytes)
 
 
-def _on_step(ctx: OpContext) -> Callable[[int, int], None]:
+def _on_step(ctx: OpContext, clock: speeds.BusyClock) -> Callable[[int, int], None]:
     def on_step(step_index: int, total: int) -> None:
         if ctx.device.type == "cuda":
             # The step's kernels are queued ahead of the host: wait for them, so that progress (and the watchdog's and
             # the benchmarks' step times) follow the GPU, not the launch queue.
             torch.cuda.synchronize(ctx.device)
+        speeds.slow_down(ctx)
+        clock.stop()  # the step's own work ends here; the cancel check below waits for the slowest rank
         ctx.progress(step_index + 1, total)
         ctx.check_cancel(step_index + 1)
+        clock.start()
 
     return on_step
 
@@ -203,13 +206,15 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     models = _models(ctx)
     if not plan.spmd:  # device_map: a rank-0 stage
         placement, where = _placement(ctx, "auto", spec.max_memory)
-        key = ModelKey(spec.model.name, "transformer", where, spec.dtype.value)
+        key = ModelKey(spec.model.name, "transformer", where + compiled.placement(spec.compile), spec.dtype.value)
         if ctx.rank != 0:
             models.make_room(key)
             return None, {}
         ctx.alone()
     else:  # context / tensor / data parallel: every rank loads its part together
-        key = ModelKey(spec.model.name, "transformer", plan.describe(), spec.dtype.value)
+        key = ModelKey(
+            spec.model.name, "transformer", plan.describe() + compiled.placement(spec.compile), spec.dtype.value
+        )
         load = functools.partial(
             strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
         )
@@ -243,36 +248,53 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             flush(ctx.device)  # what staged just freed counts as free for the budget
             budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate.activations)
             placement = dataclasses.replace(placement, max_memory=budget)
+            ctx.state["budget_note"] = memory.describe_budget(budget)
         transformer = models.get(key, functools.partial(adapter.load_transformer, spec.model.path, dtype, placement))
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
     lora.apply_loras(ctx, transformer, spec, adapter)
 
-    # Data parallelism gives each rank a consecutive slice of the images; otherwise every rank (CP / TP) or rank 0
-    # alone (device_map) runs the whole batch on identical inputs.
+    # Compiled after the LoRAs are merged, though merging later changes nothing compiled: the weights are its inputs.
+    first_compile = compiled.compile_blocks(transformer, spec.compile, plan)
+
+    # Data parallelism gives each rank a consecutive slice of the images, as many as its speed earns it; otherwise
+    # every rank (CP / TP) or rank 0 alone (device_map) runs the whole batch on identical inputs.
     batch_size = sampling.batch_size
-    start, count = strategies.share(batch_size, ctx.rank, ctx.world_size) if plan.splits_batch else (0, batch_size)
+    split = speeds.split_batch(ctx, batch_size) if plan.splits_batch else None
+    start, count = (sum(split.images[: ctx.rank]), split.images[ctx.rank]) if split is not None else (0, batch_size)
+    devices = speeds.unequal_devices(ctx) if plan.spmd and not plan.splits_batch else ()
     mine = dataclasses.replace(sampling, seed=(sampling.seed + start) % 2**64, batch_size=count)
     group = step_cache.agreement_group(plan, transformer)
+    clock = speeds.BusyClock()
     with (
         step_cache.count_passes(transformer) as passes,
         step_cache.step_cache(transformer, spec.cache, group) as record,
+        compiled.watch(spec.compile, first_compile) as compile_record,
     ):
         samples = adapter.denoise(
             spec.model.path,
             transformer,
             strategies.slice_batch(tensors, batch_size, start, count),
             mine,
-            on_step=_on_step(ctx),
+            on_step=_on_step(ctx, clock),
             **{name: _my_images(image, batch_size, start, count) for name, image in images.items()},
         )
     cache = ctx.state["last_cache"] = record.report() if record is not None else None
     ctx.state["last_passes"] = passes[0]
-    if plan.splits_batch:
-        samples = strategies.gather_batch(samples, batch_size, ctx.world_size)
+    if split is not None:
+        speeds.measured(ctx, count, steps, clock.seconds)
+        samples = strategies.gather_batch(samples, split.images)
     if ctx.rank != 0:
         return None, {}
-    ctx.progress(steps, steps, _closing(ctx, "denoised"))
-    return DenoiseResult(tuple(samples.shape), cache=cache), {"samples": samples}
+    budget = ctx.state.pop("budget_note", "")
+    ctx.progress(steps, steps, _closing(ctx, f"denoised; {budget}" if budget else "denoised"))
+    result = DenoiseResult(
+        tuple(samples.shape),
+        cache=cache,
+        compile=compile_record.report() if compile_record is not None else None,
+        split=split,
+        devices=devices,
+    )
+    return result, {"samples": samples}
 
 
 def _my_images(image: torch.Tensor, batch_size: int, start: int, count: int) -> torch.Tensor:

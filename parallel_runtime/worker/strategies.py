@@ -120,22 +120,15 @@ def load_transformer(
     return transformer
 
 
-def share(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """(first image, count) of this rank's slice of a batch: consecutive, the first ranks take one more."""
-    base, extra = divmod(batch_size, world_size)
-    start = rank * base + min(rank, extra)
-    return start, base + (1 if rank < extra else 0)
-
-
 def slice_batch(tensors: dict[str, torch.Tensor], batch_size: int, start: int, count: int) -> dict[str, torch.Tensor]:
     """Images ``start .. start + count`` of a batch's conditioning (laid out as ``expand_batch`` does: prompt by
     prompt), so a rank's slice may span prompts."""
     return {name: rows[start : start + count] for name, rows in expand_batch(tensors, batch_size).items()}
 
 
-def gather_batch(local: torch.Tensor, batch_size: int, world_size: int) -> torch.Tensor | None:
-    """Rank 0 gets every rank's slice in order (others get None). gloo gathers equal shapes only: pad, gather, trim."""
-    counts = [share(batch_size, r, world_size)[1] for r in range(world_size)]
+def gather_batch(local: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor | None:
+    """Rank 0 gets every rank's slice in order (``counts``: each rank's images; others get None). gloo gathers equal
+    shapes only: pad, gather, trim."""
     longest = max(counts)
     padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype)
     padded[: local.shape[0]] = local.cpu()
