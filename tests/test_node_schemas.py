@@ -51,7 +51,7 @@ ADDED_AFTER_0_1_0 = {
 GROWN_AFTER_0_1_0 = {
     "ParallelBackend": ["gpus", "free_comfyui_vram", "nnodes", "rdzv_endpoint"],  # GPU readiness; several machines
     "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler"],  # img2img, inpainting; the samplers
-    "LoadShardedTransformer": ["cache", "cache_threshold"],  # step caching
+    "LoadShardedTransformer": ["cache", "cache_threshold", "weights"],  # step caching; fp8 held as stored
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
 }
 CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
@@ -95,6 +95,7 @@ def test_an_input_left_out_takes_the_schema_default(nodes):
         "backend": None,
         "cache": "off",
         "cache_threshold": 0.05,
+        "weights": "as stored",
     }
 
 

@@ -32,13 +32,16 @@ from ..wire import (
     FreeArgs,
     FreeResult,
     Sampling,
+    TransformerSpec,
     VaeEncodeArgs,
     VaeEncodeResult,
+    Weights,
 )
-from . import lora, memory, step_cache, strategies, vae_tiles
+from . import fp8_weights, lora, memory, step_cache, strategies, vae_tiles
 from .diagnostics import flush, memory_of, reset_peak
 from .models import ModelKey, ResidentModels
 from .ops import OpContext, OpError, OpFn, OpResult, WidgetError, op
+from .tp_slices import fp8_files
 
 
 def _models(ctx: OpContext) -> ResidentModels:
@@ -203,15 +206,21 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     models = _models(ctx)
     if not plan.spmd:  # device_map: a rank-0 stage
         placement, where = _placement(ctx, "auto", spec.max_memory)
-        key = ModelKey(spec.model.name, "transformer", where, spec.dtype.value)
+        key = ModelKey(spec.model.name, "transformer", where, _held_as(spec))
         if ctx.rank != 0:
             models.make_room(key)
             return None, {}
         ctx.alone()
     else:  # context / tensor / data parallel: every rank loads its part together
-        key = ModelKey(spec.model.name, "transformer", plan.describe(), spec.dtype.value)
+        key = ModelKey(spec.model.name, "transformer", plan.describe(), _held_as(spec))
         load = functools.partial(
-            strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
+            strategies.load_transformer,
+            adapter.transformer_class(),
+            spec.model.path,
+            dtype,
+            ctx.device,
+            plan,
+            spec.weights,
         )
     if plan.cfg_degree > 1 and not ((sampling.true_cfg_scale or 1) > 1 and "negative_prompt_embeds" in tensors):
         raise OpError("true_cfg_scale: cfg_parallel needs true CFG (true_cfg_scale > 1 and a negative prompt)")
@@ -243,7 +252,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             flush(ctx.device)  # what staged just freed counts as free for the budget
             budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate.activations)
             placement = dataclasses.replace(placement, max_memory=budget)
-        transformer = models.get(key, functools.partial(adapter.load_transformer, spec.model.path, dtype, placement))
+        transformer = models.get(key, functools.partial(_load_placed, adapter, spec, dtype, placement))
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
     lora.apply_loras(ctx, transformer, spec, adapter)
 
@@ -273,6 +282,23 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         return None, {}
     ctx.progress(steps, steps, _closing(ctx, "denoised"))
     return DenoiseResult(tuple(samples.shape), cache=cache), {"samples": samples}
+
+
+def _held_as(spec: TransformerSpec) -> str:
+    """The transformer's key's dtype: the run's, and what its fp8 weights are held as (a change reloads it)."""
+    return spec.dtype.value if spec.weights is Weights.AS_STORED else f"{spec.dtype.value}, fp8 {spec.weights.value}"
+
+
+def _load_placed(
+    adapter: FamilyAdapter, spec: TransformerSpec, dtype: torch.dtype, placement: Placement
+) -> torch.nn.Module:
+    """device_map's transformer: placed by diffusers (its fp8 weights cast to ``dtype`` on the way, as the plan of
+    where the layers go assumes), then its fp8 weights held as ``spec.weights`` says."""
+    transformer = adapter.load_transformer(spec.model.path, dtype, placement)
+    files = fp8_files(spec.model.path)
+    if files:
+        fp8_weights.hold_loaded(transformer, files, dtype, spec.weights is Weights.AS_STORED)
+    return transformer
 
 
 def _my_images(image: torch.Tensor, batch_size: int, start: int, count: int) -> torch.Tensor:
