@@ -136,6 +136,27 @@ def apply_fp8_scales(transformer: torch.nn.Module, folder) -> None:
                     weight.copy_((weight.float() * scale).to(weight.dtype))
 
 
+def fp8_meaning(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A converted transformer's tensors as they mean (what the reference folder holds): each fp8 weight cast to
+    float32, times its ``.weight_scale`` when it has one, in bf16 (the tiny files' other dtype); the scales gone.
+    Checks, too, that every fp8 weight of a scaled file kept its scale."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    scales = {k.removesuffix("_scale"): v for k, v in tensors.items() if k.endswith(".weight_scale")}
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith(".weight_scale"):
+            continue
+        if value.dtype in fp8:
+            value = value.float()
+            if key in scales:
+                scale = scales[key]
+                value = value * (scale if scale.numel() == 1 else scale.reshape(-1, 1))
+            value = value.to(torch.bfloat16)
+        out[key] = value
+    assert set(scales) <= set(out)
+    return out
+
+
 def converted_and_one_shot(made: dict, pipeline: type, *, guidance_scale: float, tokens: int, fmt: str = "fp8_scaled"):
     """The ``fmt`` files of ``made`` converted, and ``pipeline``'s one-shot image on the converted folder as diffusers
     reads it (its fp8 weights cast up, their scales applied by ``apply_fp8_scales``): (model name, (seed, width,

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
-from helpers import converted_and_one_shot, generate
+from helpers import converted_and_one_shot, fp8_meaning, generate
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import (
@@ -136,27 +136,6 @@ def _component_tensors(folder, component):
     return out
 
 
-def _meant(tensors):
-    """A converted transformer's tensors as they mean (what the reference folder holds): each fp8 weight cast to
-    float32, times its ``.weight_scale`` when it has one, in bf16 (the tiny files' other dtype); the scales gone.
-    Checks, too, that every fp8 weight of a scaled file kept its scale."""
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    scales = {k.removesuffix("_scale"): v for k, v in tensors.items() if k.endswith(".weight_scale")}
-    out = {}
-    for key, value in tensors.items():
-        if key.endswith(".weight_scale"):
-            continue
-        if value.dtype in fp8:
-            value = value.float()
-            if key in scales:
-                scale = scales[key]
-                value = value * (scale if scale.numel() == 1 else scale.reshape(-1, 1))
-            value = value.to(torch.bfloat16)
-        out[key] = value
-    assert set(scales) <= set(out)
-    return out
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_scaled"])
 def test_converted_folder_is_the_diffusers_folder(tiny, fmt):
     """Every tensor of every component, bit for bit and in the same dtype, as the diffusers folder of the same model
@@ -173,7 +152,7 @@ def test_converted_folder_is_the_diffusers_folder(tiny, fmt):
         if component == "transformer":
             stored = {v.dtype for v in ours.values()}
             assert (torch.float8_e4m3fn in stored) == (fmt != "bf16"), "the converted transformer keeps fp8"
-            ours = _meant(ours)
+            ours = fp8_meaning(ours)
         assert set(ours) == set(theirs), component
         for key, value in theirs.items():
             assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"
@@ -552,7 +531,7 @@ def test_qwenimage_converted_folder_is_the_diffusers_folder(qwen, fmt):
     for component in ("transformer", "vae"):
         ours, theirs = _component_tensors(folder, component), _component_tensors(reference, component)
         if component == "transformer":
-            ours = _meant(ours)
+            ours = fp8_meaning(ours)
         assert set(ours) == set(theirs), component
         for key, value in theirs.items():
             assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"

@@ -235,7 +235,9 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         strategies.check_attention(plan, ctx.device)
         estimate = memory.check_denoise(adapter, spec.model.path, plan, sampling, text_tokens, dtype, ctx.device,
                                         local_ranks=ctx.local_world_size, loads_weights=not models.resident(key),
-                                        freed_by_load=models.freed_by_loading(key))  # fmt: skip
+                                        freed_by_load=models.freed_by_loading(key),
+                                        # device_map places the weights in the dtype before holding them in fp8
+                                        fp8_as_stored=plan.spmd and spec.weights is Weights.AS_STORED)  # fmt: skip
     except WidgetError as e:
         refused = e
     ctx.agree(refused)  # one rank short of memory, or its GPU cannot run the attention: all refuse, before any loads
