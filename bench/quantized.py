@@ -31,24 +31,15 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from comfy_files_memory import big_flux1, proc_status
 
 # The formats compared: bf16 first (the ratios' base). A GGUF format is one more name here, written by its writer.
 FORMATS = ("bf16", "fp8", "fp8_scaled")
 STRATEGIES = {"context_parallel": {}, "tensor_parallel": {"tp_degree": 0}, "device_map": {}}
 
 
-def _status(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} for {pid}")
-
-
 def _write_files(work: str, width: int) -> dict[str, str]:
     """The big transformer as ComfyUI's file in each format; the model name of each, converted."""
-    import torch
-    from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
 
     from parallel_runtime import comfy_files, jobs
@@ -60,19 +51,7 @@ def _write_files(work: str, width: int) -> dict[str, str]:
         comfy_files.comfy_package_dir(),
         formats=("bf16",),
     )["bf16"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        big = FluxTransformer2DModel(
-            in_channels=64,
-            num_layers=2,
-            num_single_layers=4,
-            attention_head_dim=128,
-            num_attention_heads=width // 128,
-            joint_attention_dim=64,
-            pooled_projection_dim=64,
-            guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56),
-        )
+    big = big_flux1(width)
     models = {"tiny": jobs.model_from_comfy_files(**names)[0]}
     sd = big.state_dict()
     del big
@@ -108,15 +87,15 @@ def _measure(models: dict[str, str], fmt: str, strategy: str, ranks: int, steps:
     try:
         generate(models["tiny"])
         pids = [pid for _, pid in sorted(backend.worker_pids.items())]
-        before = [_status(pid, "VmRSS") for pid in pids]
-        anon_before = [_status(pid, "RssAnon") for pid in pids]
+        before = [proc_status(pid, "VmRSS") for pid in pids]
+        anon_before = [proc_status(pid, "RssAnon") for pid in pids]
         anon_peak = list(anon_before)
         done = threading.Event()
 
         def watch() -> None:
             while not done.is_set():
                 for i, pid in enumerate(pids):
-                    anon_peak[i] = max(anon_peak[i], _status(pid, "RssAnon"))
+                    anon_peak[i] = max(anon_peak[i], proc_status(pid, "RssAnon"))
                 time.sleep(0.005)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -125,7 +104,7 @@ def _measure(models: dict[str, str], fmt: str, strategy: str, ranks: int, steps:
         per_step = generate(models[fmt], steps) / steps  # warm: the steps alone (and the encode's handover)
         done.set()
         watcher.join()
-        after = [_status(pid, "VmHWM") for pid in pids]
+        after = [proc_status(pid, "VmHWM") for pid in pids]
         params = [m.parameter_bytes for r in backend.status().ranks for m in r.resident if m.component == "transformer"]
     finally:
         shutdown_backend()
