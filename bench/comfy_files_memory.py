@@ -35,13 +35,34 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _status(pid: int, field: str) -> int:
+def proc_status(pid: int, field: str) -> int:
     """A field of /proc/<pid>/status in bytes: VmRSS (resident now), VmHWM (the most it has been resident)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} for {pid}")
+
+
+def big_flux1(width: int) -> object:
+    """A FLUX.1 transformer of ``width`` (heads of 128) with 2 double and 4 single blocks, random weights (seed 0),
+    whose inputs fit the tiny text encoders and VAE."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return FluxTransformer2DModel(
+            in_channels=64,
+            num_layers=2,
+            num_single_layers=4,
+            attention_head_dim=128,
+            num_attention_heads=width // 128,
+            joint_attention_dim=64,
+            pooled_projection_dim=64,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        )
 
 
 def main() -> None:
@@ -52,7 +73,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
 
     from parallel_runtime import comfy_files, default_spec, get_backend, jobs, shutdown_backend
@@ -68,19 +88,7 @@ def main() -> None:
     names, _ = flux_tiny.make_tiny_flux_files(
         os.path.join(work, "models"), os.path.join(work, "reference"), comfy_dir, formats=("bf16",)
     )["bf16"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        big = FluxTransformer2DModel(
-            in_channels=64,
-            num_layers=2,
-            num_single_layers=4,
-            attention_head_dim=128,
-            num_attention_heads=args.width // 128,
-            joint_attention_dim=64,
-            pooled_projection_dim=64,
-            guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56),
-        )
+    big = big_flux1(args.width)
     full_bytes = sum(p.numel() * 4 for p in big.parameters())  # float32: the CPU ranks' dtype
     bfl = flux_tiny.bfl_transformer(big.state_dict(), 2, 4)
     name = "bench-flux1-dev.safetensors"
@@ -105,15 +113,15 @@ def main() -> None:
         # The whole path once on the tiny model first, so that imports and first-run buffers are in the baseline.
         generate(tiny_model)
         pids = [pid for _, pid in sorted(backend.worker_pids.items())]
-        before = [_status(pid, "VmRSS") for pid in pids]
-        anon_before = [_status(pid, "RssAnon") for pid in pids]
+        before = [proc_status(pid, "VmRSS") for pid in pids]
+        anon_before = [proc_status(pid, "RssAnon") for pid in pids]
         anon_peak = list(anon_before)
         done = threading.Event()
 
         def watch(pids: list[int] = pids, anon_peak: list[int] = anon_peak, done: threading.Event = done) -> None:
             while not done.is_set():  # anonymous memory has no high-water mark of its own: sample it
                 for i, pid in enumerate(pids):
-                    anon_peak[i] = max(anon_peak[i], _status(pid, "RssAnon"))
+                    anon_peak[i] = max(anon_peak[i], proc_status(pid, "RssAnon"))
                 time.sleep(0.005)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -121,7 +129,7 @@ def main() -> None:
         generate(model)
         done.set()
         watcher.join()
-        after = [_status(pid, "VmHWM") for pid in pids]
+        after = [proc_status(pid, "VmHWM") for pid in pids]
         params = [
             next(m for m in r.resident if m.component == "transformer").parameter_bytes for r in backend.status().ranks
         ]

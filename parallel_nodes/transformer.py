@@ -5,7 +5,7 @@ from comfy_api.latest import io
 from parallel_runtime import default_spec, jobs
 from parallel_runtime.families import names
 from parallel_runtime.strategy import ATTENTION_BACKENDS, Strategy, strategies_on
-from parallel_runtime.wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, CompileMode
+from parallel_runtime.wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, CompileMode, Weights
 
 from . import comfy
 from .types import CATEGORY, Transformer, backend_input, dtype_input, max_memory_input, model_input
@@ -151,6 +151,23 @@ class LoadShardedTransformer(io.ComfyNode):
                         "compiler."
                     ),
                 ),
+                io.Combo.Input(
+                    "weights",
+                    options=[w.value for w in Weights],
+                    default=Weights.AS_STORED.value,
+                    optional=True,
+                    tooltip=(
+                        "What a transformer's fp8 weights (a ComfyUI fp8 or scaled-fp8 file) are held as on every "
+                        "rank, on every strategy.\n"
+                        "as stored: fp8, half the memory of bf16; each layer's weight is made in the dtype (times "
+                        "its scale, with the LoRAs) only while the layer runs. The same image as 'as dtype' (fp8 "
+                        "values are exact in bf16).\n"
+                        "as dtype: made in the dtype when loading, twice the memory (what the pack did before it "
+                        "kept fp8).\n"
+                        "bf16 / fp16 / fp32 weights load in the dtype either way. The node's text says what a rank "
+                        "holds."
+                    ),
+                ),
             ],
             outputs=[
                 Transformer.Output(
@@ -171,4 +188,6 @@ class LoadShardedTransformer(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.with_defaults(cls, inputs)
-        return io.NodeOutput(jobs.plan_transformer(w.pop("backend") or default_spec(), **w))
+        handle = jobs.plan_transformer(w.pop("backend") or default_spec(), **w)
+        comfy.show_text(cls, handle.held)
+        return io.NodeOutput(handle)

@@ -15,15 +15,21 @@ headers' shapes (``FilesContents``). What is the same for all is here:
 - a transformer is moved one source tensor at a time (the layout's ``Move`` list) into shards of at most
   ``SHARD_BYTES``, so the conversion never holds more than a shard in memory;
 - a component kept as it is (a text encoder already in transformers' layout) is a symbolic link to the file beside its
-  config, nothing copied — rewritten, streamed into shards, only when fp8 weights have to be cast or a prefix dropped;
+  config, nothing copied — rewritten, streamed into shards, only when fp8 weights have to be cast (a text encoder's),
+  scales renamed or a prefix dropped;
 - a small component (a VAE) goes through the layout's converter (diffusers' own, e.g. ``convert_ldm_vae_checkpoint``);
 - the tokenizers are copied from the ComfyUI installation (FLUX.1: ``comfy/sd1_tokenizer``, ``comfy/text_encoders/
   t5_tokenizer``), the scheduler and ``model_index.json`` are the layout's data. Nothing comes from the internet.
 
-Weights as ComfyUI distributes them: bf16 / fp16 / fp32 are kept, fp8 (``float8_e4m3fn`` / ``float8_e5m2``) is cast
-to the file's own high-precision dtype (bf16 when it has none), ComfyUI's scaled fp8 (``scale_weight`` beside the
-weight, or ``weight_scale`` with ``_quantization_metadata``) is dequantized (weight × scale) on the way. GGUF, NF4
-(bitsandbytes), nunchaku (SVDQuant), GPTQ / AWQ and other integer formats are refused by name.
+Weights as ComfyUI distributes them: bf16 / fp16 / fp32 are kept. A transformer's fp8 (``float8_e4m3fn`` /
+``float8_e5m2``) weights stay fp8 in the folder, and ComfyUI's scaled fp8 (``scale_weight`` beside the weight, or
+``weight_scale`` with ``_quantization_metadata``) keeps its scales beside them as float32 tensors under diffusers'
+names (``<layer>.weight_scale``, ``wire.FP8_SCALE_SUFFIX``, moved with their weights' rows): the folder is no larger
+than the file, and the ranks hold the weights in fp8 or dequantize them as LoadShardedTransformer's ``weights`` says
+(``worker/fp8_weights.py``). A plain-fp8 transformer already in diffusers' keys is linked, not copied. A text encoder's
+fp8 weights are still cast to the file's own high-precision dtype (bf16 when it has none), scaled ones dequantized
+(weight × scale) on the way: transformers loads the folder as it is. GGUF, NF4 (bitsandbytes), nunchaku (SVDQuant),
+GPTQ / AWQ and other integer formats are refused by name.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from .model_folders import (
     refused_because,
 )
 from .processes import process_alive
+from .wire import FP8_SCALE_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +74,7 @@ FOLDERS = {
 }
 USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
 SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
-CONVERSION_VERSION = 1  # part of every cache key: a change of what the conversion writes makes new folders
+CONVERSION_VERSION = 2  # part of every cache key: a change of what the conversion writes makes new folders
 _FLOAT8 = ("F8_E4M3", "F8_E5M2")
 _FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
 # Every dtype safetensors 0.8 writes, by its bits per element.
@@ -338,14 +345,20 @@ def _tensor_bytes(file: SourceFile, key: str, out_dtype: str | None = None) -> i
     return n * _DTYPE_BYTES.get(out_dtype or file.dtypes[key], 4)
 
 
-def _out_dtype(file: SourceFile, key: str) -> str:
-    return file.high_precision_dtype() if file.dtypes[key] in _FLOAT8 else file.dtypes[key]
+def _out_dtype(file: SourceFile, key: str, keep_fp8: bool) -> str:
+    return file.high_precision_dtype() if file.dtypes[key] in _FLOAT8 and not keep_fp8 else file.dtypes[key]
+
+
+def _keeps_fp8(component: Component) -> bool:
+    """The transformer's fp8 weights stay fp8 (the ranks hold them so); a text encoder's are cast, as transformers
+    loads its folder."""
+    return component.name == "transformer"
 
 
 def _needs_rewrite(component: Component) -> bool:
-    """A kept component is linked unless its tensors change: fp8 to cast, or a prefix to drop."""
+    """A kept component is linked unless its tensors change: fp8 to cast, scales to rename, or a prefix to drop."""
     file = component.file
-    return bool(file.has_fp8 or file.scales or file.stripped_prefix)
+    return bool((file.has_fp8 and not _keeps_fp8(component)) or file.scales or file.stripped_prefix)
 
 
 def _write_bytes(component: Component) -> int:
@@ -355,7 +368,8 @@ def _write_bytes(component: Component) -> int:
     filled = sum(_filled_bytes(file, shape) for shape, _ in component.filled.values())
     if component.moves is None and not _needs_rewrite(component):
         return filled  # a link, and the filled tensors beside it
-    return filled + sum(_tensor_bytes(file, k, _out_dtype(file, k)) for k in file.shapes)
+    keep = _keeps_fp8(component)
+    return filled + sum(_tensor_bytes(file, k, _out_dtype(file, k, keep)) for k in file.shapes)
 
 
 def _filled_bytes(file: SourceFile, shape: tuple[int, ...]) -> int:
@@ -601,8 +615,9 @@ def _write_tokenizer(out: str, comfy_dir: str, tokenizer: Tokenizer) -> None:
         _write_json(path, config)
 
 
-def _tensors(file: SourceFile, keys: list[str]) -> Iterator[tuple[str, object]]:
-    """``keys`` (stripped) of ``file``, each dequantized or cast as the conversion needs, one at a time."""
+def _tensors(file: SourceFile, keys: list[str], keep_fp8: bool = False) -> Iterator[tuple[str, object]]:
+    """``keys`` (stripped) of ``file``, one at a time: fp8 as stored (``keep_fp8``), else dequantized or cast to the
+    file's high-precision dtype."""
     import torch
     from safetensors import safe_open
 
@@ -611,12 +626,12 @@ def _tensors(file: SourceFile, keys: list[str]) -> Iterator[tuple[str, object]]:
     with safe_open(file.path, framework="pt") as f:
         for key in keys:
             tensor = f.get_tensor(file.keys[key])
-            if key in scales:
+            if key in scales and not keep_fp8:
                 scale = f.get_tensor(file.keys[scales[key]]).to(torch.float32)
                 if scale.ndim == 1 and tensor.ndim > 1 and scale.numel() == tensor.shape[0]:
                     scale = scale.reshape(-1, *([1] * (tensor.ndim - 1)))  # per output channel
                 tensor = (tensor.to(torch.float32) * scale).to(out_dtype)
-            elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and not keep_fp8:
                 tensor = tensor.to(out_dtype)
             yield key, tensor
 
@@ -638,7 +653,7 @@ def _kept_keys(component: Component) -> list[str]:
 def _units(component: Component) -> int:
     """The component's steps of progress: one per source tensor it streams, else one."""
     if component.moves is not None:
-        return len(group_moves(component.moves))
+        return len(group_moves(component.moves)) + (len(component.file.scales) if _keeps_fp8(component) else 0)
     if component.convert is None and _needs_rewrite(component):
         return len(_kept_keys(component))
     return 1
@@ -656,9 +671,14 @@ def _write_whole(component: Component, folder: str, steps: _Steps) -> None:
         return
     shards = _Shards(folder, component.weights)
     if _needs_rewrite(component):
-        for key, tensor in _tensors(file, _kept_keys(component)):
+        keep = _keeps_fp8(component)
+        for key, tensor in _tensors(file, _kept_keys(component), keep_fp8=keep):
             shards.add(key, tensor)
             steps(f"converting {component.name}")
+        if keep:
+            sources = {key: [Move(source=key, target=key)] for key in file.scales if key in file.shapes}
+            for key, scale in _moved_scales(file, sources):
+                shards.add(key, scale)
     else:
         # Not prefix-stripped (else it would be rewritten): the file's keys are the folder's.
         sizes = {k: _tensor_bytes(file, k) for k in file.shapes if not _skipped(file, k)}
@@ -677,9 +697,35 @@ def _write_moved(component: Component, out: str, steps: _Steps) -> None:
     SHARD_BYTES as they fill (diffusers' sharded layout with its index)."""
     by_source = group_moves(component.moves)
     shards = _Shards(out, component.weights)
-    for target, tensor in apply_moves(by_source, _tensors(component.file, list(by_source)), steps):
+    keep = _keeps_fp8(component)
+    for target, tensor in apply_moves(by_source, _tensors(component.file, list(by_source), keep_fp8=keep), steps):
         shards.add(target, tensor)
+    if keep:
+        for target, scale in _moved_scales(component.file, by_source):
+            shards.add(target, scale)
+            steps("converting transformer")
     shards.close()
+
+
+def _moved_scales(file: SourceFile, by_source: dict[str, list[Move]]) -> Iterator[tuple[str, object]]:
+    """The scales of the scaled-fp8 weights among ``by_source``'s, under their diffusers weights' names
+    (``<layer>.weight_scale``, float32): a per-tensor scale for each weight made of its tensor, a per-row one moved
+    with the rows."""
+    import torch
+    from safetensors import safe_open
+
+    scales = file.scales
+    with safe_open(file.path, framework="pt") as f:
+        for source, moves in by_source.items():
+            if source not in scales:
+                continue
+            scale = f.get_tensor(file.keys[scales[source]]).to(torch.float32)
+            if scale.numel() == 1:
+                for move in moves:
+                    yield move.target + FP8_SCALE_SUFFIX, scale.reshape(()).clone()
+                continue
+            for target, part in apply_moves({source: moves}, iter([(source, scale.reshape(-1))])):
+                yield target + FP8_SCALE_SUFFIX, part
 
 
 def group_moves(moves: tuple[Move, ...] | list[Move]) -> dict[str, list[Move]]:
@@ -700,12 +746,16 @@ def apply_moves(
     import torch
 
     for source, tensor in tensors:
+        # fp8 rows are moved as bytes (cat of float8 is not implemented everywhere), which is exact.
+        fp8 = tensor.dtype if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+        rows = tensor.view(torch.uint8) if fp8 is not None else tensor
         for move in by_source[source]:
-            part = tensor if move.rows is None else tensor[move.rows[0] : move.rows[1]].clone()
+            part = rows if move.rows is None else rows[move.rows[0] : move.rows[1]].clone()
             if move.swap_halves:
                 shift, scale = part.chunk(2, dim=0)
                 part = torch.cat([scale, shift], dim=0)
-            yield move.target, part.contiguous()
+            part = part.contiguous()
+            yield move.target, part.view(fp8) if fp8 is not None else part
         if steps is not None:
             steps("converting transformer")
 

@@ -111,8 +111,11 @@ INTERNALS: tuple[Internal, ...] = (
              "this rank's slice of a LoRA's factor, cut as the weight's own slice"),
     # diffusers: hooks and step caches
     Internal("diffusers.hooks.hooks", "HookRegistry._diffusers_hook", "worker/step_cache.py",
-             "the registry a module carries; worker/cfg_parallel.py and worker/vae_tiles.py read it too",
-             on_instances=True),
+             "the registry a module carries; worker/cfg_parallel.py, worker/vae_tiles.py and worker/fp8_weights.py "
+             "read it too", on_instances=True),
+    Internal("diffusers.hooks.layerwise_casting", "_LAYERWISE_CASTING_HOOK", "worker/fp8_weights.py",
+             "the fp8 hook's name: ModelMixin.dtype reads the compute dtype of a hook of that name, so the pipelines "
+             "make their latents in it, not in fp8"),
     Internal("diffusers.hooks.hooks", "HookRegistry._hook_order", "worker/step_cache.py",
              "the order of a block's hooks, kept when the context-parallel split hooks come off and go back on",
              on_instances=True),

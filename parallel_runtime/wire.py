@@ -114,6 +114,23 @@ class LoraRef:
         return (self.path, self.sha256)
 
 
+class Weights(str, enum.Enum):
+    """What a transformer's fp8 weights are held as on the ranks (LoadShardedTransformer's ``weights``).
+
+    AS_STORED keeps the weights a folder stores in fp8 (a converted ComfyUI fp8 or scaled-fp8 file) in fp8, each
+    layer's weight made in the run's dtype only while the layer runs (its scale applied then;
+    ``worker/fp8_weights.py``): half the memory of bf16. AS_DTYPE makes the run's dtype of them when loading (scales
+    applied), as the pack did before it kept fp8. Weights stored in bf16 / fp16 / fp32 load in the dtype either way."""
+
+    AS_STORED = "as stored"
+    AS_DTYPE = "as dtype"
+
+
+# A scaled-fp8 weight's scale in a converted folder: "<layer>.weight" → "<layer>.weight_scale" (float32, one per
+# tensor or one per output row), what comfy_files writes and the ranks' loader reads.
+FP8_SCALE_SUFFIX = "_scale"
+
+
 class LoraMode(str, enum.Enum):
     """How the ranks apply a transformer's LoRAs (see ``worker/lora.py``).
 
@@ -236,8 +253,9 @@ COMPILE_BACKEND_ENV = "COMFY_PARALLEL_COMPILE_BACKEND"  # torch.compile's backen
 
 @dataclasses.dataclass(frozen=True)
 class TransformerSpec:
-    """What LoadShardedTransformer chose: the model, how it is split, its dtype and its ``device_map`` budget; and
-    the LoRAs ParallelLoraLoader nodes added, in the order they were chained, with how they are applied."""
+    """What LoadShardedTransformer chose: the model, how it is split, its dtype and its ``device_map`` budget, what
+    its fp8 weights are held as; and the LoRAs ParallelLoraLoader nodes added, in the order they were chained, with how
+    they are applied."""
 
     model: ModelRef
     dtype: Dtype
@@ -247,6 +265,7 @@ class TransformerSpec:
     lora_mode: LoraMode = LoraMode.AUTO
     cache: StepCache = StepCache()
     compile: CompileMode = CompileMode.OFF
+    weights: Weights = Weights.AS_STORED
 
     def __post_init__(self) -> None:
         if self.compile is not CompileMode.OFF and self.cache.mode is not CacheMode.OFF:

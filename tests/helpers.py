@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 from diffusers import Flux2Pipeline, QwenImagePipeline
+from safetensors.torch import load_file
 
-from parallel_runtime import jobs
+from parallel_runtime import jobs, model_folders
 
 # -- the strategies' images through the nodes' steps (test_strategies and the modules that hold other paths to it) --
 MODEL = "tiny-flux"
@@ -76,9 +77,11 @@ def generate(
 def family_reference(
     folder, name: str, seed: int, batch_size: int = 1, width: int = 64, height: int = 64, **overrides
 ) -> torch.Tensor:
-    """The one-shot pipeline of family ``name`` on the diffusers ``folder``: its IMAGE, image i from seed + i."""
+    """The one-shot pipeline of family ``name`` on the diffusers ``folder``: its IMAGE, image i from seed + i. A folder
+    that stores fp8 gets its scales applied (``apply_fp8_scales``)."""
     family = NEW_FAMILIES[name]
     pipe = family["pipeline"].from_pretrained(folder, dtype=torch.float32)  # as the CPU ranks run it
+    apply_fp8_scales(pipe.transformer, folder)
     pipe.set_progress_bar_config(disable=True)
     kwargs = {"max_sequence_length": family["max_sequence_length"], **family["reference"], **overrides}
     return pipe(
@@ -123,12 +126,50 @@ def generate_family(
     return latent, jobs.decode(spec, model=family["model"], samples=latent)
 
 
-def converted_and_one_shot(made: dict, pipeline: type, *, guidance_scale: float, tokens: int):
-    """The scaled-fp8 files of ``made`` converted, and ``pipeline``'s one-shot image on their reference diffusers
-    folder: (model name, (seed, width, height, batch_size) -> IMAGE, image i from seed + i)."""
-    names, reference = made["fp8_scaled"]
+def apply_fp8_scales(transformer: torch.nn.Module, folder) -> None:
+    """diffusers' own reading of a converted fp8 folder, made what it means, independently of the pack's loader and
+    hook: ``from_pretrained`` cast each fp8 weight up (exact) and left its ``<layer>.weight_scale`` unread; here each
+    such weight is multiplied by its scale in float32."""
+    sub = os.path.join(folder, "transformer")
+    with torch.no_grad():
+        for file in sorted(f for f in os.listdir(sub) if f.endswith(".safetensors")):
+            for key, scale in load_file(os.path.join(sub, file)).items():
+                if key.endswith(".weight_scale"):
+                    weight = transformer.get_submodule(key.rsplit(".", 1)[0]).weight
+                    scale = scale.float() if scale.numel() == 1 else scale.float().reshape(-1, 1)
+                    weight.copy_((weight.float() * scale).to(weight.dtype))
+
+
+def fp8_meaning(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A converted transformer's tensors as they mean (what the reference folder holds): each fp8 weight cast to
+    float32, times its ``.weight_scale`` when it has one, in bf16 (the tiny files' other dtype); the scales gone.
+    Checks, too, that every fp8 weight of a scaled file kept its scale."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    scales = {k.removesuffix("_scale"): v for k, v in tensors.items() if k.endswith(".weight_scale")}
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith(".weight_scale"):
+            continue
+        if value.dtype in fp8:
+            value = value.float()
+            if key in scales:
+                scale = scales[key]
+                value = value * (scale if scale.numel() == 1 else scale.reshape(-1, 1))
+            value = value.to(torch.bfloat16)
+        out[key] = value
+    assert set(scales) <= set(out)
+    return out
+
+
+def converted_and_one_shot(made: dict, pipeline: type, *, guidance_scale: float, tokens: int, fmt: str = "fp8_scaled"):
+    """The ``fmt`` files of ``made`` converted, and ``pipeline``'s one-shot image on the converted folder as diffusers
+    reads it (its fp8 weights cast up, their scales applied by ``apply_fp8_scales``): (model name, (seed, width,
+    height, batch_size) -> IMAGE, image i from seed + i)."""
+    names, _ = made[fmt]
     name, _ = jobs.model_from_comfy_files(**names)
-    pipe = pipeline.from_pretrained(reference, dtype=torch.float32)
+    folder = model_folders.resolve(name).path
+    pipe = pipeline.from_pretrained(folder, dtype=torch.float32)
+    apply_fp8_scales(pipe.transformer, folder)
     return name, one_shot_images(pipe, guidance_scale=guidance_scale, max_sequence_length=tokens)
 
 

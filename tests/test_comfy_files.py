@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
-from helpers import converted_and_one_shot, generate
+from helpers import converted_and_one_shot, fp8_meaning, generate
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import (
@@ -139,7 +139,8 @@ def _component_tensors(folder, component):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_scaled"])
 def test_converted_folder_is_the_diffusers_folder(tiny, fmt):
     """Every tensor of every component, bit for bit and in the same dtype, as the diffusers folder of the same model
-    (fp8 cast back, scaled fp8 dequantized); the text encoders linked, not copied."""
+    (the transformer's fp8 weights kept fp8 with their scales beside them: as they mean); the text encoders linked,
+    not copied."""
     base, _, made = tiny
     names, reference = made[fmt]
     plan = jobs.validate_comfy_files(**names)
@@ -148,6 +149,10 @@ def test_converted_folder_is_the_diffusers_folder(tiny, fmt):
     folder = os.path.join(base, "converted", name)
     for component in ("transformer", "text_encoder", "text_encoder_2", "vae"):
         ours, theirs = _component_tensors(folder, component), _component_tensors(reference, component)
+        if component == "transformer":
+            stored = {v.dtype for v in ours.values()}
+            assert (torch.float8_e4m3fn in stored) == (fmt != "bf16"), "the converted transformer keeps fp8"
+            ours = fp8_meaning(ours)
         assert set(ours) == set(theirs), component
         for key, value in theirs.items():
             assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"
@@ -448,7 +453,7 @@ def test_flux1_files_that_would_fail_after_converting_are_refused_by_name(tiny):
 # -- every strategy on real CPU ranks ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def converted(tiny):
-    """The scaled-fp8 model converted, and diffusers' one-shot pipeline on its reference diffusers folder."""
+    """The scaled-fp8 model converted, and diffusers' one-shot pipeline on the converted folder, scales applied."""
     from diffusers import FluxPipeline
 
     return converted_and_one_shot(tiny[2], FluxPipeline, guidance_scale=3.5, tokens=TOKENS)
@@ -515,8 +520,9 @@ def qwen(tiny, tiny_qwen_comfy_files):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_scaled"])
 def test_qwenimage_converted_folder_is_the_diffusers_folder(qwen, fmt):
     """The transformer and VAE tensor for tensor as the diffusers folder (the transformer linked when its file needs
-    nothing done, rewritten when fp8 or a prefix), the text encoder linked in its published layout, the tokenizer
-    ComfyUI's; with bf16 the text encoder, loaded by transformers, equals the reference's."""
+    nothing done, also plain fp8, rewritten for scaled fp8's scales and its prefix), the text encoder linked in its
+    published layout, the tokenizer ComfyUI's; with bf16 the text encoder, loaded by transformers, equals the
+    reference's."""
     names, reference = qwen[fmt]
     plan = jobs.validate_comfy_files(**names)
     assert (plan.family, plan.variant) == ("qwenimage", "Qwen-Image")
@@ -524,11 +530,13 @@ def test_qwenimage_converted_folder_is_the_diffusers_folder(qwen, fmt):
     folder = plan.folder
     for component in ("transformer", "vae"):
         ours, theirs = _component_tensors(folder, component), _component_tensors(reference, component)
+        if component == "transformer":
+            ours = fp8_meaning(ours)
         assert set(ours) == set(theirs), component
         for key, value in theirs.items():
             assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"
     transformer = os.path.join(folder, "transformer", "diffusion_pytorch_model.safetensors")
-    assert os.path.islink(transformer) == (fmt == "bf16")
+    assert os.path.islink(transformer) == (fmt != "fp8_scaled")  # plain fp8 in diffusers' keys: kept, linked
     assert os.path.islink(os.path.join(folder, "text_encoder", "model.safetensors"))
     from parallel_runtime import model_folders
 
@@ -611,13 +619,13 @@ def test_qwenimage_refusals_name_the_input(qwen, tiny):
 
 @pytest.fixture(scope="module")
 def qwen_converted(qwen):
-    """The scaled-fp8 Qwen-Image converted, and the one-shot QwenImagePipeline's image on its diffusers folder (true
-    CFG with a negative prompt: test_strategies' settings)."""
+    """The scaled-fp8 Qwen-Image converted, and the one-shot QwenImagePipeline's image on the converted folder as
+    diffusers reads it, scales applied (true CFG with a negative prompt: test_strategies' settings)."""
     from helpers import family_reference
 
-    names, reference = qwen["fp8_scaled"]
+    names, _ = qwen["fp8_scaled"]
     name, _ = jobs.model_from_comfy_files(**names)
-    return name, family_reference(reference, "qwenimage", 3)
+    return name, family_reference(model_folders.resolve(name).path, "qwenimage", 3)
 
 
 QWEN_STRATEGIES = [

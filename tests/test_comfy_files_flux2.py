@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from helpers import converted_and_one_shot, generate
+from helpers import converted_and_one_shot, fp8_meaning, generate
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs
@@ -109,9 +109,10 @@ def _component_tensors(folder, component):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_scaled"])
 def test_flux2_converted_folder_is_the_diffusers_folder(tiny, fmt):
-    """The transformer and the VAE bit for bit and in the same dtype as the diffusers folder of the same model (fp8
-    cast back, scaled fp8 dequantized), their configs the reference's; the text encoder's file linked, not copied,
-    beside the one zero layer and the norm; model_index names the pipeline's classes."""
+    """The transformer and the VAE bit for bit and in the same dtype as the diffusers folder of the same model (the
+    transformer's fp8 weights kept fp8 with their scales: as they mean), their configs the reference's; the text
+    encoder's file linked, not copied, beside the one zero layer and the norm; model_index names the pipeline's
+    classes."""
     base, _, made = tiny
     names, reference = made[fmt]
     plan = jobs.validate_comfy_files(**names)
@@ -120,6 +121,9 @@ def test_flux2_converted_folder_is_the_diffusers_folder(tiny, fmt):
     folder = os.path.join(base, "converted", name)
     for component in ("transformer", "vae"):
         ours, theirs = _component_tensors(folder, component), _component_tensors(reference, component)
+        if component == "transformer":
+            assert any(v.dtype == torch.float8_e4m3fn for v in ours.values()) == (fmt != "bf16"), "kept fp8"
+            ours = fp8_meaning(ours)
         assert set(ours) == set(theirs), component
         for key, value in theirs.items():
             assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"
@@ -225,7 +229,7 @@ def test_flux2_refusals_name_the_input(tiny):
 # -- strategies on real CPU ranks ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def converted(tiny):
-    """The scaled-fp8 model converted, and diffusers' one-shot pipeline on its reference diffusers folder."""
+    """The scaled-fp8 model converted, and diffusers' one-shot pipeline on the converted folder, scales applied."""
     from diffusers import Flux2Pipeline
 
     return converted_and_one_shot(tiny[2], Flux2Pipeline, guidance_scale=4.0, tokens=TOKENS)

@@ -51,7 +51,12 @@ ADDED_AFTER_0_1_0 = {
 GROWN_AFTER_0_1_0 = {
     "ParallelBackend": ["gpus", "free_comfyui_vram", "nnodes", "rdzv_endpoint"],  # GPU readiness; several machines
     "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler"],  # img2img, inpainting; the samplers
-    "LoadShardedTransformer": ["cache", "cache_threshold", "compile"],  # step caching; compiled blocks
+    "LoadShardedTransformer": [
+        "cache",
+        "cache_threshold",
+        "compile",
+        "weights",
+    ],  # step caching; compiled blocks; fp8 held as stored
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
     "ParallelModelFromComfyFiles": ["diffusion_model_2"],  # Wan 2.2 A14B's low-noise expert
 }
@@ -97,6 +102,7 @@ def test_an_input_left_out_takes_the_schema_default(nodes):
         "cache": "off",
         "cache_threshold": 0.05,
         "compile": "off",
+        "weights": "as stored",
     }
 
 

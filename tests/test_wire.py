@@ -32,6 +32,7 @@ DENOISE = DenoiseArgs(
         loras=(LORA, dataclasses.replace(LORA, name="b.sft", path="/loras/b.sft", strength=1.5)),
         lora_mode=wire.LoraMode.FUSED,
         cache=wire.StepCache(wire.CacheMode.FIRST_BLOCK_CACHE, 0.12),
+        weights=wire.Weights.AS_DTYPE,
     ),
     sampling=Sampling(
         seed=2**64 - 1,

@@ -4,13 +4,28 @@ Nothing loads here: the backend loads the transformer when the sampler first nee
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from .. import families, model_folders
+from ..comfy_files import _gib
 from ..errors import InvalidInput
+from ..estimates import weights_share
+from ..headers import read_header
 from ..spec import BackendSpec
 from ..strategy import StrategyPlan, TransformerFacts, check_attention
-from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, CompileMode, StepCache, TransformerSpec
+from ..wire import (
+    FIRST_BLOCK_CACHE_THRESHOLD,
+    FP8_SCALE_SUFFIX,
+    CacheMode,
+    CompileMode,
+    StepCache,
+    TransformerSpec,
+    Weights,
+)
 from .widgets import check_finite, parse_max_memory, resolve_dtype
+
+_FLOAT8 = ("F8_E4M3", "F8_E5M2")
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +37,7 @@ class TransformerHandle:
     backend: BackendSpec
     spec: TransformerSpec
     config: dict = dataclasses.field(compare=False)
+    held: str = dataclasses.field(default="", compare=False)  # what the weights are held as, for the node's text
 
     @property
     def family(self) -> families.FamilyAdapter:
@@ -47,12 +63,19 @@ def plan_transformer(
     cache: str = "off",
     cache_threshold: float = FIRST_BLOCK_CACHE_THRESHOLD,
     compile: str = CompileMode.OFF.value,
+    weights: str = Weights.AS_STORED.value,
 ) -> TransformerHandle:
     """The transformer handle LoadShardedTransformer's widgets describe, checked against the model's config and the
     backend's ranks (``StrategyPlan.from_widgets`` says what 0 means for a degree), the step cache and compilation.
     Loads nothing."""
     step_cache = _step_cache(cache, cache_threshold)
     compiled = _compile(compile)
+    try:
+        held_as = Weights(weights)
+    except ValueError:
+        raise InvalidInput(
+            "weights", f"unknown choice {weights!r}; choose one of {', '.join(w.value for w in Weights)}"
+        ) from None
     ref = model_folders.resolve(model)
     budget = parse_max_memory(max_memory)
     config = model_folders.transformer_config(ref)
@@ -77,9 +100,47 @@ def plan_transformer(
     return TransformerHandle(
         backend=spec,
         spec=TransformerSpec(
-            model=ref, dtype=resolved, plan=plan, max_memory=budget, cache=step_cache, compile=compiled
+            model=ref,
+            dtype=resolved,
+            plan=plan,
+            max_memory=budget,
+            cache=step_cache,
+            compile=compiled,
+            weights=held_as,
         ),
         config=config,
+        held=describe_weights(os.path.join(ref.path, "transformer"), resolved.value, held_as, plan),
+    )
+
+
+def describe_weights(folder: str, dtype: str, weights: Weights, plan: StrategyPlan) -> str:
+    """What a rank holds of the transformer's weights in ``folder`` (from the safetensors headers): the fp8 ones as
+    ``weights`` says (their float32 scales beside), the rest in ``dtype``; a rank's share under tensor parallelism."""
+    fp8 = other = 0
+    for file in sorted(os.listdir(folder)):
+        if not file.endswith(".safetensors"):
+            continue
+        try:
+            header, _ = read_header(os.path.join(folder, file))
+        except (OSError, ValueError):
+            return ""  # the weights' own check (model_folders) says what is wrong with them
+        for key, (kind, shape) in header.items():
+            n = 1
+            for d in shape:
+                n *= d
+            if kind in _FLOAT8:
+                fp8 += n
+            elif not key.endswith(FP8_SCALE_SUFFIX):
+                other += n
+    itemsize, share = _ITEMSIZE[dtype], weights_share(plan)
+    where = "a rank" if share == 1 else "a rank (its tensor-parallel share)"
+    if not fp8:
+        return f"weights: {_gib(int(other * itemsize * share))} in {dtype} on {where}"
+    held = "fp8" if weights is Weights.AS_STORED else dtype
+    total = (fp8 * (1 if weights is Weights.AS_STORED else itemsize) + other * itemsize) * share
+    return (
+        f"weights: {_gib(int(total))} on {where}: {fp8 / (fp8 + other):.0%} of them stored in fp8, held as {held} "
+        f"(weights: {weights.value}), computed in {dtype}"
     )
 
 

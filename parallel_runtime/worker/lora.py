@@ -17,7 +17,9 @@ strength of 0 is no LoRA. How (``LoraMode``):
   model's tensor-parallel plan shards packed layers by (diffusers' ``resolve_tp_shard_specs`` and ``_local_shard``, the
   arithmetic that sliced the weights when they were loaded, checked against each weight's DTensor placement), so no
   rank ever holds a layer's full weight or delta. Fusing is refused, with the numbers, when the copies would not fit
-  the machine's free memory.
+  the machine's free memory. A weight held in fp8 (``worker/fp8_weights.py``) is never written and needs no copy:
+  its layer's hook gets the rank's factors and merges them, in float32, into the weight it computes with at every
+  forward (merging into the fp8 weight would round the LoRA away).
 - **peft**: diffusers' PEFT adapters (``load_lora_adapter``, ``set_adapters``), unfused; the weights are never
   touched. Refused under tensor parallelism (diffusers), and under context parallelism for a LoRA that changes a
   layer the model's ``_cp_plan`` hooks (``proj_out`` gathers the sequence there; an adapter around it adds a
@@ -42,6 +44,7 @@ from ..families import FamilyAdapter
 from ..families.lora import LoraError, LoraWeights, read_lora
 from ..strategy import StrategyPlan
 from ..wire import LoraMode, LoraRef, TransformerSpec
+from . import fp8_weights
 from .ops import OpContext, OpError, WidgetError
 from .tp_slices import shard_specs
 
@@ -201,6 +204,20 @@ class _Fused:
             signature = tuple(part[0] for part in parts)
             if self.applied.get(name, ()) == signature:
                 continue
+            hook = fp8_weights.held_hook(transformer.get_submodule(name.rpartition(".")[0]))
+            if hook is not None:
+                # An fp8 weight is never written: its hook merges the LoRAs into the weight it computes with, in
+                # float32 from the fp8 values and scale, at every forward (rounding them into fp8 would lose them).
+                device = slices.local(name).device
+                hook.loras = [
+                    fp8_weights.LoraFactors(factor, *slices.factors(name, *weights.factors(module), device=device))
+                    for _, factor, module, weights in parts
+                ]
+                if parts:
+                    self.applied[name] = signature
+                else:
+                    del self.applied[name]
+                continue
             local = slices.local(name)
             if not parts:  # no LoRA changes it any more: the original, exactly
                 local.copy_(self.pristine.pop(name))
@@ -221,6 +238,7 @@ class _Fused:
         """Bytes of originals that fusing these LoRAs would copy beyond those already kept."""
         slices = _Slices(transformer)
         names = {f"{module}.weight" for weights in files for module in weights.modules}
+        names = {n for n in names if fp8_weights.held_hook(transformer.get_submodule(n.rpartition(".")[0])) is None}
         kept = (slices.local(name) for name in names - set(self.pristine))
         return sum(t.numel() * t.element_size() for t in kept)
 
@@ -228,6 +246,10 @@ class _Fused:
         slices = _Slices(transformer)
         for name, original in self.pristine.items():
             slices.local(name).copy_(original)
+        for name in self.applied:
+            hook = fp8_weights.held_hook(transformer.get_submodule(name.rpartition(".")[0]))
+            if hook is not None:
+                hook.loras = []
         self.pristine.clear()
         self.applied.clear()
 
@@ -272,15 +294,22 @@ class _Slices:
 
     def delta(self, name: str, a: torch.Tensor, b: torch.Tensor, device: torch.device) -> torch.Tensor:
         """This rank's part of B @ A for ``module.weight``, in float32."""
+        b, a = self.factors(name, a, b, device)
+        return b @ a
+
+    def factors(
+        self, name: str, a: torch.Tensor, b: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, A) in float32 whose product is this rank's part of B @ A for ``module.weight``."""
         from diffusers.hooks.tensor_parallel import _local_shard
 
         spec = self.specs.get(name)
         a, b = a.to(device=device, dtype=torch.float32), b.to(device=device, dtype=torch.float32)
         if spec is None or spec.dim is None:
-            return b @ a
+            return b, a
         if spec.dim == 0:  # colwise: this rank's output rows
-            return _local_shard(b, 0, spec.block_sizes, self.mesh) @ a
-        return b @ _local_shard(a, 1, spec.block_sizes, self.mesh)  # rowwise: this rank's input columns
+            return _local_shard(b, 0, spec.block_sizes, self.mesh), a
+        return b, _local_shard(a, 1, spec.block_sizes, self.mesh)  # rowwise: this rank's input columns
 
 
 # -- PEFT adapters -------------------------------------------------------------------------------------------------

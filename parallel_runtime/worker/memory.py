@@ -18,29 +18,47 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 
 import torch
 
 from ..estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, weights_share
 from ..families import FamilyAdapter
 from ..strategy import StrategyPlan
-from ..wire import Sampling
+from ..wire import FP8_SCALE_SUFFIX, Sampling
 from .diagnostics import memory_of
 from .ops import WidgetError
 
 CAP_ENV = "COMFY_PARALLEL_MEMORY_CAP_GB"
 
 
-def parameters_in(folder: str) -> int:
-    """Parameters stored in a folder's safetensors files, read from their headers (nothing is loaded)."""
-    count = 0
+def _tensors_in(folder: str) -> Iterator[tuple[str, str, int]]:
+    """(key, safetensors dtype, elements) of each tensor in a folder's safetensors files, from their headers."""
     for name in os.listdir(folder):
         if name.endswith(".safetensors"):
             with open(os.path.join(folder, name), "rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(length))
-            count += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
-    return count
+            for key, t in header.items():
+                if key != "__metadata__":
+                    yield key, t["dtype"], math.prod(t["shape"])
+
+
+def parameters_in(folder: str) -> int:
+    """Parameters stored in a folder's safetensors files, read from their headers (nothing is loaded)."""
+    return sum(n for _, _, n in _tensors_in(folder))
+
+
+def weight_bytes_in(folder: str, dtype: torch.dtype, fp8_as_stored: bool) -> int:
+    """Bytes a whole replica of the folder's weights takes on a rank: in ``dtype``, but the fp8 ones in fp8 (their
+    float32 scales beside) when they are held as stored (``worker/fp8_weights.py``)."""
+    if not fp8_as_stored:
+        return sum(n for key, _, n in _tensors_in(folder) if not key.endswith(FP8_SCALE_SUFFIX)) * dtype.itemsize
+    sizes = {"F8_E4M3": 1, "F8_E5M2": 1}
+    return sum(
+        n * (4 if key.endswith(FP8_SCALE_SUFFIX) else sizes.get(kind, dtype.itemsize))
+        for key, kind, n in _tensors_in(folder)
+    )
 
 
 def text_encoder_bytes(model_dir: str, dtype: torch.dtype) -> int:
@@ -128,13 +146,15 @@ def check_denoise(
     local_ranks: int,
     loads_weights: bool,
     freed_by_load: int,
+    fp8_as_stored: bool = False,
 ) -> Estimate:
-    """What the denoise needs on this rank; WidgetError (``width``) when it cannot fit this rank's device."""
+    """What the denoise needs on this rank; WidgetError (``width``) when it cannot fit this rank's device. Weights
+    stored in fp8 count 1 byte each when the rank holds them so (``fp8_as_stored``)."""
     activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     weights = 0
     if loads_weights:
-        weights = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize * weights_share(plan)
+        weights = weight_bytes_in(os.path.join(model_dir, "transformer"), dtype, fp8_as_stored) * weights_share(plan)
     free, sharing = _free(device, local_ranks if plan.spmd else 1)
     need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
     if need > have:

@@ -32,13 +32,16 @@ from ..wire import (
     FreeArgs,
     FreeResult,
     Sampling,
+    TransformerSpec,
     VaeEncodeArgs,
     VaeEncodeResult,
+    Weights,
 )
-from . import compiled, lora, memory, speeds, step_cache, strategies, vae_tiles
+from . import compiled, fp8_weights, lora, memory, speeds, step_cache, strategies, vae_tiles
 from .diagnostics import flush, memory_of, reset_peak
 from .models import ModelKey, ResidentModels
 from .ops import OpContext, OpError, OpFn, OpResult, WidgetError, op
+from .tp_slices import fp8_files
 
 
 def _models(ctx: OpContext) -> ResidentModels:
@@ -206,17 +209,23 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     models = _models(ctx)
     if not plan.spmd:  # device_map: a rank-0 stage
         placement, where = _placement(ctx, "auto", spec.max_memory)
-        key = ModelKey(spec.model.name, "transformer", where + compiled.placement(spec.compile), spec.dtype.value)
+        key = ModelKey(spec.model.name, "transformer", where + compiled.placement(spec.compile), _held_as(spec))
         if ctx.rank != 0:
             models.make_room(key)
             return None, {}
         ctx.alone()
     else:  # context / tensor / data parallel: every rank loads its part together
         key = ModelKey(
-            spec.model.name, "transformer", plan.describe() + compiled.placement(spec.compile), spec.dtype.value
+            spec.model.name, "transformer", plan.describe() + compiled.placement(spec.compile), _held_as(spec)
         )
         load = functools.partial(
-            strategies.load_transformer, adapter.transformer_class(), spec.model.path, dtype, ctx.device, plan
+            strategies.load_transformer,
+            adapter.transformer_class(),
+            spec.model.path,
+            dtype,
+            ctx.device,
+            plan,
+            spec.weights,
         )
     if plan.cfg_degree > 1 and not ((sampling.true_cfg_scale or 1) > 1 and "negative_prompt_embeds" in tensors):
         raise OpError("true_cfg_scale: cfg_parallel needs true CFG (true_cfg_scale > 1 and a negative prompt)")
@@ -231,7 +240,9 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         strategies.check_attention(plan, ctx.device)
         estimate = memory.check_denoise(adapter, spec.model.path, plan, sampling, text_tokens, dtype, ctx.device,
                                         local_ranks=ctx.local_world_size, loads_weights=not models.resident(key),
-                                        freed_by_load=models.freed_by_loading(key))  # fmt: skip
+                                        freed_by_load=models.freed_by_loading(key),
+                                        # device_map places the weights in the dtype before holding them in fp8
+                                        fp8_as_stored=plan.spmd and spec.weights is Weights.AS_STORED)  # fmt: skip
     except WidgetError as e:
         refused = e
     ctx.agree(refused)  # one rank short of memory, or its GPU cannot run the attention: all refuse, before any loads
@@ -249,7 +260,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate.activations)
             placement = dataclasses.replace(placement, max_memory=budget)
             ctx.state["budget_note"] = memory.describe_budget(budget)
-        transformer = models.get(key, functools.partial(adapter.load_transformer, spec.model.path, dtype, placement))
+        transformer = models.get(key, functools.partial(_load_placed, adapter, spec, dtype, placement))
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
     lora.apply_loras(ctx, transformer, spec, adapter)
 
@@ -295,6 +306,23 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         devices=devices,
     )
     return result, {"samples": samples}
+
+
+def _held_as(spec: TransformerSpec) -> str:
+    """The transformer's key's dtype: the run's, and what its fp8 weights are held as (a change reloads it)."""
+    return spec.dtype.value if spec.weights is Weights.AS_STORED else f"{spec.dtype.value}, fp8 {spec.weights.value}"
+
+
+def _load_placed(
+    adapter: FamilyAdapter, spec: TransformerSpec, dtype: torch.dtype, placement: Placement
+) -> torch.nn.Module:
+    """device_map's transformer: placed by diffusers (its fp8 weights cast to ``dtype`` on the way, as the plan of
+    where the layers go assumes), then its fp8 weights held as ``spec.weights`` says."""
+    transformer = adapter.load_transformer(spec.model.path, dtype, placement)
+    files = fp8_files(spec.model.path)
+    if files:
+        fp8_weights.hold_loaded(transformer, files, dtype, spec.weights is Weights.AS_STORED)
+    return transformer
 
 
 def _my_images(image: torch.Tensor, batch_size: int, start: int, count: int) -> torch.Tensor:

@@ -13,11 +13,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..errors import InvalidInput
 from ..families.base import expand_batch
 from ..strategy import StrategyPlan, check_attention_on_gpu, ring_attention_backend
+from ..wire import Weights
 from .cfg_parallel import enable_cfg_parallel
 from .diagnostics import device_label
 from .meshes import device_mesh
 from .ops import WidgetError
-from .tp_slices import load_tensor_parallel
+from .tp_slices import fp8_files, load_tensor_parallel
 
 if TYPE_CHECKING:
     from diffusers import ContextParallelConfig
@@ -95,15 +96,26 @@ def _enable_context_parallel(
 
 
 def load_transformer(
-    cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, plan: StrategyPlan
+    cls: type,
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    plan: StrategyPlan,
+    weights: Weights = Weights.AS_STORED,
 ) -> torch.nn.Module:
     """This rank's ``cls`` transformer for ``plan`` (collective: every rank calls it together), built axis by axis on
-    the plan's one mesh: the weights' slices, then the tokens' split, then true CFG's passes."""
+    the plan's one mesh: the weights' slices, then the tokens' split, then true CFG's passes. A folder's fp8 weights
+    are held as ``weights`` says (``worker/fp8_weights.py``)."""
     mesh = device_mesh(device.type, plan.mesh_shape, plan.mesh_dim_names) if plan.mesh_dim_names else None
+    as_stored = weights is Weights.AS_STORED
     if plan.shards_weights:
         # Each rank reads only its slice of every planned weight, into the tensor it keeps: no rank ever holds the
         # whole model, not even while loading.
-        transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"])
+        transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], as_stored)
+    elif fp8_files(model_dir):
+        # from_pretrained would cast every fp8 weight to ``dtype`` (the whole model in it at once) and ignore the
+        # scales: the same reader as tensor parallelism's, for the whole model.
+        transformer = load_tensor_parallel(cls, model_dir, dtype, device, None, as_stored)
     else:
         # Each tensor goes to the rank's device as it is read: loading on the host and moving afterwards would hold
         # the whole model in every rank's host memory at once (N × 24 GB for FLUX.1-dev on N GPUs when its dtype

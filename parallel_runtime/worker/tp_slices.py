@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..families import TensorParallelPlan, tp_plan
+from . import fp8_weights
 from .ops import OpError, WidgetError
 
 
@@ -138,6 +139,15 @@ def split_heads(model: torch.nn.Module, plan: TensorParallelPlan, mesh: DeviceMe
             attention.heads //= mesh.size()
 
 
+def fp8_files(model_dir: str) -> list[str]:
+    """The transformer's safetensors files when they store fp8 weights (which the pack's reader loads), else []."""
+    try:
+        files = weight_files(model_dir)
+    except OpError:  # no safetensors (a .bin folder): no fp8 either
+        return []
+    return files if fp8_weights.stored_fp8(files) else []
+
+
 def _parts(
     stored: object, ndim: int, dim: int, block_sizes: list[int], rank: int, ranks: int
 ) -> Iterator[tuple[int, torch.Tensor]]:
@@ -162,11 +172,20 @@ def _target_dtype(key: str, stored: torch.dtype, dtype: torch.dtype, keep_in_fp3
 
 
 def load_tensor_parallel(
-    cls: type, model_dir: str, dtype: torch.dtype, device: torch.device, mesh: DeviceMesh
+    cls: type,
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+    fp8_as_stored: bool = False,
 ) -> torch.nn.Module:
     """This rank's ``cls`` transformer from ``model_dir``, sharded over ``mesh`` by the class's tensor-parallel plan
     (``families.tp_plan``; collective only where diffusers' forward hooks and the plan's head norms are: every rank of
-    ``mesh`` calls it together)."""
+    ``mesh`` calls it together); with no mesh, the whole model, read the same way (the replicas of context, data and
+    CFG parallelism of a folder that stores fp8).
+
+    Weights the folder stores in fp8 stay fp8 with ``fp8_as_stored`` (this rank's slices, and of a per-row scale its
+    rows; ``worker/fp8_weights.py`` hooks their layers), else become ``dtype`` times their scales as they are read."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from diffusers import TensorParallelConfig
@@ -183,10 +202,8 @@ def load_tensor_parallel(
             "config.json), which tensor parallelism cannot shard; use an unquantized (bf16 / fp16) folder, or "
             "another strategy"
         )
-    plan = _plan_of(cls)
-    tp_config = TensorParallelConfig(mesh=mesh)
-    _check_tp_supported(cls.__name__, plan.layers, config.get("num_attention_heads"), tp_config)
     files = weight_files(model_dir)
+    scales = fp8_weights.read_scales(files)
 
     # As from_pretrained builds it: on the meta device, under the run dtype, no initialisation run.
     previous = cls._set_default_torch_dtype(dtype)
@@ -196,11 +213,17 @@ def load_tensor_parallel(
     finally:
         if previous is not None:
             torch.set_default_dtype(previous)
-    model._resolve_parallel_config(tp_config)  # records the config on the model, as from_pretrained does
-    specs = shard_specs(model, mesh.size())
+    specs, rank, ranks, plan = {}, 0, 1, None
+    if mesh is not None:
+        plan = _plan_of(cls)
+        tp_config = TensorParallelConfig(mesh=mesh)
+        _check_tp_supported(cls.__name__, plan.layers, config.get("num_attention_heads"), tp_config)
+        model._resolve_parallel_config(tp_config)  # records the config on the model, as from_pretrained does
+        specs = shard_specs(model, mesh.size())
+        rank, ranks = mesh.get_local_rank(), mesh.size()
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
     keep_in_fp32 = cls._keep_in_fp32_modules or []
-    rank, ranks = mesh.get_local_rank(), mesh.size()
+    held: dict[str, torch.Tensor | None] = {}  # the weights kept in fp8: their (local) scales
 
     loaded: set[str] = set()
     for path in files:
@@ -218,20 +241,36 @@ def load_tensor_parallel(
                         "download or convert the model again"
                     )
                 spec = specs.get(key)
+                stored_dtype = fp8_weights.FLOAT8_NAMES.get(stored.get_dtype())
+                # An fp8 weight is read as fp8 when it stays so or has a scale to apply first, else cast as it is read.
+                as_fp8 = stored_dtype is not None and (
+                    key in scales or (fp8_as_stored and fp8_weights.can_hold(model, key, keep_in_fp32))
+                )
                 if spec is None or spec.dim is None:
                     whole = stored[...]  # a view of the file's pages (a copy with safetensors before 0.8)
-                    target = _target_dtype(key, whole.dtype, dtype, keep_in_fp32)
+                    target = stored_dtype if as_fp8 else _target_dtype(key, whole.dtype, dtype, keep_in_fp32)
                     local = torch.empty(shape, dtype=target, device=device).copy_(whole)
                 else:
                     parts = list(_parts(stored, len(shape), spec.dim, spec.block_sizes, rank, ranks))
                     local_shape = list(shape)
                     local_shape[spec.dim] //= ranks
-                    target = _target_dtype(key, parts[0][1].dtype, dtype, keep_in_fp32)
+                    target = stored_dtype if as_fp8 else _target_dtype(key, parts[0][1].dtype, dtype, keep_in_fp32)
                     local = torch.empty(local_shape, dtype=target, device=device)
                     for offset, part in parts:
                         local.narrow(spec.dim, offset, part.shape[spec.dim]).copy_(part)
+                if as_fp8:
+                    scale = _local_scale(scales.get(key), spec, rank, ranks, device)
+                    if fp8_as_stored and fp8_weights.can_hold(model, key, keep_in_fp32):
+                        held[key] = scale
+                    else:
+                        local = fp8_weights.dequantized(
+                            local, scale, _target_dtype(key, local.dtype, dtype, keep_in_fp32)
+                        )
                 if spec is None:
-                    set_module_tensor_to_device(model, key, device, value=local)
+                    # Given its dtype, accelerate keeps a held fp8 weight fp8 (by default it casts to the model's).
+                    set_module_tensor_to_device(
+                        model, key, device, value=local, dtype=local.dtype if key in held else None
+                    )
                 else:
                     module_name, _, name = key.rpartition(".")
                     module = model.get_submodule(module_name)
@@ -255,8 +294,24 @@ def load_tensor_parallel(
         )
     model.register_to_config(_name_or_path=model_dir)
     model.eval()
-    # Every planned weight is placed already: this registers diffusers' forward hooks only.
-    tp_config = model._parallel_config.tensor_parallel_config
-    apply_tensor_parallel(model, tp_config, tp_layers(model), weights_already_sharded=True)
-    split_heads(model, plan, mesh)
+    for key, scale in held.items():
+        fp8_weights.hold(model.get_submodule(key.rpartition(".")[0]), scale, dtype)
+    if mesh is not None:
+        # Every planned weight is placed already: this registers diffusers' forward hooks only.
+        tp_config = model._parallel_config.tensor_parallel_config
+        apply_tensor_parallel(model, tp_config, tp_layers(model), weights_already_sharded=True)
+        split_heads(model, plan, mesh)
     return model
+
+
+def _local_scale(
+    scale: torch.Tensor | None, spec: object | None, rank: int, ranks: int, device: torch.device
+) -> torch.Tensor | None:
+    """This rank's part of a weight's scale: a per-tensor one whole, a per-row one the rows the rank keeps (a weight
+    sharded by rows, in the same blocks), else whole."""
+    if scale is None:
+        return None
+    if scale.numel() > 1 and spec is not None and spec.dim == 0:
+        rows = scale.reshape(-1)
+        scale = torch.cat([part for _, part in _parts(rows, 1, 0, spec.block_sizes, rank, ranks)])
+    return scale.to(device)
