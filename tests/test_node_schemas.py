@@ -50,7 +50,7 @@ ADDED_AFTER_0_1_0 = {
 # Inputs appended since 0.1.0 to the optional end of a node's, in the order they came.
 GROWN_AFTER_0_1_0 = {
     "ParallelBackend": ["gpus", "free_comfyui_vram", "nnodes", "rdzv_endpoint"],  # GPU readiness; several machines
-    "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler"],  # img2img, inpainting; the samplers
+    "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler", "negative"],  # img2img; samplers; CFG
     "LoadShardedTransformer": ["cache", "cache_threshold"],  # step caching
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
 }
@@ -101,9 +101,12 @@ def test_an_input_left_out_takes_the_schema_default(nodes):
 def test_a_link_of_the_wrong_type_is_refused(nodes):
     """Declaring input_types turns off ComfyUI's own link-type check: validate_inputs makes it."""
     sampler = nodes["ParallelSampler"]
-    assert sampler.validate_inputs(input_types={"transformer": "PD_TRANSFORMER", "positive": "PD_CONDITIONING"})
-    refused = sampler.validate_inputs(input_types={"transformer": "PD_TRANSFORMER", "positive": "CONDITIONING"})
-    assert refused.startswith("positive: a CONDITIONING is linked in") and "link a PD_CONDITIONING" in refused
+    # positive and negative take the pack's conditioning and ComfyUI's, as ComfyUI checks a union type
+    for kind in ("PD_CONDITIONING", "CONDITIONING"):
+        for name in ("positive", "negative"):
+            assert sampler.validate_inputs(input_types={"transformer": "PD_TRANSFORMER", name: kind}) is True
+    refused = sampler.validate_inputs(input_types={"transformer": "PD_TRANSFORMER", "positive": "LATENT"})
+    assert refused.startswith("positive: a LATENT is linked in") and "PD_CONDITIONING,CONDITIONING" in refused
 
 
 @pytest.fixture(scope="module")
