@@ -275,8 +275,7 @@ class ParallelSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
-        comfy.check_ranges(cls, w)
+        w = comfy.execution_inputs(cls, inputs)
         comfy.make_room(cls, w["transformer"].backend)
         handle = w.pop("transformer")
         samples = comfy.run(

@@ -156,5 +156,5 @@ class LoadShardedTransformer(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
+        w = comfy.execution_inputs(cls, inputs)
         return io.NodeOutput(jobs.plan_transformer(w.pop("backend") or default_spec(), **w))

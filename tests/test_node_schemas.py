@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_runtime import default_spec, jobs
+from parallel_runtime import InvalidInput, default_spec, jobs
 
 # What workflows saved by version 0.1.0 hold: node ids, input names in order (required, then optional) and output
 # types. UI-format workflows store widget values by position, so this may only grow at the end of "optional".
@@ -157,3 +157,19 @@ def test_the_nodes_give_what_their_steps_give(nodes, tiny):
     samples = jobs.sample(handle, conditioning, seed=5, steps=2, guidance_scale=3.5, width=32, height=48)
     assert transformer == handle and torch.equal(latent["samples"], samples)
     assert torch.equal(image, jobs.decode(spec, model=tiny, samples=samples))
+
+
+def test_every_node_refuses_a_linked_number_outside_its_range_before_any_work(nodes):
+    """ComfyUI checks a widget's own value against its min..max, not a value linked into it from another node: every
+    node's execute refuses that by the input's name, before it starts or loads anything."""
+    checked = 0
+    for node in nodes.values():
+        for spec in node.define_schema().inputs:
+            high = getattr(spec, "max", None)
+            if high is None or isinstance(getattr(spec, "default", None), bool):
+                continue
+            with pytest.raises(InvalidInput, match=f"{high + 1} is outside") as refused:
+                node.execute(**{spec.id: high + 1})
+            assert refused.value.widget == spec.id
+            checked += 1
+    assert checked >= 10  # the backend's, the encoder's, the transformer's, the LoRA's and the sampler's numbers
