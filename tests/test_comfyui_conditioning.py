@@ -2,15 +2,17 @@
 encoders (DualCLIPLoader's code, on the tiny FLUX.1 files in ComfyUI's layouts) → CLIPTextEncode → FluxGuidance →
 ParallelSampler gives the image of the pack's own encoder on the same weights; ComfyUI's VAEDecode (ComfyUI's VAE of
 the family's file) of the pack's LATENT gives VAEDecodeSingleGPU's image; EmptySD3LatentImage → the sampler at denoise
-1 gives the text-to-image latent. A CONDITIONING from another family's text-encoder loader is a 400 naming positive.
+1 gives the text-to-image latent; ComfyUI's VAEEncode gives VAEEncodeSingleGPU's latent, and the sampler's img2img
+from it the same. A CONDITIONING from another family's text-encoder loader is a 400 naming positive.
 
 ComfyUI's DualCLIPLoader / VAELoader build full-size models from fixed configs, so the test-only nodes
 (tests/comfyui_test_nodes) run the same ComfyUI code with the tiny models' configs: see their docstring.
 
-Tolerances, and why: the latents of ComfyUI's encode and the pack's agree to 1e-4 (the same float32 arithmetic in two
-implementations of CLIP and T5 — ComfyUI's attention and GELU against transformers' — differ in the last bits, which
-the transformer carries through its steps); the PNGs to one 8-bit level. ComfyUI's VAEDecode and VAEDecodeSingleGPU:
-one level (the same decoder in ComfyUI's and diffusers' implementation, float32)."""
+Tolerances, and why: the latents of ComfyUI's text encode and the pack's agree to 1e-4 (measured 1e-6: the same
+float32 arithmetic in two implementations of CLIP and T5 — ComfyUI's attention and GELU against transformers' — differs
+in the last bits, which the transformer carries through its steps), the PNGs to one 8-bit level; ComfyUI's VAEEncode
+and VAEEncodeSingleGPU to 1e-4 (measured 5e-6), ComfyUI's VAEDecode and VAEDecodeSingleGPU to one level (measured 0):
+the same VAE in ComfyUI's and diffusers' implementations, float32."""
 
 from __future__ import annotations
 
@@ -64,10 +66,22 @@ def workflow(names: dict, reference: str) -> dict:
             "ParallelSampler",
             {**sampler, "positive": link("4"), "guidance_scale": 1.0, "latent_image": link("13")},
         ),
+        # img2img from ComfyUI's VAEEncode and from VAEEncodeSingleGPU, of the image above
+        "15": ("VAEEncode", {"pixels": link("9"), "vae": link("11")}),
+        "16": ("VAEEncodeSingleGPU", {"pixels": link("9"), "model": files, "device": "auto"}),
     }
+    img2img = {**sampler, "positive": link("4"), "guidance_scale": 1.0, "denoise": 0.5}
+    nodes.update(
+        {
+            node: ("ParallelSampler", {**img2img, "latent_image": link(source)})
+            for node, source in (("17", "15"), ("18", "16"))
+        }
+    )
     for node, name in (("9", "comfy_te"), ("10", "pack_te"), ("12", "comfy_vae")):
         nodes[f"2{node}"] = ("SaveImage", {"images": link(node), "filename_prefix": f"conditioning_{name}"})
-    for node, name in (("6", "comfy_te"), ("8", "pack_te"), ("14", "empty")):
+    latents = {"6": "comfy_te", "8": "pack_te", "14": "empty", "15": "comfy_encode", "16": "pack_encode"}
+    latents.update({"17": "from_comfy_encode", "18": "from_pack_encode"})
+    for node, name in latents.items():
         nodes[f"3{node}"] = ("SaveLatent", {"samples": link(node), "filename_prefix": f"latents/conditioning_{name}"})
     return {node_id: {"class_type": kind, "inputs": inputs} for node_id, (kind, inputs) in nodes.items()}
 
@@ -94,6 +108,14 @@ def test_comfyuis_text_encode_and_vae_around_the_sampler(comfyui_server, tiny_co
     assert (comfy_te - pack_te).abs().max().item() <= 1e-4
     empty = saved(comfyui_server, "latents/conditioning_empty_*")
     assert (empty - comfy_te).abs().max().item() <= 1e-5  # EmptySD3LatentImage at denoise 1 is text-to-image
+
+    comfy_encode, pack_encode = (saved(comfyui_server, f"latents/conditioning_{n}_encode_*") for n in ("comfy", "pack"))
+    print(
+        f"ComfyUI's VAEEncode vs VAEEncodeSingleGPU: max |diff| {(comfy_encode - pack_encode).abs().max().item():.3g}"
+    )
+    assert comfy_encode.shape == comfy_te.shape and (comfy_encode - pack_encode).abs().max().item() <= 1e-4
+    from_comfy = saved(comfyui_server, "latents/conditioning_from_comfy_encode_*")
+    assert (from_comfy - saved(comfyui_server, "latents/conditioning_from_pack_encode_*")).abs().max().item() <= 1e-4
 
     image = saved(comfyui_server, "conditioning_comfy_te_*.png")
     assert image.shape == (SIZE, SIZE, 3)

@@ -87,6 +87,7 @@ def test_true_cfg_without_a_negative_is_refused_before_the_backend(models_dir):
     assert flux.family.pooled_text and not qwen.family.pooled_text
 
 
+@pytest.mark.slow  # CI's budget: the host test (test_comfyui_conditioning) runs ComfyUI's CONDITIONING on real ranks
 @pytest.mark.multirank
 def test_comfyuis_form_denoises_as_the_packs_own(models_dir):
     """Qwen-Image (the host test covers FLUX.1 with ComfyUI's own encoders): the pack's encoder's tensors handed in as
