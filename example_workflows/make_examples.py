@@ -353,8 +353,31 @@ def node_specs(example: Example) -> list:
         ]
         sampler_sockets["latent_image"] = (IMAGE_ENCODER, 0)
     right = 380 if example.hires_fix else 0  # the decoder and the saver make room for the second pass
-    if example.native:
-        return native_specs(example, sampler)
+    encoder = (
+        ENCODER,
+        "EncodeOnBalancedGPUs",
+        [390, 60],
+        [420, 400],
+        {"model": model, "prompt": FOX, **example.encode},
+        {"backend": (BACKEND, 0)},
+    )
+    decoder = (
+        DECODER,
+        "VAEDecodeSingleGPU",
+        [1250 + right, 230],
+        [320, 130],
+        {"model": model, "device": "auto"},
+        {"samples": decoded, "backend": (BACKEND, 0)},
+    )
+    if example.native:  # ComfyUI's text encoders, FluxGuidance and VAE in place of the pack's encoder and decoder
+        encoder = (ENCODER, "CLIPTextEncode", [390, 200], [420, 200], {"text": FOX}, {"clip": (TEXT_ENCODERS, 0)})
+        decoder = (DECODER, "VAEDecode", [1250, 230], [320, 80], {}, {"samples": decoded, "vae": (VAE_NODE, 0)})
+        sampler_sockets["positive"] = (GUIDANCE_NODE, 0)
+        images = [
+            (TEXT_ENCODERS, "DualCLIPLoader", [390, 40], [420, 130], {**TEXT_ENCODER_FILES, "type": "flux"}, {}),
+            (GUIDANCE_NODE, "FluxGuidance", [870, 60], [320, 60], {"guidance": 3.5}, {"conditioning": (ENCODER, 0)}),
+            (VAE_NODE, "VAELoader", [1250, 60], [320, 60], {"vae_name": NATIVE_FILES["vae_name"]}, {}),
+        ]
     return [
         (
             BACKEND,
@@ -364,14 +387,7 @@ def node_specs(example: Example) -> list:
             {"ranks": 0, "device": "auto", "memory_policy": "staged", **example.backend},
             {},
         ),
-        (
-            ENCODER,
-            "EncodeOnBalancedGPUs",
-            [390, 60],
-            [420, 400],
-            {"model": model, "prompt": FOX, **example.encode},
-            {"backend": (BACKEND, 0)},
-        ),
+        encoder,
         (
             TRANSFORMER,
             "LoadShardedTransformer",
@@ -388,14 +404,7 @@ def node_specs(example: Example) -> list:
             sampler,
             sampler_sockets,
         ),
-        (
-            DECODER,
-            "VAEDecodeSingleGPU",
-            [1250 + right, 230],
-            [320, 130],
-            {"model": model, "device": "auto"},
-            {"samples": decoded, "backend": (BACKEND, 0)},
-        ),
+        decoder,
         (
             SAVER,
             "SaveImage",
@@ -406,49 +415,6 @@ def node_specs(example: Example) -> list:
         ),
         *loras,
         *images,
-    ]
-
-
-def native_specs(example: Example, sampler: dict) -> list:
-    """The native example: ComfyUI's loaders and prompt nodes, the pack's backend, transformer and sampler."""
-    return [
-        (
-            BACKEND,
-            "ParallelBackend",
-            [40, 270],
-            [300, 230],
-            {"ranks": 0, "device": "auto", "memory_policy": "staged"},
-            {},
-        ),
-        (ENCODER, "CLIPTextEncode", [390, 200], [420, 200], {"text": FOX}, {"clip": (TEXT_ENCODERS, 0)}),
-        (
-            TRANSFORMER,
-            "LoadShardedTransformer",
-            [390, 510],
-            [420, 330],
-            {"model": example.model, **example.transformer},
-            {"backend": (BACKEND, 0)},
-        ),
-        (
-            SAMPLER,
-            "ParallelSampler",
-            [870, 230],
-            [320, 262],
-            sampler,
-            {"transformer": (TRANSFORMER, 0), "positive": (GUIDANCE_NODE, 0)},
-        ),
-        (DECODER, "VAEDecode", [1250, 230], [320, 80], {}, {"samples": (SAMPLER, 0), "vae": (VAE_NODE, 0)}),
-        (
-            SAVER,
-            "SaveImage",
-            [1630, 230],
-            [540, 600],
-            {"filename_prefix": f"parallel_{example.name}"},
-            {"images": (DECODER, 0)},
-        ),
-        (TEXT_ENCODERS, "DualCLIPLoader", [390, 40], [420, 130], {**TEXT_ENCODER_FILES, "type": "flux"}, {}),
-        (GUIDANCE_NODE, "FluxGuidance", [870, 60], [320, 60], {"guidance": 3.5}, {"conditioning": (ENCODER, 0)}),
-        (VAE_NODE, "VAELoader", [1250, 60], [320, 60], {"vae_name": NATIVE_FILES["vae_name"]}, {}),
     ]
 
 
