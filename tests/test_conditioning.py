@@ -47,6 +47,10 @@ def test_comfyuis_conditioning_becomes_the_familys_inputs(models_dir):
     assert torch.equal(merged.tensors["negative_prompt_embeds"], negative)
     assert merged.tensors["negative_prompt_embeds_mask"].tolist() == [[1, 1, 0]]
     assert said.startswith("negative: ComfyUI's CONDITIONING (3 tokens")
+    # FLUX.2: the embeddings alone (Mistral's stacked hidden states); FluxGuidance's guidance as for FLUX.1.
+    flux2 = handle(NEW_FAMILIES["flux2"]["model"])
+    read = read_positive(flux2, comfy(torch.randn(1, 7, flux2.config["joint_attention_dim"]), guidance=4.0))
+    assert set(read.tensors) == {"prompt_embeds"} and read.guidance == 4.0
     # FLUX.1 has no true CFG: a negative is ignored, and said to be.
     flux_read = read_positive(flux, comfy(embeds, pooled_output=torch.ones(1, pooled)))
     assert with_negative(flux, flux_read, comfy(embeds))[1] == "negative: ignored (FLUX.1 has no true CFG)"
