@@ -33,7 +33,7 @@ def _comfy_text_encoder(prompt: dict, link: object) -> tuple[str, str] | None:
 
 def _check_comfy_text_encoder(node: comfy.QueuedNode, name: str, family: FamilyAdapter, model: str) -> None:
     """A CONDITIONING from ComfyUI's text encoder of another family, refused before anything loads."""
-    if not node.linked(name):
+    if not node.linked(name) or family.comfy_text_encoder is None:
         return
     try:
         node.source(name)
