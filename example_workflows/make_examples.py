@@ -57,7 +57,66 @@ LOAD_IMAGE = {
     "RETURN_NAMES": ("IMAGE", "MASK"),
     "title": "Load Image",
 }
-CORE_NODES = {"SaveImage": SAVE_IMAGE, "LatentUpscaleBy": LATENT_UPSCALE_BY, "LoadImage": LOAD_IMAGE}
+# ComfyUI's own text encoders, prompt nodes and VAE around the pack's sampler (the native example). The file names
+# are the ones ComfyUI's FLUX.1 guide has users download; the user picks their own.
+NATIVE_FILES = {
+    "clip_name1": "clip_l.safetensors",
+    "clip_name2": "t5xxl_fp16.safetensors",
+    "vae_name": "ae.safetensors",
+}
+TEXT_ENCODER_FILES = {name: file for name, file in NATIVE_FILES.items() if name.startswith("clip_name")}
+DUAL_CLIP_LOADER = {
+    "INPUT_TYPES": {
+        "required": {
+            "clip_name1": ([NATIVE_FILES["clip_name1"]], {}),
+            "clip_name2": ([NATIVE_FILES["clip_name2"]], {}),
+            "type": (["flux"], {}),
+        },
+        "optional": {"device": (["default", "cpu"], {"advanced": True})},
+    },
+    "RETURN_TYPES": ("CLIP",),
+    "RETURN_NAMES": ("CLIP",),
+    "title": "DualCLIPLoader",
+}
+CLIP_TEXT_ENCODE = {
+    "INPUT_TYPES": {"required": {"text": ("STRING", {"multiline": True}), "clip": ("CLIP", {})}},
+    "RETURN_TYPES": ("CONDITIONING",),
+    "RETURN_NAMES": ("CONDITIONING",),
+    "title": "CLIP Text Encode (Prompt)",
+}
+FLUX_GUIDANCE = {
+    "INPUT_TYPES": {
+        "required": {
+            "conditioning": ("CONDITIONING", {}),
+            "guidance": ("FLOAT", {"default": 3.5, "min": 0.0, "max": 100.0, "step": 0.1}),
+        }
+    },
+    "RETURN_TYPES": ("CONDITIONING",),
+    "RETURN_NAMES": ("CONDITIONING",),
+    "title": "FluxGuidance",
+}
+VAE_LOADER = {
+    "INPUT_TYPES": {"required": {"vae_name": ([NATIVE_FILES["vae_name"]], {})}},
+    "RETURN_TYPES": ("VAE",),
+    "RETURN_NAMES": ("VAE",),
+    "title": "Load VAE",
+}
+VAE_DECODE = {
+    "INPUT_TYPES": {"required": {"samples": ("LATENT", {}), "vae": ("VAE", {})}},
+    "RETURN_TYPES": ("IMAGE",),
+    "RETURN_NAMES": ("IMAGE",),
+    "title": "VAE Decode",
+}
+CORE_NODES = {
+    "SaveImage": SAVE_IMAGE,
+    "LatentUpscaleBy": LATENT_UPSCALE_BY,
+    "LoadImage": LOAD_IMAGE,
+    "DualCLIPLoader": DUAL_CLIP_LOADER,
+    "CLIPTextEncode": CLIP_TEXT_ENCODE,
+    "FluxGuidance": FLUX_GUIDANCE,
+    "VAELoader": VAE_LOADER,
+    "VAEDecode": VAE_DECODE,
+}
 CONTROL_AFTER_GENERATE = "randomize"
 # Node ids are the same in every example, so scripts can address them: backend, encoder, transformer, sampler,
 # decoder, saver; an example with LoRAs adds its loaders after them (7, 8, ...), the note comes last.
@@ -66,6 +125,9 @@ LORAS = 7
 # The image examples' extra nodes, after the six: a hires fix's upscale and second sampler; img2img's image and encoder.
 UPSCALE, REFINER = 7, 8
 LOAD_IMAGE_NODE, IMAGE_ENCODER = 7, 8
+# The native example's: ComfyUI's text encoders and FluxGuidance before the sampler, its VAE after it (the encoder's
+# and the decoder's ids are CLIPTextEncode's and VAEDecode's).
+TEXT_ENCODERS, GUIDANCE_NODE, VAE_NODE = 7, 8, 9
 # The LoRA file an example names (ComfyUI/models/loras); the user picks their own.
 LORA_PLACEHOLDERS = {"FLUX.1-dev": "FLUX.1-dev-lora.safetensors"}
 
@@ -94,6 +156,7 @@ class Example:
     tips: str = ""
     hires_fix: dict | None = None  # the second ParallelSampler's widgets (LatentUpscaleBy's under "upscale")
     image_input: bool = False  # LoadImage -> VAEEncodeSingleGPU -> the sampler's latent_image
+    native: bool = False  # ComfyUI's DualCLIPLoader, CLIPTextEncode, FluxGuidance, VAELoader and VAEDecode around it
 
 
 SAMPLER_DEFAULTS = {"seed": 42, "steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024, "batch_size": 1}
@@ -144,6 +207,21 @@ EXAMPLES = [
         tips="The second sampler's size comes from its `latent_image` (its width and height are ignored). Any of "
         "ComfyUI's latent nodes fits in between (LatentUpscale, LatentCrop, LatentComposite, SetLatentNoiseMask "
         "for inpainting). Sizes whose token count does not divide by the GPUs need `anything`.",
+    ),
+    Example(
+        "flux1_native_nodes",
+        "FLUX.1-dev",
+        "FLUX.1 with ComfyUI's own text encoders and VAE, context parallel",
+        "ComfyUI's **DualCLIPLoader**, **CLIP Text Encode** and **FluxGuidance** make the conditioning, the pack "
+        "runs only the transformer over the GPUs (**Parallel Sampler** takes ComfyUI's CONDITIONING), and ComfyUI's "
+        "**Load VAE** / **VAE Decode** turn its LATENT into the image.",
+        transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0},
+        sampler={"guidance_scale": 1.0},
+        native=True,
+        tips="FluxGuidance's `guidance` replaces the sampler's `guidance_scale` (the sampler says so). Any of "
+        "ComfyUI's FLUX.1 text-encoder files work (fp8 T5, GGUF through ComfyUI-GGUF's loader). For Qwen-Image: "
+        "CLIPLoader (type qwen_image) into CLIPTextEncode, and a negative CONDITIONING into the sampler's "
+        "`negative` for true CFG.",
     ),
     Example(
         "qwenimage_img2img",
@@ -275,6 +353,31 @@ def node_specs(example: Example) -> list:
         ]
         sampler_sockets["latent_image"] = (IMAGE_ENCODER, 0)
     right = 380 if example.hires_fix else 0  # the decoder and the saver make room for the second pass
+    encoder = (
+        ENCODER,
+        "EncodeOnBalancedGPUs",
+        [390, 60],
+        [420, 400],
+        {"model": model, "prompt": FOX, **example.encode},
+        {"backend": (BACKEND, 0)},
+    )
+    decoder = (
+        DECODER,
+        "VAEDecodeSingleGPU",
+        [1250 + right, 230],
+        [320, 130],
+        {"model": model, "device": "auto"},
+        {"samples": decoded, "backend": (BACKEND, 0)},
+    )
+    if example.native:  # ComfyUI's text encoders, FluxGuidance and VAE in place of the pack's encoder and decoder
+        encoder = (ENCODER, "CLIPTextEncode", [390, 200], [420, 200], {"text": FOX}, {"clip": (TEXT_ENCODERS, 0)})
+        decoder = (DECODER, "VAEDecode", [1250, 230], [320, 80], {}, {"samples": decoded, "vae": (VAE_NODE, 0)})
+        sampler_sockets["positive"] = (GUIDANCE_NODE, 0)
+        images = [
+            (TEXT_ENCODERS, "DualCLIPLoader", [390, 40], [420, 130], {**TEXT_ENCODER_FILES, "type": "flux"}, {}),
+            (GUIDANCE_NODE, "FluxGuidance", [870, 60], [320, 60], {"guidance": 3.5}, {"conditioning": (ENCODER, 0)}),
+            (VAE_NODE, "VAELoader", [1250, 60], [320, 60], {"vae_name": NATIVE_FILES["vae_name"]}, {}),
+        ]
     return [
         (
             BACKEND,
@@ -284,14 +387,7 @@ def node_specs(example: Example) -> list:
             {"ranks": 0, "device": "auto", "memory_policy": "staged", **example.backend},
             {},
         ),
-        (
-            ENCODER,
-            "EncodeOnBalancedGPUs",
-            [390, 60],
-            [420, 400],
-            {"model": model, "prompt": FOX, **example.encode},
-            {"backend": (BACKEND, 0)},
-        ),
+        encoder,
         (
             TRANSFORMER,
             "LoadShardedTransformer",
@@ -308,14 +404,7 @@ def node_specs(example: Example) -> list:
             sampler,
             sampler_sockets,
         ),
-        (
-            DECODER,
-            "VAEDecodeSingleGPU",
-            [1250 + right, 230],
-            [320, 130],
-            {"model": model, "device": "auto"},
-            {"samples": decoded, "backend": (BACKEND, 0)},
-        ),
+        decoder,
         (
             SAVER,
             "SaveImage",
@@ -330,6 +419,17 @@ def node_specs(example: Example) -> list:
 
 
 def note(example: Example) -> str:
+    if example.native:
+        return (
+            f"**Parallel Diffusers: {example.title}**\n\n{example.why}\n\n"
+            "**Model**: the transformer from a diffusers folder in `ComfyUI/models/diffusers/` (or "
+            "**Parallel Model From Comfy Files** on ComfyUI's own files):\n\n"
+            f"```\nComfyUI/models/diffusers/{example.model}/\n  model_index.json\n  {FOLDERS[example.model]}\n```\n\n"
+            f"**Text encoders and VAE**: ComfyUI's files: `models/text_encoders/` {NATIVE_FILES['clip_name1']} and "
+            f"{NATIVE_FILES['clip_name2']}, `models/vae/` {NATIVE_FILES['vae_name']}.\n\n"
+            "**Parallel Backend**: `ranks` 0 = one rank per visible GPU."
+            + (f"\n\n**Tips**: {example.tips}" if example.tips else "")
+        )
     return (
         f"**Parallel Diffusers: {example.title}**\n\n{example.why}\n\n"
         "**Model**: a diffusers folder (`save_pretrained`, safetensors) in `ComfyUI/models/diffusers/`:\n\n"
@@ -397,7 +497,8 @@ def build(example: Example) -> tuple[dict, dict]:
                 elif name in sockets:
                     origin, slot = sockets[name]
                     link_id = len(links) + 1
-                    links.append([link_id, origin, slot, nid, len(ui_inputs), spec[0]])
+                    # A link has its origin's type; the input may take several ("PD_CONDITIONING,CONDITIONING").
+                    links.append([link_id, origin, slot, nid, len(ui_inputs), specs[origin][1][slot]])
                     ui_inputs.append(
                         {
                             "name": name,

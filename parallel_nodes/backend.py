@@ -116,7 +116,7 @@ class ParallelBackend(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
+        w = comfy.execution_inputs(cls, inputs)
         spec = default_spec(
             device=w["device"],
             ranks=w["ranks"],

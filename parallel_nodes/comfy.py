@@ -66,6 +66,14 @@ def with_defaults(node: type[io.ComfyNode], given: dict[str, Any]) -> dict[str, 
     return {**{i.id: getattr(i, "default", None) for i in schema.inputs}, **given}
 
 
+def execution_inputs(node: type[io.ComfyNode], given: dict[str, Any]) -> dict[str, Any]:
+    """What a node's execute works with: its inputs with the schema's defaults (``with_defaults``), each number in
+    its range (``check_ranges``: a value linked from another node is not checked by ComfyUI)."""
+    values = with_defaults(node, given)
+    check_ranges(node, values)
+    return values
+
+
 def check_ranges(node: type[io.ComfyNode], values: dict[str, Any]) -> None:
     """At execution, each number within its input's min..max. ComfyUI checks a widget's own value when the prompt is
     queued, but not a value linked into it from another node (a primitive, a seed generator): that is refused here,

@@ -123,7 +123,7 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
+        w = comfy.execution_inputs(cls, inputs)
         name, plan = comfy.run(cls, jobs.model_from_comfy_files, **{k: w[k] for k in WIDGETS})
         comfy.show_text(cls, f"{plan.variant} from ComfyUI's files: {plan.folder}")
         return io.NodeOutput(name)

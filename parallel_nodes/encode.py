@@ -113,7 +113,7 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
+        w = comfy.execution_inputs(cls, inputs)
         spec = w.pop("backend") or default_spec()
         comfy.make_room(cls, spec)
         return io.NodeOutput(comfy.run(cls, jobs.encode_prompt, spec, **w))

@@ -95,7 +95,7 @@ class ParallelLoraLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
+        w = comfy.execution_inputs(cls, inputs)
         handle, found = jobs.add_lora(w["transformer"], lora_name=w["lora_name"], strength=w["strength"])
         comfy.show_text(cls, found.describe(w["lora_name"], w["strength"]))
         return io.NodeOutput(handle)

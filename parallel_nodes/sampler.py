@@ -2,12 +2,52 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from parallel_runtime import jobs
-from parallel_runtime.families import img2img_steps, names
+from parallel_runtime import InvalidInput, jobs
+from parallel_runtime.families import REGISTRY, FamilyAdapter, img2img_steps, names
 from parallel_runtime.samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler, describe
 
 from . import comfy
 from .types import CATEGORY, Conditioning, Transformer
+
+FAMILY_ENCODERS = "; ".join(f"{f.name}: {f.comfy_text_encoder_words()}" for f in REGISTRY)
+# How far back through ComfyUI's nodes a CONDITIONING's text-encoder loader is looked for (a graph is finite, but a
+# prompt is anyone's JSON).
+_MOST_HOPS = 64
+
+
+def _comfy_text_encoder(prompt: dict, link: object) -> tuple[str, str] | None:
+    """The (loader, type) of the ComfyUI text encoder behind the CONDITIONING on a link, where the graph says it:
+    back through the nodes' ``conditioning`` inputs (FluxGuidance, ConditioningZeroOut, ...) to the prompt node's
+    ``clip`` (through CLIPSetLastLayer or a LoRA) to a CLIPLoader or DualCLIPLoader whose ``type`` is a widget."""
+    for _hop in range(_MOST_HOPS):
+        node = prompt.get(str(link[0])) if comfy.is_link(link) else None
+        if not isinstance(node, dict):
+            return None
+        inputs = node.get("inputs") or {}
+        if node.get("class_type") in ("CLIPLoader", "DualCLIPLoader"):
+            clip_type = inputs.get("type")
+            return (node["class_type"], clip_type) if isinstance(clip_type, str) else None
+        link = inputs.get("conditioning", inputs.get("clip"))
+    return None
+
+
+def _check_comfy_text_encoder(node: comfy.QueuedNode, name: str, family: FamilyAdapter, model: str) -> None:
+    """A CONDITIONING from ComfyUI's text encoder of another family, refused before anything loads."""
+    if not node.linked(name) or family.comfy_text_encoder is None:
+        return
+    try:
+        node.source(name)
+        return  # one of the pack's nodes: its model is checked when it runs
+    except comfy.Unknown:
+        pass
+    found = _comfy_text_encoder(node.prompt, node.inputs[name])
+    if found is not None and found[1] != family.comfy_text_encoder[1]:
+        loader, clip_type = found
+        raise InvalidInput(
+            name,
+            f"comes from ComfyUI's {loader} of type {clip_type}, but the transformer is {model} ({family.name}); "
+            f"encode with {family.name}'s text encoder: {family.comfy_text_encoder_words()}",
+        )
 
 
 def _prompt_count(node: comfy.QueuedNode) -> int | None:
@@ -51,6 +91,8 @@ def _latent_size(prompt: dict, link: object, downscale: int) -> tuple[int, int]:
 
 def _validate(node: comfy.QueuedNode) -> None:
     handle = node.input("transformer")
+    for name in ("positive", "negative"):
+        _check_comfy_text_encoder(node, name, handle.family, handle.spec.model.name)
     size = None
     if node.linked("latent_image"):
         try:
@@ -93,7 +135,15 @@ class ParallelSampler(io.ComfyNode):
             ),
             inputs=[
                 Transformer.Input("transformer", tooltip="From LoadShardedTransformer; runs on its backend."),
-                Conditioning.Input("positive", tooltip="From EncodeOnBalancedGPUs."),
+                io.MultiType.Input(
+                    "positive",
+                    types=[Conditioning, io.Conditioning],
+                    tooltip=(
+                        "The prompt: EncodeOnBalancedGPUs, or ComfyUI's CONDITIONING from the family's own text "
+                        f"encoder ({FAMILY_ENCODERS}). FluxGuidance's guidance replaces guidance_scale. The node says "
+                        "which one it ran with."
+                    ),
+                ),
                 io.Int.Input(
                     "seed",
                     default=0,
@@ -115,7 +165,8 @@ class ParallelSampler(io.ComfyNode):
                     tooltip=(
                         f"Distilled guidance (not CFG) of {names(lambda f: not f.true_cfg)}, in their guidance-"
                         f"distilled variants (such as -dev). Ignored by {names(lambda f: f.true_cfg)}: see "
-                        "true_cfg_scale."
+                        "true_cfg_scale. A guidance on positive's CONDITIONING (FluxGuidance, CLIPTextEncodeFlux) "
+                        "replaces it."
                     ),
                 ),
                 *(
@@ -193,6 +244,17 @@ class ParallelSampler(io.ComfyNode):
                     optional=True,
                     tooltip=f"The sigma schedule, in ComfyUI's words: {describe(SCHEDULERS)}.",
                 ),
+                io.MultiType.Input(
+                    "negative",
+                    types=[Conditioning, io.Conditioning],
+                    optional=True,
+                    tooltip=(
+                        f"True CFG's negative prompt for {names(lambda f: f.true_cfg)} (true_cfg_scale > 1): ComfyUI's "
+                        "CONDITIONING (a CLIPTextEncode of the negative text, ConditioningZeroOut) or "
+                        "EncodeOnBalancedGPUs. Given, it wins over EncodeOnBalancedGPUs' negative_prompt. Ignored by "
+                        f"{names(lambda f: not f.true_cfg)}."
+                    ),
+                ),
             ],
             outputs=[
                 io.Latent.Output(
@@ -213,8 +275,7 @@ class ParallelSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
-        comfy.check_ranges(cls, w)
+        w = comfy.execution_inputs(cls, inputs)
         comfy.make_room(cls, w["transformer"].backend)
         handle = w.pop("transformer")
         samples = comfy.run(
@@ -223,6 +284,7 @@ class ParallelSampler(io.ComfyNode):
             handle,
             w.pop("positive"),
             on_result=lambda result: [comfy.show_text(cls, note) for note in result.notes()],
+            on_conditioning=lambda said: comfy.show_text(cls, said),
             **w,
         )
         if w["latent_image"] is not None:

@@ -187,7 +187,7 @@ class LoadShardedTransformer(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
+        w = comfy.execution_inputs(cls, inputs)
         handle = jobs.plan_transformer(w.pop("backend") or default_spec(), **w)
         comfy.show_text(cls, handle.held)
         return io.NodeOutput(handle)

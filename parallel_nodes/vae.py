@@ -58,7 +58,7 @@ class VAEDecodeSingleGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
+        w = comfy.execution_inputs(cls, inputs)
         spec = w.pop("backend") or default_spec()
         # Over the ranks the decode uses every rank's device; otherwise the one it runs on.
         comfy.make_room(cls, spec, None if w["decode_over_ranks"] else jobs.decode_device(spec, w["device"]))

@@ -60,7 +60,7 @@ class VAEEncodeSingleGPU(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        w = comfy.with_defaults(cls, inputs)
+        w = comfy.execution_inputs(cls, inputs)
         spec = w.pop("backend") or default_spec()
         comfy.make_room(cls, spec, jobs.decode_device(spec, w["device"]))
         encoded = comfy.run(cls, jobs.vae_encode, spec, **w)

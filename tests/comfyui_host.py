@@ -23,7 +23,8 @@ What it does, and why:
   LoRA directory.
   ``--disable-all-custom-nodes --whitelist-custom-nodes <pack_name>`` (both exist in 0.3.75 and 0.26.0)
   makes ours the only custom node pack that loads: whatever sits in the ComfyUI tree's own custom_nodes/
-  stays out.
+  stays out. ``extra_packs`` (name → folder) links and whitelists test-only node packs beside it
+  (``tests/comfyui_test_nodes``).
 - Everything the server writes goes to that work directory: ``--output-directory``, ``--input-directory``,
   ``--user-directory``, ``--temp-directory`` and ``--database-url sqlite:///...`` (ComfyUI's default
   database lives inside its own tree). API nodes are off (``--disable-api-nodes``): no network at start.
@@ -150,6 +151,7 @@ class ComfyUIServer:
         extra_model_paths: dict[str, str | os.PathLike | Iterable[str | os.PathLike]] | None = None,
         pack_dir: str | os.PathLike = REPO_ROOT,
         pack_name: str = PACK_NAME,
+        extra_packs: dict[str, str | os.PathLike] | None = None,
         python: str = sys.executable,
         workdir: str | os.PathLike | None = None,
         extra_args: Iterable[str] = (),
@@ -163,6 +165,7 @@ class ComfyUIServer:
         self.version = comfyui_version(self.comfyui_dir)
         self.pack_dir = Path(pack_dir).resolve()
         self.pack_name = pack_name
+        self.extra_packs = {name: Path(path).resolve() for name, path in (extra_packs or {}).items()}
         self.python = python
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
@@ -213,6 +216,7 @@ class ComfyUIServer:
             "--disable-all-custom-nodes",
             "--whitelist-custom-nodes",
             self.pack_name,
+            *self.extra_packs,
             "--output-directory",
             str(self.output_dir),
             "--input-directory",
@@ -239,14 +243,13 @@ class ComfyUIServer:
             self.loras_dir,
         ):
             d.mkdir(parents=True, exist_ok=True)
-        link = self.custom_nodes_dir / self.pack_name
-        if link.is_symlink() or link.exists():
-            if link.is_symlink() and Path(os.readlink(link)) == self.pack_dir:
-                pass
+        for name, target in {self.pack_name: self.pack_dir, **self.extra_packs}.items():
+            link = self.custom_nodes_dir / name
+            if link.is_symlink() or link.exists():
+                if not (link.is_symlink() and Path(os.readlink(link)) == target):
+                    raise ComfyUIError(f"{link} exists and is not our symlink to {target}")
             else:
-                raise ComfyUIError(f"{link} exists and is not our symlink to {self.pack_dir}")
-        else:
-            link.symlink_to(self.pack_dir, target_is_directory=True)
+                link.symlink_to(target, target_is_directory=True)
         entries: dict[str, list[str]] = {
             "custom_nodes": [str(self.custom_nodes_dir)],
             "diffusers": [str(self.diffusers_dir)],

@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -130,6 +131,8 @@ def comfyui_server(comfyui_dir, comfyui_models_dir, comfyui_loras_dir, comfyui_f
     """One real ComfyUI server (CPU) with this pack linked in, shared by the session; stopped at the end."""
     server = ComfyUIServer(
         comfyui_dir,
+        # ComfyUI's own loaders on the tiny models' reduced configs (test-only: its docstring says why)
+        extra_packs={"parallel_diffusers_test_nodes": Path(__file__).parent / "comfyui_test_nodes"},
         diffusers_dir=comfyui_models_dir,
         loras_dir=comfyui_loras_dir,
         extra_model_paths={kind: comfyui_files_dir / kind for kind in ("diffusion_models", "text_encoders", "vae")},

@@ -35,8 +35,16 @@ SIZE, STEPS, SEED = 64, 2, 5
 # system message in it.
 MAX_SEQUENCE_LENGTH = {"flux": 32, "flux2": 48, "qwenimage": 64}
 FOUR_RANKS = {"flux1_tp_cp"}
-# test_e2e_comfyui.py runs this one against the one-shot pipeline already, and checks that a new seed loads nothing.
-RUN_ELSEWHERE = {"flux1_device_map"}
+# test_e2e_comfyui.py runs flux1_device_map against the one-shot pipeline already, and checks that a new seed loads
+# nothing. ComfyUI's DualCLIPLoader and VAELoader load only full-size files: test_comfyui_conditioning.py runs the
+# native example's graph with ComfyUI's same code on the tiny files (tests/comfyui_test_nodes).
+RUN_ELSEWHERE = {"flux1_device_map", "flux1_native_nodes"}
+# The ComfyUI files the native example names (make_examples.NATIVE_FILES), by widget.
+FILE_PLACEHOLDERS = {
+    "clip_name1": ["clip_l.safetensors"],
+    "clip_name2": ["t5xxl_fp16.safetensors"],
+    "vae_name": ["ae.safetensors"],
+}
 
 
 def load(name: str, api: bool = False) -> dict:
@@ -79,6 +87,7 @@ def ui_to_api(ui: dict, info: dict) -> dict:
                             "model": list(PLACEHOLDERS),
                             "lora_name": list(LORA_PLACEHOLDERS),
                             "image": [IMAGE_PLACEHOLDER],
+                            **FILE_PLACEHOLDERS,
                         }.get(name, [])
                         assert value in allowed, (node["type"], name, value, kind)
                     elif kind in ("INT", "FLOAT"):
@@ -103,7 +112,9 @@ def ui_to_api(ui: dict, info: dict) -> dict:
                     assert target == node["id"] and node["inputs"][target_slot]["name"] == name, link
                     source = nodes[origin]
                     assert link[0] in source["outputs"][origin_slot]["links"], link
-                    assert info[source["type"]]["output"][origin_slot] == spec[0] == link_type, link
+                    # A link has its origin's type, which the input takes (one of its types, as ComfyUI checks it).
+                    assert info[source["type"]]["output"][origin_slot] == link_type, link
+                    assert link_type in spec[0].split(","), (link, spec[0])
                     inputs[name] = [str(origin), origin_slot]
         assert values == [], f"{node['type']}: widget values left over: {values}"
         converted[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_runtime import default_spec, jobs
+from parallel_runtime import InvalidInput, default_spec, jobs
 
 # What workflows saved by version 0.1.0 hold: node ids, input names in order (required, then optional) and output
 # types. UI-format workflows store widget values by position, so this may only grow at the end of "optional".
@@ -50,7 +50,7 @@ ADDED_AFTER_0_1_0 = {
 # Inputs appended since 0.1.0 to the optional end of a node's, in the order they came.
 GROWN_AFTER_0_1_0 = {
     "ParallelBackend": ["gpus", "free_comfyui_vram", "nnodes", "rdzv_endpoint"],  # GPU readiness; several machines
-    "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler"],  # img2img, inpainting; the samplers
+    "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler", "negative"],  # img2img; samplers; CFG
     "LoadShardedTransformer": [
         "cache",
         "cache_threshold",
@@ -109,9 +109,12 @@ def test_an_input_left_out_takes_the_schema_default(nodes):
 def test_a_link_of_the_wrong_type_is_refused(nodes):
     """Declaring input_types turns off ComfyUI's own link-type check: validate_inputs makes it."""
     sampler = nodes["ParallelSampler"]
-    assert sampler.validate_inputs(input_types={"transformer": "PD_TRANSFORMER", "positive": "PD_CONDITIONING"})
-    refused = sampler.validate_inputs(input_types={"transformer": "PD_TRANSFORMER", "positive": "CONDITIONING"})
-    assert refused.startswith("positive: a CONDITIONING is linked in") and "link a PD_CONDITIONING" in refused
+    # positive and negative take the pack's conditioning and ComfyUI's, as ComfyUI checks a union type
+    for kind in ("PD_CONDITIONING", "CONDITIONING"):
+        for name in ("positive", "negative"):
+            assert sampler.validate_inputs(input_types={"transformer": "PD_TRANSFORMER", name: kind}) is True
+    refused = sampler.validate_inputs(input_types={"transformer": "PD_TRANSFORMER", "positive": "LATENT"})
+    assert refused.startswith("positive: a LATENT is linked in") and "PD_CONDITIONING,CONDITIONING" in refused
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +165,19 @@ def test_the_nodes_give_what_their_steps_give(nodes, tiny):
     samples = jobs.sample(handle, conditioning, seed=5, steps=2, guidance_scale=3.5, width=32, height=48)
     assert transformer == handle and torch.equal(latent["samples"], samples)
     assert torch.equal(image, jobs.decode(spec, model=tiny, samples=samples))
+
+
+def test_every_node_refuses_a_linked_number_outside_its_range_before_any_work(nodes):
+    """ComfyUI checks a widget's own value against its min..max, not a value linked into it from another node: every
+    node's execute refuses that by the input's name, before it starts or loads anything."""
+    checked = 0
+    for node in nodes.values():
+        for spec in node.define_schema().inputs:
+            high = getattr(spec, "max", None)
+            if high is None or isinstance(getattr(spec, "default", None), bool):
+                continue
+            with pytest.raises(InvalidInput, match=f"{high + 1} is outside") as refused:
+                node.execute(**{spec.id: high + 1})
+            assert refused.value.widget == spec.id
+            checked += 1
+    assert checked >= 10  # the backend's, the encoder's, the transformer's, the LoRA's and the sampler's numbers

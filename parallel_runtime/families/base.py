@@ -119,6 +119,12 @@ class FamilyAdapter(abc.ABC):
         min_steps, min_steps_reason: the fewest steps that give an image, and why (for the error).
         latent: the LATENT layout.
         pixels_per_token: image pixels per transformer token along each side (8x VAE, 2x2 patches: 16).
+        comfy_text_encoder: how ComfyUI loads and runs the family's text encoders: the loader node, its ``type``
+            widget, the prompt nodes (ParallelSampler checks a CONDITIONING's loader against it, and its errors say it);
+            None where the pack has not mapped them (the graph's loader is then not checked, only the shapes).
+        pooled_text: the transformer also takes a pooled text embedding (``pooled_prompt_embeds``; ComfyUI's
+            CONDITIONING carries it as ``pooled_output``).
+        text_mask: the embeddings travel with their mask (``prompt_embeds_mask``; ComfyUI's ``attention_mask``).
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
@@ -135,10 +141,21 @@ class FamilyAdapter(abc.ABC):
     min_steps_reason: ClassVar[str] = "would not denoise anything"
     latent: ClassVar[LatentLayout]
     pixels_per_token: ClassVar[int] = 16
+    comfy_text_encoder: ClassVar[tuple[str, str, str] | None] = None
+    pooled_text: ClassVar[bool] = False
+    text_mask: ClassVar[bool] = False
     block_lists: ClassVar[dict[str, str]] = {
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",
     }
+
+    @classmethod
+    def comfy_text_encoder_words(cls) -> str:
+        """``comfy_text_encoder`` in words, for errors: "DualCLIPLoader (type flux) into CLIPTextEncode"."""
+        if cls.comfy_text_encoder is None:
+            return f"ComfyUI's text encoder of {cls.name}"
+        loader, clip_type, prompt_nodes = cls.comfy_text_encoder
+        return f"{loader} (type {clip_type}) into {prompt_nodes}"
 
     # -- stages (on the ranks) --------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -20,18 +20,30 @@ MAX_SEQUENCE_LENGTH = max(adapter.max_sequence_length for adapter in families.RE
 
 @dataclasses.dataclass(frozen=True)
 class Conditioning:
-    """Encoded prompts of one model, on the CPU: ``prompt_embeds`` and what the family adds (FLUX.1:
+    """Encoded prompts on the CPU, one row per prompt: ``prompt_embeds`` and what the family adds (FLUX.1:
     ``pooled_prompt_embeds``; Qwen-Image: ``prompt_embeds_mask`` and the negative prompt's ``negative_prompt_embeds``
-    / ``negative_prompt_embeds_mask``)."""
+    / ``negative_prompt_embeds_mask``).
 
-    model: ModelRef
+    Args:
+        model: the model whose text encoders made them (EncodeOnBalancedGPUs); None for ComfyUI's CONDITIONING,
+            which says only its shapes (``jobs.conditioning`` checks those against the transformer).
+        prompts: the prompts' texts where known (EncodeOnBalancedGPUs).
+        source: where they came from, as the sampler's node says it.
+        guidance: FLUX's distilled guidance that came with them (ComfyUI's FluxGuidance / CLIPTextEncodeFlux);
+            it replaces the sampler's guidance_scale.
+    """
+
+    model: ModelRef | None
     prompts: tuple[str, ...]
     tensors: dict[str, torch.Tensor] = dataclasses.field(compare=False)
     negative_prompts: tuple[str, ...] = ()
+    source: str = ""
+    guidance: float | None = None
 
     @property
-    def family(self) -> families.FamilyAdapter:
-        return families.family(self.model.family)
+    def count(self) -> int:
+        """How many prompts (embedding rows) it holds."""
+        return self.tensors["prompt_embeds"].shape[0]
 
 
 def count_prompts(prompt: str, one_prompt_per_line: bool) -> int:
@@ -134,4 +146,5 @@ def encode_prompt(
         prompts=request.prompts.prompts,
         tensors=result.tensors,
         negative_prompts=request.prompts.negative_prompts or (),
+        source=f"EncodeOnBalancedGPUs ({request.model.name})",
     )

@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from .. import families
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter, img2img_steps
 from ..samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
 from ..wire import CacheReport, DenoiseArgs, DenoiseResult, Sampling
+from .conditioning import read_positive, with_negative
 from .encode import Conditioning
 from .transformer import TransformerHandle
 from .widgets import check_finite
@@ -222,10 +224,11 @@ def validate_sample(
             f"{true_cfg_scale} is below 1; use 1 (true CFG off: one transformer pass "
             "per step) or more (guided by the negative prompt: two passes per step)",
         )
-    if conditioning is not None and conditioning.model.family != handle.spec.model.family:
+    encoded_with = conditioning.model if conditioning is not None else None
+    if encoded_with is not None and encoded_with.family != handle.spec.model.family:
         raise InvalidInput(
             "positive",
-            f"was encoded with {conditioning.model.name} ({conditioning.family.name}) but "
+            f"was encoded with {encoded_with.name} ({families.family(encoded_with.family).name}) but "
             f"the transformer is {handle.spec.model.name} ({family.name}); encode with the "
             "same model as the transformer",
         )
@@ -235,6 +238,13 @@ def validate_sample(
         and true_cfg_scale > 1
         and "negative_prompt_embeds" not in conditioning.tensors
     ):
+        if encoded_with is None:
+            raise InvalidInput(
+                "negative",
+                f"true_cfg_scale {true_cfg_scale} guides against a negative prompt, and ComfyUI's CONDITIONING on "
+                "positive brings none; link one into negative (a CLIPTextEncode of the negative text, or "
+                "ConditioningZeroOut), or set true_cfg_scale to 1",
+            )
         raise InvalidInput(
             "positive",
             f"has no negative prompt for true CFG; re-encode it with "
@@ -247,7 +257,7 @@ def validate_sample(
             "raise true_cfg_scale above 1, or use context_parallel on LoadShardedTransformer",
         )
     world = plan.ranks
-    prompts = len(conditioning.prompts) if conditioning is not None else prompts
+    prompts = conditioning.count if conditioning is not None else prompts
     if latent_image is not None and prompts is not None:
         images = batch_size * prompts
         for what, count in (("latent_image", latent_image.batch), ("noise_mask", _mask_batch(latent_image))):
@@ -300,7 +310,7 @@ def validate_sample(
     if text_width and embeds.shape[-1] != text_width:
         raise InvalidInput(
             "positive",
-            f"was encoded with {conditioning.model.name} ({embeds.shape[-1]}-wide text "
+            f"was encoded with {conditioning.source} ({embeds.shape[-1]}-wide text "
             f"embeddings) but {handle.spec.model.name}'s transformer expects {text_width}; "
             "encode with the same model as the transformer",
         )
@@ -308,8 +318,9 @@ def validate_sample(
 
 def sample(
     handle: TransformerHandle,
-    conditioning: Conditioning,
+    positive: Conditioning | list,
     *,
+    negative: Conditioning | list | None = None,
     seed: int,
     steps: int,
     guidance_scale: float,
@@ -325,6 +336,7 @@ def sample(
     should_cancel: Callable[[], bool] | None = None,
     on_cache_report: Callable[[CacheReport], None] | None = None,
     on_result: Callable[[DenoiseResult], None] | None = None,
+    on_conditioning: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """Denoise on the backend; ComfyUI LATENT samples in the family's layout (FLUX.1 ``[B, 16, H/8, W/8]``, FLUX.2
     ``[B, 128, H/16, W/16]``, Qwen-Image ``[B, 16, 1, H/8, W/8]``). ``true_cfg_scale`` reaches only families with
@@ -337,7 +349,20 @@ def sample(
     its ``noise_mask`` is 1. ``sampler`` and ``scheduler`` pick the diffusers scheduler and its sigma schedule
     (``samplers``; euler and simple are the family's own). With the transformer's step cache on,
     ``on_cache_report`` gets what it skipped (rank 0's passes). ``on_result`` gets the whole result: what compiling
-    did, how data parallelism split the batch, the unequal devices that set the pace (``DenoiseResult.notes``)."""
+    did, how data parallelism split the batch, the unequal devices that set the pace (``DenoiseResult.notes``).
+
+    ``positive`` and ``negative`` are EncodeOnBalancedGPUs' Conditioning or ComfyUI's CONDITIONING (``conditioning``
+    turns it into the family's inputs); ``negative`` is true CFG's negative prompt, over the encoder's. A guidance
+    that came with the conditioning (FluxGuidance) replaces ``guidance_scale``. ``on_conditioning`` gets where the
+    conditioning came from, in words."""
+    conditioning, negative_said = with_negative(handle, read_positive(handle, positive), negative)
+    if conditioning.guidance is not None:
+        guidance_scale = conditioning.guidance
+    if on_conditioning is not None:
+        said = f"positive: {conditioning.source}"
+        if conditioning.guidance is not None and not handle.family.true_cfg:
+            said += " (its guidance replaces guidance_scale)"
+        on_conditioning("; ".join(filter(None, (said, negative_said))))
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
@@ -367,7 +392,7 @@ def sample(
         width=width,
         height=height,
         # the backend counts images, prompt by prompt
-        batch_size=batch_size * len(conditioning.prompts),
+        batch_size=batch_size * conditioning.count,
         true_cfg_scale=true_cfg_scale if handle.family.true_cfg else None,
         denoise=denoise if image is not None else 1.0,
         sampler=chosen,

@@ -41,6 +41,8 @@ class Flux1(FamilyAdapter):
     max_sequence_length = 512  # T5 is trained on at most 512 tokens and FluxPipeline refuses more
     pads_text = True
     latent = LatentLayout(ndims=(4,), vae_channels_key="latent_channels")
+    comfy_text_encoder = ("DualCLIPLoader", "flux", "CLIPTextEncode or CLIPTextEncodeFlux")
+    pooled_text = True
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
         from diffusers import FluxPipeline

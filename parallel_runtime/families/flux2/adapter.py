@@ -45,6 +45,7 @@ class Flux2(FamilyAdapter):
     max_sequence_length = 512
     pads_text = True
     latent = LatentLayout(ndims=(4,), vae_channels_key="latent_channels", channels_per_vae_channel=4, downscale=16)
+    comfy_text_encoder = ("CLIPLoader", "flux2", "CLIPTextEncode")
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
         from diffusers import Flux2Pipeline
