@@ -15,11 +15,13 @@ from .files import FilesLayout
 from .flux import Flux1, Flux1Files
 from .flux2 import Flux2, Flux2Files
 from .qwenimage import QwenImage, QwenImageFiles
+from .wan import Wan
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
     Flux2(),
     QwenImage(),
+    Wan(),
 )
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.

@@ -4,12 +4,13 @@ Nothing loads here: the backend loads the transformer when the sampler first nee
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from .. import families, model_folders
 from ..errors import InvalidInput
 from ..spec import BackendSpec
 from ..strategy import StrategyPlan, TransformerFacts, check_attention
-from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, StepCache, TransformerSpec
+from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, ModelRef, StepCache, TransformerSpec
 from .widgets import check_finite, parse_max_memory, resolve_dtype
 
 
@@ -70,6 +71,7 @@ def plan_transformer(
             f"{families.family(ref.family).name} has no true CFG (one transformer pass per step), so cfg_parallel "
             "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
         )
+    _check_experts(ref, plan, step_cache)
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(
@@ -77,6 +79,30 @@ def plan_transformer(
         spec=TransformerSpec(model=ref, dtype=resolved, plan=plan, max_memory=budget, cache=step_cache),
         config=config,
     )
+
+
+def _check_experts(ref: ModelRef, plan: StrategyPlan, step_cache: StepCache) -> None:
+    """A model with several experts (Wan 2.2 A14B) has each one's folder, and runs what the pack can give both."""
+    family = families.family(ref.family)
+    subfolders = family.transformer_subfolders(ref.path)
+    for subfolder in subfolders[1:]:
+        if not os.path.isfile(os.path.join(ref.path, subfolder, "config.json")):
+            raise InvalidInput(
+                "model",
+                f"{ref.name} is {family.name} with two experts (model_index.json names {subfolder} or a "
+                f"boundary_ratio), but {subfolder}/ holds no model; copy the low-noise expert's folder there (from the "
+                "same Wan 2.2 download), or pick a Wan 2.1 model",
+            )
+    if len(subfolders) < 2:
+        return
+    if plan.shards_weights:
+        raise InvalidInput(
+            "strategy",
+            f"{ref.name} has two experts, which tensor_parallel does not load yet; use context_parallel, "
+            "cfg_parallel, data_parallel or device_map",
+        )
+    if step_cache.mode is not CacheMode.OFF:
+        raise InvalidInput("cache", f"{ref.name} has two experts, which the step cache does not cover yet; set off")
 
 
 def _step_cache(cache: str, threshold: float) -> StepCache:
