@@ -50,7 +50,8 @@ ADDED_AFTER_0_1_0 = {
 # Inputs appended since 0.1.0 to the optional end of a node's, in the order they came.
 GROWN_AFTER_0_1_0 = {
     "ParallelBackend": ["gpus", "free_comfyui_vram", "nnodes", "rdzv_endpoint"],  # GPU readiness; several machines
-    "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler"],  # img2img, inpainting; the samplers
+    # img2img, inpainting; the samplers; Wan's clip length and second expert's CFG
+    "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler", "length", "guidance_scale_2"],
     "LoadShardedTransformer": ["cache", "cache_threshold"],  # step caching
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
 }
