@@ -211,13 +211,15 @@ def generate(name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, *
     return jobs.decode(spec, model=model, samples=latent)
 
 
-def check(wan_dir, name: str, strategy: str, *, batch_size: int = 1, tolerance: float = 1e-4, **args) -> None:
-    frames = generate(name, strategy, batch_size=batch_size, **args)
+def check(
+    wan_dir, name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, tolerance: float = 1e-4, **args
+) -> None:
+    frames = generate(name, strategy, batch_size=batch_size, ranks=ranks, **args)
     second = CFG_2 if name == "wan22" else None
     reference = one_shot(wan_dir / MODELS[name], batch_size=batch_size, guidance_scale_2=second)
     assert frames.shape == reference.shape == (batch_size * FRAMES, HEIGHT, WIDTH, 3)
     diff = (frames - reference).abs().max().item()
-    print(f"{name} {strategy} {args}: max |diff| vs one-shot {diff:.3g}")
+    print(f"{name} {strategy} {args} on {ranks} ranks: max |diff| vs one-shot {diff:.3g}")
     assert diff <= tolerance
 
 
