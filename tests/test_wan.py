@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from diffusers import WanPipeline
+from helpers import WAN_CLIP, wan_one_shot
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import Placement
@@ -19,9 +19,10 @@ from parallel_runtime.samplers import Sampler
 from parallel_runtime.wire import Prompts, Sampling
 
 wan = family_adapter("wan")
-PROMPT, NEGATIVE = "a photo of a cat", "a blue painting"
-WIDTH, HEIGHT, FRAMES, STEPS, TOKENS = 48, 32, 5, 2, 16
-CFG, CFG_2 = 4.0, 3.0
+PROMPT, NEGATIVE, CFG = WAN_CLIP["prompt"], WAN_CLIP["negative_prompt"], WAN_CLIP["guidance_scale"]
+WIDTH, HEIGHT, FRAMES = WAN_CLIP["width"], WAN_CLIP["height"], WAN_CLIP["num_frames"]
+STEPS, TOKENS = WAN_CLIP["num_inference_steps"], WAN_CLIP["max_sequence_length"]
+CFG_2 = 3.0
 CPU = Placement("cpu")
 MODELS = {"wan21": "tiny-wan21", "wan22": "tiny-wan22"}  # Wan 2.2 A14B: two experts
 
@@ -34,37 +35,13 @@ def wan_dir(models_root):
     return models_root
 
 
-_PIPELINES: dict[str, WanPipeline] = {}
-
-
 def one_shot(
     folder, seed: int = 3, batch_size: int = 1, guidance_scale_2: float | None = None, output_type: str = "pt"
 ) -> torch.Tensor:
-    """diffusers' WanPipeline in one call, with its own (UniPC) scheduler: the clips' frames as an IMAGE
-    [B·frames, H, W, 3], clip i from a generator seeded seed + i (with ``output_type="latent"``: its latents)."""
-    key = str(folder)
-    if key not in _PIPELINES:
-        _PIPELINES[key] = WanPipeline.from_pretrained(folder, dtype=torch.float32)
-        _PIPELINES[key].set_progress_bar_config(disable=True)
-    pipe = _PIPELINES[key]
-    second = {"guidance_scale_2": guidance_scale_2} if pipe.config.boundary_ratio is not None else {}
-    frames = pipe(
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
-        guidance_scale=CFG,
-        **second,
-        num_inference_steps=STEPS,
-        width=WIDTH,
-        height=HEIGHT,
-        num_frames=FRAMES,
-        max_sequence_length=TOKENS,
-        num_videos_per_prompt=batch_size,
-        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
-        output_type=output_type,
-    ).frames
-    if output_type == "latent":
-        return frames
-    return frames.permute(0, 1, 3, 4, 2).flatten(0, 1)
+    """WanPipeline's clips as an IMAGE [B·frames, H, W, 3] (with ``output_type="latent"``: its latents)."""
+    second = {"guidance_scale_2": guidance_scale_2} if guidance_scale_2 is not None else {}
+    frames = wan_one_shot(folder, seed, batch_size, output_type, **second)
+    return frames if output_type == "latent" else frames.permute(0, 1, 3, 4, 2).flatten(0, 1)
 
 
 # -- the adapter in one process ---------------------------------------------------------------------------------

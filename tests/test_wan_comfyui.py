@@ -9,15 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from comfyui_host import PromptRejected
-from diffusers import WanPipeline
+from helpers import WAN_CLIP, wan_one_shot
 from PIL import Image
 
 pytestmark = [pytest.mark.comfyui]
 
-MODEL, PROMPT, NEGATIVE = "tiny-wan", "a photo of a cat", "a blue painting"
-WIDTH, HEIGHT, FRAMES, STEPS, TOKENS, CFG, SEED = 48, 32, 5, 2, 16, 4.0, 3
+MODEL, SEED = "tiny-wan", 3
+PROMPT, NEGATIVE, CFG = WAN_CLIP["prompt"], WAN_CLIP["negative_prompt"], WAN_CLIP["guidance_scale"]
+WIDTH, HEIGHT, FRAMES = WAN_CLIP["width"], WAN_CLIP["height"], WAN_CLIP["num_frames"]
+STEPS, TOKENS = WAN_CLIP["num_inference_steps"], WAN_CLIP["max_sequence_length"]
 
 
 def tiny_wan(models_dir) -> Path:
@@ -75,20 +76,7 @@ def test_a_clip_reaches_save_animated_webp(comfyui_server, comfyui_models_dir):
         for index in range(FRAMES):
             webp.seek(index)
             frames.append(np.asarray(webp.convert("RGB")))
-    pipe = WanPipeline.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    reference = pipe(
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
-        guidance_scale=CFG,
-        num_inference_steps=STEPS,
-        width=WIDTH,
-        height=HEIGHT,
-        num_frames=FRAMES,
-        max_sequence_length=TOKENS,
-        generator=[torch.Generator("cpu").manual_seed(SEED)],
-        output_type="np",
-    ).frames[0]
+    reference = wan_one_shot(folder, SEED, output_type="np")[0]
     # SaveAnimatedWEBP stores clip(255 · x) as uint8, losslessly.
     expected = np.clip(reference * 255.0, 0, 255).astype(np.uint8)
     assert np.abs(np.stack(frames).astype(int) - expected.astype(int)).max() <= 1
