@@ -149,6 +149,12 @@ def test_video_widgets_fail_before_anything_runs(wan_dir, widget, call, hint):
     assert info.value.widget == widget
 
 
+def test_a_clip_is_not_decoded_over_the_ranks_yet(wan_dir):
+    with pytest.raises(InvalidInput, match="latent frames does not decode over the ranks") as info:
+        jobs.decode(backend(), model=MODELS["wan21"], samples=torch.zeros(1, 16, 2, 4, 6), decode_over_ranks=True)
+    assert info.value.widget == "decode_over_ranks"
+
+
 def test_a_wan22_folder_without_its_second_expert_is_refused(wan_dir, tmp_path):
     """model_index.json names transformer_2, its folder is gone: LoadShardedTransformer refuses the model."""
     import shutil

@@ -72,6 +72,13 @@ def decode(
             f"({family.name}: {expected}, {channels} channels{'' if video else ', one frame'}); decode it with "
             "the VAE of the model that made it",
         )
+    if decode_over_ranks and frames > 1:
+        # Wan's VAE decodes a clip latent frame by latent frame, each 4 frames from the second on, which the tiles'
+        # shared decode (worker/vae_tiles.py) does not follow yet.
+        raise InvalidInput(
+            "decode_over_ranks",
+            f"a clip of {frames} latent frames does not decode over the ranks yet; turn decode_over_ranks off",
+        )
     args = DecodeArgs(model=ref, device=device, dtype=resolve_dtype(dtype, spec), over_ranks=bool(decode_over_ranks))
     result = get_backend(spec).call(
         args, {"samples": samples.float()}, on_progress=on_progress, should_cancel=should_cancel
