@@ -115,6 +115,8 @@ def _validate(node: comfy.QueuedNode) -> None:
             "denoise",
             "sampler",
             "scheduler",
+            "length",
+            "guidance_scale_2",
         ),
     )
 
@@ -199,7 +201,8 @@ class ParallelSampler(io.ComfyNode):
                     optional=True,
                     tooltip=(
                         f"True classifier-free guidance of {names(lambda f: f.true_cfg)} against the negative prompt "
-                        "(EncodeOnBalancedGPUs); 1 turns it off and halves the work per step. Ignored "
+                        "(EncodeOnBalancedGPUs; Wan's pipeline calls it guidance_scale); 1 turns it off and halves "
+                        "the work per step. Ignored "
                         f"by {names(lambda f: not f.true_cfg)}, which have no true CFG."
                     ),
                 ),
@@ -253,6 +256,32 @@ class ParallelSampler(io.ComfyNode):
                         "CONDITIONING (a CLIPTextEncode of the negative text, ConditioningZeroOut) or "
                         "EncodeOnBalancedGPUs. Given, it wins over EncodeOnBalancedGPUs' negative_prompt. Ignored by "
                         f"{names(lambda f: not f.true_cfg)}."
+                    ),
+                ),
+                io.Int.Input(
+                    "length",
+                    default=1,
+                    min=1,
+                    max=4097,
+                    step=4,
+                    optional=True,
+                    tooltip=(
+                        f"Frames of the clip, 4k + 1 (81 is Wan's 5 seconds at 16 fps), for "
+                        f"{names(lambda f: f.latent.temporal_downscale > 1)}; 1 for the image families. The LATENT "
+                        "is [B, 16, (length - 1) / 4 + 1, H/8, W/8]; the decode gives B × length frames, which "
+                        "ComfyUI's CreateVideo and SaveAnimatedWEBP take."
+                    ),
+                ),
+                io.Float.Input(
+                    "guidance_scale_2",
+                    default=0.0,
+                    min=0.0,
+                    max=100.0,
+                    step=0.1,
+                    optional=True,
+                    tooltip=(
+                        "Wan 2.2 A14B's CFG scale for its second (low-noise) expert; true_cfg_scale guides the first. "
+                        "0 uses true_cfg_scale for both. Only for models with two experts."
                     ),
                 ),
             ],

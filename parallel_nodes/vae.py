@@ -43,7 +43,14 @@ class VAEDecodeSingleGPU(io.ComfyNode):
                     ),
                 ),
             ],
-            outputs=[io.Image.Output(tooltip="The decoded images, [B, H, W, 3] in 0..1, on the CPU.")],
+            outputs=[
+                io.Image.Output(
+                    tooltip=(
+                        "The decoded images, [B, H, W, 3] in 0..1, on the CPU; a video LATENT's clips as their "
+                        "frames, clip by clip (B × length), for ComfyUI's CreateVideo or SaveAnimatedWEBP."
+                    )
+                )
+            ],
             hidden=[io.Hidden.unique_id],
         )
 

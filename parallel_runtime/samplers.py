@@ -22,6 +22,7 @@ class Sampler(str, enum.Enum):
 
     EULER = "euler"
     LCM = "lcm"
+    UNI_PC = "uni_pc"
 
 
 class Scheduler(str, enum.Enum):
@@ -59,6 +60,14 @@ SAMPLERS: dict[Sampler, SamplerChoice] = {
         "FlowMatchLCMScheduler",
         True,
         "LCM (FlowMatchLCMScheduler): each step re-noises the predicted image, for LCM- / few-step-distilled models",
+    ),
+    # Wan's own: WanPipeline's folders ship UniPCMultistepScheduler with flow sigmas, and a video equal to the
+    # pipeline's needs it. The image families' folders hold a flow-match Euler config UniPC cannot read, so
+    # ``jobs/sample.py`` offers it only to families whose folder's scheduler is UniPC (``FamilyAdapter.samplers``).
+    Sampler.UNI_PC: SamplerChoice(
+        "UniPCMultistepScheduler",
+        False,
+        "UniPC with flow sigmas (UniPCMultistepScheduler), Wan's own and its pipeline's default; Wan only",
     ),
 }
 

@@ -289,7 +289,10 @@ class Sampling:
     schedule run, from the image noised to the first of them. A ``noise_mask`` tensor beside it (``[B, 1, H, W]``,
     1 = repaint) makes it inpainting. Without a latent, ``denoise`` is 1.
 
-    ``sampler`` and ``scheduler`` pick the diffusers scheduler and its sigma schedule (``samplers``)."""
+    ``sampler`` and ``scheduler`` pick the diffusers scheduler and its sigma schedule (``samplers``).
+
+    ``frames``: a video family's clip length in frames (4k + 1 for Wan; 1 for an image). ``guidance_scale_2``: Wan
+    2.2 A14B's CFG scale for its second (low-noise) expert; None gives it ``true_cfg_scale``, as the pipeline does."""
 
     seed: int
     steps: int
@@ -301,6 +304,8 @@ class Sampling:
     denoise: float = 1.0
     sampler: Sampler = Sampler.EULER
     scheduler: Scheduler = Scheduler.SIMPLE
+    frames: int = 1
+    guidance_scale_2: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

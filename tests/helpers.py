@@ -243,3 +243,34 @@ def at_step(step: int, action: Callable[..., object], *args: object) -> Callable
             action(*args)
 
     return on_progress
+
+
+# -- Wan's clips (test_wan and test_wan_comfyui) ----------------------------------------------------------------
+# A tiny clip: 5 frames (2 latent frames) of 48×32, CFG against a negative prompt, prompts padded to 16 tokens.
+WAN_CLIP = {
+    "prompt": "a photo of a cat",
+    "negative_prompt": "a blue painting",
+    "guidance_scale": 4.0,
+    "width": 48,
+    "height": 32,
+    "num_frames": 5,
+    "num_inference_steps": 2,
+    "max_sequence_length": 16,
+}
+_WAN_PIPELINES: dict[str, object] = {}
+
+
+def wan_one_shot(folder, seed: int = 3, batch_size: int = 1, output_type: str = "pt", **overrides):
+    """diffusers' WanPipeline (its own UniPC scheduler) in one call on ``WAN_CLIP``: its ``frames`` output, clip i from
+    a generator seeded seed + i; the pipeline of a folder is loaded once."""
+    from diffusers import WanPipeline
+
+    if str(folder) not in _WAN_PIPELINES:
+        _WAN_PIPELINES[str(folder)] = WanPipeline.from_pretrained(folder, dtype=torch.float32)
+        _WAN_PIPELINES[str(folder)].set_progress_bar_config(disable=True)
+    return _WAN_PIPELINES[str(folder)](
+        **{**WAN_CLIP, **overrides},
+        num_videos_per_prompt=batch_size,
+        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        output_type=output_type,
+    ).frames

@@ -36,13 +36,15 @@ from img2img import PROMPT as IMAGE_PROMPT
 from img2img import STEPS as IMAGE_STEPS
 
 from parallel_runtime import InvalidInput, default_spec, jobs
+from parallel_runtime.families import family
 from parallel_runtime.samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
 
 SEED = 5
 # Three steps: with two, every schedule is the same two sigmas (the first and the last), so the test could not tell a
 # schedule that was not applied.
 STEPS = 3
-CHOICES = list(itertools.product(SAMPLERS, SCHEDULERS))
+# The image families' choices (uni_pc runs only Wan's folders: tests/test_wan.py).
+CHOICES = list(itertools.product(family("flux").samplers, SCHEDULERS))
 FAMILIES = {
     "flux": {
         "model": MODEL,
@@ -171,6 +173,7 @@ def test_the_choices_differ():
     "strategy, widgets, widget, hint",
     [
         ({"strategy": "context_parallel", "ulysses_degree": 2}, {"sampler": "heun"}, "sampler", "euler, lcm"),
+        ({"strategy": "context_parallel", "ulysses_degree": 2}, {"sampler": "uni_pc"}, "sampler", "euler or lcm"),
         ({"strategy": "context_parallel", "ulysses_degree": 2}, {"scheduler": "normal"}, "scheduler", "karras"),
         ({"strategy": "data_parallel"}, {"sampler": "lcm"}, "sampler", "choose euler, or context_parallel"),
     ],

@@ -4,12 +4,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, Flux2Pipeline, FluxPipeline, QwenImagePipeline
+from diffusers import DiffusionPipeline, Flux2Pipeline, FluxPipeline, QwenImagePipeline, WanPipeline
 
 from parallel_runtime.families import REGISTRY, family
 from parallel_runtime.families.tiny import family_tiny
 
-PIPELINE_CLASSES = {"flux": FluxPipeline, "flux2": Flux2Pipeline, "qwenimage": QwenImagePipeline}
+PIPELINE_CLASSES = {
+    "flux": FluxPipeline,
+    "flux2": Flux2Pipeline,
+    "qwenimage": QwenImagePipeline,
+    "wan": WanPipeline,
+}
 TINY_MODELS = {adapter.key: family_tiny(adapter.key).make_tiny_model for adapter in REGISTRY}
 
 
@@ -53,7 +58,8 @@ def test_loads_and_generates(built):
     pipe = DiffusionPipeline.from_pretrained(model_dir)
     assert type(pipe) is PIPELINE_CLASSES[name]
     pipe.set_progress_bar_config(disable=True)
-    image = pipe(
+    video = {"num_frames": 5} if name == "wan" else {}  # a clip of 5 frames: 2 latent frames
+    output = pipe(
         prompt="a photo of a cat",
         width=48,
         height=32,
@@ -62,7 +68,9 @@ def test_loads_and_generates(built):
         max_sequence_length=64,
         generator=torch.Generator("cpu").manual_seed(0),
         output_type="pt",
-    ).images
+        **video,
+    )
+    image = output.frames[:, 0] if video else output.images
     assert image.shape == (1, 3, 32, 48)
     assert torch.isfinite(image).all()
 

@@ -15,6 +15,7 @@ from .files import FilesLayout
 from .flux import Flux1, Flux1Files
 from .flux2 import Flux2, Flux2Files
 from .qwenimage import QwenImage, QwenImageFiles
+from .wan import Wan
 from .wan.files import WanFiles
 from .wan.tp_plan import WAN_TP_PLAN
 
@@ -22,6 +23,7 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
     Flux2(),
     QwenImage(),
+    Wan(),
 )
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..samplers import SAMPLERS, SCHEDULERS
+from ..samplers import SAMPLERS, SCHEDULERS, Sampler
 from ..wire import Prompts, Sampling
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,19 @@ class LatentLayout:
         vae_channels_key: the VAE config's key for its latent channels.
         channels_per_vae_channel: LATENT channels per VAE channel (FLUX.2 stores 2x2 patches: 4).
         downscale: image pixels per LATENT pixel along each side.
+        temporal_downscale: video frames per LATENT frame after the first (Wan's VAE: 4; an image family's clip is
+            its one frame).
     """
 
     ndims: tuple[int, ...]
     vae_channels_key: str
     channels_per_vae_channel: int = 1
     downscale: int = 8
+    temporal_downscale: int = 1
+
+    def frames(self, frames: int) -> int:
+        """LATENT frames of a clip of ``frames`` frames: the first frame alone, then one per ``temporal_downscale``."""
+        return (frames - 1) // self.temporal_downscale + 1
 
     def channels(self, vae_config: dict) -> int | None:
         """LATENT channels for a VAE with this config (None when the config does not say)."""
@@ -116,6 +123,10 @@ class FamilyAdapter(abc.ABC):
         max_sequence_length: the longest prompt the pipeline takes, in tokens.
         pads_text: prompts are padded to ``max_sequence_length``; otherwise they keep their own length.
         true_cfg: a negative prompt and ``true_cfg_scale``: two transformer passes per step.
+        splits_text: context parallelism splits the text tokens too (Wan's ``_cp_plan`` leaves them whole), so their
+            count must divide over the ranks.
+        takes_latent_image: the sampler can start from a ``latent_image`` (the family has img2img and inpainting).
+        samplers: the ``sampler`` choices its folders' scheduler config serves (UniPC only reads Wan's).
         min_steps, min_steps_reason: the fewest steps that give an image, and why (for the error).
         latent: the LATENT layout.
         pixels_per_token: image pixels per transformer token along each side (8x VAE, 2x2 patches: 16).
@@ -137,6 +148,9 @@ class FamilyAdapter(abc.ABC):
     max_sequence_length: ClassVar[int]
     pads_text: ClassVar[bool]
     true_cfg: ClassVar[bool] = False
+    splits_text: ClassVar[bool] = True
+    takes_latent_image: ClassVar[bool] = True
+    samplers: ClassVar[tuple[Sampler, ...]] = (Sampler.EULER, Sampler.LCM)
     min_steps: ClassVar[int] = 1
     min_steps_reason: ClassVar[str] = "would not denoise anything"
     latent: ClassVar[LatentLayout]
@@ -170,10 +184,17 @@ class FamilyAdapter(abc.ABC):
     def transformer_class(self) -> type:
         """The diffusers transformer class (context / tensor parallel loads build it themselves)."""
 
-    def load_transformer(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> torch.nn.Module:
-        """The transformer alone, on one device or spread with ``device_map="auto"``."""
+    def transformer_subfolders(self, model_dir: str) -> tuple[str, ...]:
+        """The folder's transformers the denoise runs, by subfolder: one, or Wan 2.2 A14B's two experts (the second
+        reaches ``denoise`` as its ``transformer_2`` keyword)."""
+        return ("transformer",)
+
+    def load_transformer(
+        self, model_dir: str, dtype: torch.dtype, placement: Placement, subfolder: str = "transformer"
+    ) -> torch.nn.Module:
+        """A transformer (``subfolder``) alone, on one device or spread with ``device_map="auto"``."""
         return load_placed(
-            self.transformer_class(), model_dir, dtype, placement, f"{self.name} transformer", subfolder="transformer"
+            self.transformer_class(), model_dir, dtype, placement, f"{self.name} {subfolder}", subfolder=subfolder
         )
 
     @abc.abstractmethod
@@ -256,8 +277,11 @@ def scheduler_for(model_dir: str, sampling: Sampling) -> Any:
     choice = SAMPLERS[sampling.sampler]
     scheduler_class = getattr(diffusers, choice.scheduler_class)
     config = scheduler_class.load_config(model_dir, subfolder="scheduler")
-    # The folder's scheduler is FlowMatchEulerDiscreteScheduler's config; another class takes what it knows of it.
+    # The folder's scheduler config is FlowMatchEulerDiscreteScheduler's (Wan's: UniPC's); another class takes what it
+    # knows of it.
     known = inspect.signature(scheduler_class.__init__).parameters
+    if "flow_shift" in config and "shift" in known:
+        config["shift"] = config["flow_shift"]  # Wan's UniPC config names the flow-match shift flow_shift
     config = {name: value for name, value in config.items() if name in known}
     if choice.step_noise:
         torch.manual_seed(sampling.seed)
@@ -317,6 +341,22 @@ def vae_pixels(pixels: torch.Tensor, device: torch.device, dtype: torch.dtype) -
     """An IMAGE [B, H, W, 3] in 0..1 as a VAE's input [B, 3, H, W] in [-1, 1]: what the pipelines' image processor
     makes of a tensor image (``VaeImageProcessor.normalize``)."""
     return (pixels[..., :3].permute(0, 3, 1, 2) * 2.0 - 1.0).to(device=device, dtype=dtype)
+
+
+def image_tokens(family: FamilyAdapter, width: int, height: int, frames: int = 1) -> int:
+    """The transformer's image tokens for one clip (an image: one frame): LATENT frames × tokens per frame."""
+    per_frame = (width // family.pixels_per_token) * (height // family.pixels_per_token)
+    return family.latent.frames(frames) * per_frame
+
+
+def latent_statistics(vae_config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Wan 2.1-style video VAE's per-channel ``latents_mean`` and ``1 / latents_std`` as [1, C, 1, 1, 1], in the
+    pipelines' own arithmetic: ComfyUI's LATENT for these VAEs is un-normalised (``latent_formats.Wan21`` normalises
+    inside the model), the pipelines' latents are normalised."""
+    channels = vae_config["z_dim"]
+    mean = torch.tensor(vae_config["latents_mean"]).view(1, channels, 1, 1, 1)
+    inverse_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, channels, 1, 1, 1)
+    return mean, inverse_std
 
 
 def check_size(family: FamilyAdapter, sampling: Sampling) -> None:

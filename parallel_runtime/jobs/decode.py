@@ -53,7 +53,8 @@ def decode(
     should_cancel: Callable[[], bool] | None = None,
     on_result: Callable[[DecodeResult], None] | None = None,
 ) -> torch.Tensor:
-    """Decode LATENT samples with the model's VAE on one device; IMAGE ``[B, H, W, 3]`` float32 in 0..1. With
+    """Decode LATENT samples with the model's VAE on one device; IMAGE ``[B, H, W, 3]`` float32 in 0..1 (a video
+    family's clips: ``[B·frames, H, W, 3]``, clip by clip, as ComfyUI's VAEDecode gives them). With
     ``decode_over_ranks``, diffusers' tiled decode (``enable_tiling()``) with its tiles shared over the backend's ranks,
     each on its own device. ``on_result`` gets the backend's answer (tiles per rank, peak memory per rank on CUDA)."""
     ref = validate_decode(model=model, device=device, decode_over_ranks=decode_over_ranks)
@@ -61,13 +62,22 @@ def decode(
     family = families.family(ref.family)
     channels = family.latent.channels(model_folders.read_config(ref, "vae"))
     frames = samples.shape[2] if samples.ndim == 5 else 1  # video-VAE latents: [B, C, T, h, w]
-    if samples.ndim not in family.latent.ndims or (channels and samples.shape[1] != channels) or frames != 1:
+    video = family.latent.temporal_downscale > 1  # a video family decodes clips; an image family one frame
+    wrong_frames = frames != 1 and not video
+    if samples.ndim not in family.latent.ndims or (channels and samples.shape[1] != channels) or wrong_frames:
         expected = " or ".join(f"{n}-D" for n in family.latent.ndims)
         raise InvalidInput(
             "samples",
             f"LATENT of shape {list(samples.shape)} does not fit {model}'s VAE "
-            f"({family.name}: {expected}, {channels} channels, one frame); decode it with "
+            f"({family.name}: {expected}, {channels} channels{'' if video else ', one frame'}); decode it with "
             "the VAE of the model that made it",
+        )
+    if decode_over_ranks and frames > 1:
+        # Wan's VAE decodes a clip latent frame by latent frame, each 4 frames from the second on, which the tiles'
+        # shared decode (worker/vae_tiles.py) does not follow yet.
+        raise InvalidInput(
+            "decode_over_ranks",
+            f"a clip of {frames} latent frames does not decode over the ranks yet; turn decode_over_ranks off",
         )
     args = DecodeArgs(model=ref, device=device, dtype=resolve_dtype(dtype, spec), over_ranks=bool(decode_over_ranks))
     result = get_backend(spec).call(

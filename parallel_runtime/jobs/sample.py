@@ -14,6 +14,7 @@ from .. import families
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter, img2img_steps
+from ..families.base import image_tokens
 from ..samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
 from ..wire import CacheReport, DenoiseArgs, DenoiseResult, Sampling
 from .conditioning import read_positive, with_negative
@@ -65,6 +66,11 @@ def read_latent_image(handle: TransformerHandle, latent: Any) -> LatentImage:
     """A LATENT (ComfyUI's ``{"samples": ..., "noise_mask": ...}``) checked against the transformer's family: its
     layout and channels, a size of whole transformer tokens, finite values, a mask of the latent's aspect ratio."""
     family = handle.family
+    if not family.takes_latent_image:
+        raise InvalidInput(
+            "latent_image",
+            f"{family.name} makes clips from text only here (no video-to-video yet); unlink latent_image",
+        )
     samples = latent.get("samples") if isinstance(latent, dict) else None
     if not isinstance(samples, torch.Tensor):
         raise InvalidInput("latent_image", "is not a LATENT (no samples tensor); link a LATENT output")
@@ -142,6 +148,20 @@ def _read_sampler(handle: TransformerHandle, sampler: str, scheduler: str) -> tu
         raise InvalidInput(
             "scheduler", f"unknown scheduler {scheduler!r}; choose one of {', '.join(s.value for s in SCHEDULERS)}"
         ) from None
+    family = handle.family
+    if chosen not in family.samplers:
+        raise InvalidInput(
+            "sampler",
+            f"{chosen.value} does not run {family.name} (its model folders' scheduler config is not UniPC's); choose "
+            f"{' or '.join(s.value for s in family.samplers)}",
+        )
+    if chosen is Sampler.UNI_PC and schedule is not Scheduler.SIMPLE:
+        # UniPC's karras / exponential / beta sigmas come from its beta schedule, not from the flow sigmas.
+        raise InvalidInput(
+            "scheduler",
+            f"{schedule.value} replaces UniPC's flow sigmas with a schedule of another kind of model; choose simple "
+            "with uni_pc, or euler for this schedule",
+        )
     if SAMPLERS[chosen].step_noise and handle.plan.splits_batch:
         # diffusers' pipelines draw this noise for the whole batch from torch's global generator; a rank holding a
         # slice of the batch cannot draw its images' share of that stream.
@@ -158,6 +178,46 @@ def _read_sampler(handle: TransformerHandle, sampler: str, scheduler: str) -> tu
             "scipy in ComfyUI's Python, or choose simple, karras or exponential",
         )
     return chosen, schedule
+
+
+def _check_length(family: FamilyAdapter, length: int) -> None:
+    """A clip length the family's VAE makes: 4k + 1 frames for Wan (the first frame alone, then 4 per latent frame);
+    1 for an image family."""
+    step = family.latent.temporal_downscale
+    if step == 1:
+        if length != 1:
+            raise InvalidInput("length", f"{length} frames, but {family.name} makes images; set length to 1")
+        return
+    if length < 1 or (length - 1) % step:
+        lower = max(1, (length - 1) // step * step + 1)
+        raise InvalidInput(
+            "length",
+            f"{length} frames is not {step}k + 1 ({family.name}'s VAE keeps the first frame and then packs {step} "
+            f"frames into each latent frame); use {lower} or {lower + step}",
+        )
+
+
+def _check_guidance_scale_2(handle: TransformerHandle, guidance_scale_2: float, true_cfg_scale: float) -> None:
+    """``guidance_scale_2`` guides a second expert (Wan 2.2 A14B) and only where CFG is on; 0 leaves it unset."""
+    check_finite("guidance_scale_2", guidance_scale_2)
+    if guidance_scale_2 == 0:
+        return
+    if len(handle.family.transformer_subfolders(handle.spec.model.path)) < 2:
+        raise InvalidInput(
+            "guidance_scale_2",
+            f"{guidance_scale_2} guides a second expert (Wan 2.2 A14B), which {handle.spec.model.name} has not; "
+            "set it to 0",
+        )
+    if guidance_scale_2 < 1:
+        raise InvalidInput(
+            "guidance_scale_2", f"{guidance_scale_2} is below 1; use 0 (the same as true_cfg_scale), 1 or more"
+        )
+    if true_cfg_scale <= 1:
+        raise InvalidInput(
+            "guidance_scale_2",
+            f"{guidance_scale_2} guides the second expert's CFG, which true_cfg_scale {true_cfg_scale} turns off "
+            "for both experts; raise true_cfg_scale above 1, or set guidance_scale_2 to 0",
+        )
 
 
 def _mask_batch(latent_image: LatentImage) -> int:
@@ -181,6 +241,8 @@ def validate_sample(
     latent_size: tuple[int, int] | None = None,
     sampler: str = Sampler.EULER.value,
     scheduler: str = Scheduler.SIMPLE.value,
+    length: int = 1,
+    guidance_scale_2: float = 0.0,
 ) -> None:
     """Every check ParallelSampler can make before it runs. Without a ``conditioning`` (at validation), ``prompts``
     says how many prompts it will hold; None skips the checks that need to know. ``latent_linked``: a latent_image
@@ -216,6 +278,8 @@ def validate_sample(
         _check_size("height", height, family.pixels_per_token)
     if batch_size < 1:
         raise InvalidInput("batch_size", f"{batch_size} makes no images; use at least 1")
+    _check_length(family, length)
+    _check_guidance_scale_2(handle, guidance_scale_2, true_cfg_scale)
     check_finite("guidance_scale", guidance_scale)
     check_finite("true_cfg_scale", true_cfg_scale)
     if family.true_cfg and true_cfg_scale < 1:
@@ -281,15 +345,19 @@ def validate_sample(
     if plan.splits_tokens and not plan.anything and size_known:
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
-        image_tokens = (width // family.pixels_per_token) * (height // family.pixels_per_token)
-        if image_tokens % degree:
+        tokens = image_tokens(family, width, height, length)
+        if tokens % degree:
+            clip = f" × {length} frames" if length > 1 else ""
             raise InvalidInput(
                 "latent_image" if latent_linked or latent_image is not None else "width",
-                f"{width}×{height} makes {image_tokens} image tokens, which do not split over "
+                f"{width}×{height}{clip} makes {tokens} image tokens, which do not split over "
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
             )
-        for source, embeds in (_text_streams(family, conditioning, true_cfg_scale) if conditioning else {}).items():
+        # Wan's _cp_plan leaves the text whole (splits_text): only the video tokens must divide.
+        split_text = conditioning is not None and family.splits_text
+        text_streams = _text_streams(family, conditioning, true_cfg_scale) if split_text else {}
+        for source, embeds in text_streams.items():
             tokens = embeds.shape[1]
             if not tokens % degree:
                 continue
@@ -332,6 +400,8 @@ def sample(
     denoise: float = 1.0,
     sampler: str = Sampler.EULER.value,
     scheduler: str = Scheduler.SIMPLE.value,
+    length: int = 1,
+    guidance_scale_2: float = 0.0,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_cache_report: Callable[[CacheReport], None] | None = None,
@@ -347,7 +417,9 @@ def sample(
     From a ``latent_image`` (a LATENT of the family; its size replaces width and height), img2img as diffusers'
     img2img pipelines do it at strength ``denoise`` (``steps × denoise`` steps run, rounded up), and inpainting where
     its ``noise_mask`` is 1. ``sampler`` and ``scheduler`` pick the diffusers scheduler and its sigma schedule
-    (``samplers``; euler and simple are the family's own). With the transformer's step cache on,
+    (``samplers``; euler and simple are the family's own, uni_pc is Wan's). A video family makes clips of ``length``
+    frames (LATENT ``[B, C, frames, h, w]``); ``guidance_scale_2`` is Wan 2.2's second expert's CFG scale (0: the
+    same as ``true_cfg_scale``). With the transformer's step cache on,
     ``on_cache_report`` gets what it skipped (rank 0's passes). ``on_result`` gets the whole result: what compiling
     did, how data parallelism split the batch, the unequal devices that set the pace (``DenoiseResult.notes``).
 
@@ -377,6 +449,8 @@ def sample(
         latent_image=image,
         sampler=sampler,
         scheduler=scheduler,
+        length=length,
+        guidance_scale_2=guidance_scale_2,
     )
     chosen, schedule = _read_sampler(handle, sampler, scheduler)
     tensors = dict(conditioning.tensors)
@@ -397,6 +471,8 @@ def sample(
         denoise=denoise if image is not None else 1.0,
         sampler=chosen,
         scheduler=schedule,
+        frames=length,
+        guidance_scale_2=guidance_scale_2 or None,
     )
     result = get_backend(handle.backend).call(
         DenoiseArgs(transformer=handle.spec, sampling=sampling),

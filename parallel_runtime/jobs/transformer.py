@@ -18,6 +18,7 @@ from ..wire import (
     FP8_SCALE_SUFFIX,
     CacheMode,
     CompileMode,
+    ModelRef,
     StepCache,
     TransformerSpec,
     Weights,
@@ -95,6 +96,7 @@ def plan_transformer(
             f"{families.family(ref.family).name} has no true CFG (one transformer pass per step), so cfg_parallel "
             "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
         )
+    _check_experts(ref, plan, step_cache)
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(
@@ -142,6 +144,30 @@ def describe_weights(folder: str, dtype: str, weights: Weights, plan: StrategyPl
         f"weights: {_gib(int(total))} on {where}: {fp8 / (fp8 + other):.0%} of them stored in fp8, held as {held} "
         f"(weights: {weights.value}), computed in {dtype}"
     )
+
+
+def _check_experts(ref: ModelRef, plan: StrategyPlan, step_cache: StepCache) -> None:
+    """A model with several experts (Wan 2.2 A14B) has each one's folder, and runs what the pack can give both."""
+    family = families.family(ref.family)
+    subfolders = family.transformer_subfolders(ref.path)
+    for subfolder in subfolders[1:]:
+        if not os.path.isfile(os.path.join(ref.path, subfolder, "config.json")):
+            raise InvalidInput(
+                "model",
+                f"{ref.name} is {family.name} with two experts (model_index.json names {subfolder} or a "
+                f"boundary_ratio), but {subfolder}/ holds no model; copy the low-noise expert's folder there (from the "
+                "same Wan 2.2 download), or pick a Wan 2.1 model",
+            )
+    if len(subfolders) < 2:
+        return
+    if plan.shards_weights:
+        raise InvalidInput(
+            "strategy",
+            f"{ref.name} has two experts, which tensor_parallel does not load yet; use context_parallel, "
+            "cfg_parallel, data_parallel or device_map",
+        )
+    if step_cache.mode is not CacheMode.OFF:
+        raise InvalidInput("cache", f"{ref.name} has two experts, which the step cache does not cover yet; set off")
 
 
 def _step_cache(cache: str, threshold: float) -> StepCache:

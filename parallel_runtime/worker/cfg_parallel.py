@@ -1,12 +1,12 @@
 """CFG parallelism: true CFG's conditional and unconditional transformer passes on two halves of the ranks.
 
-A true-CFG pipeline (QwenImagePipeline) calls its transformer twice per step, inside ``cache_context("cond")`` and
-``cache_context("uncond")``, and combines the two predictions. Under ``cfg_parallel`` the first half of the ranks
-(the mesh's ``cfg`` coordinate 0) runs only the conditional pass and the second half only the unconditional one;
-each rank pairs with its twin in the other half (same context-parallel coordinates, so both hold the whole
-prediction after the ``_cp_plan``'s output gather) and one all-gather per step gives both ranks both predictions.
-The pipeline's own loop, scheduler and guidance arithmetic run unchanged on every rank, on identical tensors, so
-the ranks stay in step and the image equals the one-process one.
+A true-CFG pipeline (QwenImagePipeline, WanPipeline) calls its transformer twice per step, inside
+``cache_context("cond")`` and ``cache_context("uncond")``, and combines the two predictions. Under ``cfg_parallel``
+the first half of the ranks (the mesh's ``cfg`` coordinate 0) runs only the conditional pass and the second half only
+the unconditional one; each rank pairs with its twin in the other half (same context-parallel coordinates, so both
+hold the whole prediction after the ``_cp_plan``'s output gather) and one all-gather per step gives both ranks both
+predictions. The pipeline's own loop, scheduler and guidance arithmetic run unchanged on every rank, on identical
+tensors, so the ranks stay in step and the image equals the one-process one.
 
 This is a diffusers ``ModelHook`` on the transformer itself (outermost, so a context-parallel split never runs for a
 pass this rank skips), stateful so that diffusers hands it the cache context, which names the pass. The pipeline
@@ -73,8 +73,7 @@ class CfgParallelHook(ModelHook):
                 self._cond = output[0]
                 return output
             hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            # The prediction has the latents' tokens and proj_out's width (patch² × out_channels).
-            self._cond = hidden_states.new_empty((*hidden_states.shape[:-1], module.proj_out.out_features))
+            self._cond = _empty_prediction(module, hidden_states)
             return _output(kwargs, self._cond)
         if self._cond is None:
             raise RuntimeError("cfg_parallel: an unconditional pass without its conditional one")
@@ -94,6 +93,17 @@ class CfgParallelHook(ModelHook):
         self._cond = None
         self.state_manager.reset()
         return module
+
+
+def _empty_prediction(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of the prediction's shape for these latents: packed latents [B, tokens, C] give the
+    latents' tokens at proj_out's width (patch² × out_channels); a video transformer's [B, C, T, H, W] (Wan) gives
+    its own shape at the config's out_channels."""
+    if hidden_states.ndim == 5:
+        config = module.config
+        channels = config.out_channels or config.in_channels
+        return hidden_states.new_empty((hidden_states.shape[0], channels, *hidden_states.shape[2:]))
+    return hidden_states.new_empty((*hidden_states.shape[:-1], module.proj_out.out_features))
 
 
 def _output(kwargs: dict, sample: torch.Tensor) -> Any:

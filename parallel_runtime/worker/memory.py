@@ -24,6 +24,7 @@ import torch
 
 from ..estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, weights_share
 from ..families import FamilyAdapter
+from ..families.base import image_tokens
 from ..strategy import StrategyPlan
 from ..wire import FP8_SCALE_SUFFIX, Sampling
 from .diagnostics import memory_of
@@ -129,7 +130,7 @@ def step_activations(
     """Bytes of activations one denoising step holds on a rank at its peak (``estimates.activation_bytes``)."""
     with open(os.path.join(model_dir, "transformer", "config.json")) as f:
         config = json.load(f)
-    tokens = (sampling.width // family.pixels_per_token) * (sampling.height // family.pixels_per_token) + text_tokens
+    tokens = image_tokens(family, sampling.width, sampling.height, sampling.frames) + text_tokens
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     return activation_bytes(plan, hidden_size(config), tokens, images, dtype.itemsize)
 
@@ -154,19 +155,23 @@ def check_denoise(
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     weights = 0
     if loads_weights:
-        weights = weight_bytes_in(os.path.join(model_dir, "transformer"), dtype, fp8_as_stored) * weights_share(plan)
+        # Every expert of a model with several (Wan 2.2 A14B) stays resident: the step switches between them.
+        experts = family.transformer_subfolders(model_dir)
+        held = sum(weight_bytes_in(os.path.join(model_dir, subfolder), dtype, fp8_as_stored) for subfolder in experts)
+        weights = held * weights_share(plan)
     free, sharing = _free(device, local_ranks if plan.spmd else 1)
     need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
     if need > have:
         split = f" (its tokens split over {plan.cp_degree} ranks)" if plan.splits_tokens else ""
         plus = f", plus {_gib(weights)} of weights" if weights else ""
         where = f"the {sharing} ranks on this machine's memory have" if sharing > 1 else f"{device} has"
-        size = f"{sampling.width}×{sampling.height} × {images} image(s)"
+        clip = f" × {sampling.frames} frames" if sampling.frames > 1 else ""
+        size = f"{sampling.width}×{sampling.height}{clip} × {images} image(s)"
         raise WidgetError(
             "width",
             f"{size} needs about {_gib(activations)} of activations per rank for {family.name} "
             f"under {plan.strategy.value}{split}{plus}; {where} {_gib(free)} free. Use a smaller "
-            "width and height or batch_size, context_parallel over more ranks (it splits the "
+            "width and height, length or batch_size, context_parallel over more ranks (it splits the "
             "activations), or free memory",
         )
     return Estimate(activations, int(weights))

@@ -22,6 +22,7 @@ import torch
 from ..arena import TORCH_DTYPES
 from ..families import IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
 from ..wire import (
+    CacheMode,
     DecodeArgs,
     DecodeResult,
     DenoiseArgs,
@@ -218,7 +219,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         key = ModelKey(
             spec.model.name, "transformer", plan.describe() + compiled.placement(spec.compile), _held_as(spec)
         )
-        load = functools.partial(
+        load_one = functools.partial(
             strategies.load_transformer,
             adapter.transformer_class(),
             spec.model.path,
@@ -226,6 +227,13 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             ctx.device,
             plan,
             spec.weights,
+        )
+    subfolders = adapter.transformer_subfolders(spec.model.path)
+    if len(subfolders) > 1 and (spec.loras or spec.cache.mode is not CacheMode.OFF):
+        raise WidgetError(
+            "lora" if spec.loras else "cache",
+            f"{spec.model.name} has two experts ({', '.join(subfolders)}); LoRAs and the step cache are not applied "
+            "to two experts yet: remove them",
         )
     if plan.cfg_degree > 1 and not ((sampling.true_cfg_scale or 1) > 1 and "negative_prompt_embeds" in tensors):
         raise OpError("true_cfg_scale: cfg_parallel needs true CFG (true_cfg_scale > 1 and a negative prompt)")
@@ -253,14 +261,16 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     _auto_room(ctx, key, lambda: need, ctx.device, ctx.local_world_size if plan.spmd else 1)
     ctx.progress(0, steps, "loading transformer")
     if plan.spmd:
-        transformer = _load_together(ctx, models, key, load)
+        loaded = _load_together(ctx, models, key, lambda: Experts.load(load_one, subfolders))
     else:
         if models.make_room(key) and spec.max_memory is None and ctx.device.type == "cuda":
             flush(ctx.device)  # what staged just freed counts as free for the budget
             budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate.activations)
             placement = dataclasses.replace(placement, max_memory=budget)
             ctx.state["budget_note"] = memory.describe_budget(budget)
-        transformer = models.get(key, functools.partial(_load_placed, adapter, spec, dtype, placement))
+        load_placed = functools.partial(_load_placed, adapter, spec, dtype, placement)
+        loaded = models.get(key, lambda: Experts.load(load_placed, subfolders))
+    transformer, experts = (loaded.first, loaded.others()) if isinstance(loaded, Experts) else (loaded, {})
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
     lora.apply_loras(ctx, transformer, spec, adapter)
 
@@ -288,6 +298,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             mine,
             on_step=_on_step(ctx, clock),
             **{name: _my_images(image, batch_size, start, count) for name, image in images.items()},
+            **experts,
         )
     cache = ctx.state["last_cache"] = record.report() if record is not None else None
     ctx.state["last_passes"] = passes[0]
@@ -314,15 +325,50 @@ def _held_as(spec: TransformerSpec) -> str:
 
 
 def _load_placed(
-    adapter: FamilyAdapter, spec: TransformerSpec, dtype: torch.dtype, placement: Placement
+    adapter: FamilyAdapter,
+    spec: TransformerSpec,
+    dtype: torch.dtype,
+    placement: Placement,
+    subfolder: str = "transformer",
 ) -> torch.nn.Module:
-    """device_map's transformer: placed by diffusers (its fp8 weights cast to ``dtype`` on the way, as the plan of
-    where the layers go assumes), then its fp8 weights held as ``spec.weights`` says."""
-    transformer = adapter.load_transformer(spec.model.path, dtype, placement)
-    files = fp8_files(spec.model.path)
+    """device_map's transformer (in ``subfolder``: Wan 2.2's second expert is another): placed by diffusers (its fp8
+    weights cast to ``dtype`` on the way, as the plan of where the layers go assumes), then its fp8 weights held as
+    ``spec.weights`` says."""
+    transformer = adapter.load_transformer(spec.model.path, dtype, placement, subfolder)
+    files = fp8_files(spec.model.path, subfolder)
     if files:
         fp8_weights.hold_loaded(transformer, files, dtype, spec.weights is Weights.AS_STORED)
     return transformer
+
+
+@dataclasses.dataclass
+class Experts:
+    """A model's transformers when it has several (Wan 2.2 A14B's high- and low-noise experts), resident together as
+    one transformer: each loaded and split by the same strategy, the first the one LoRAs, hooks and progress see.
+    ``components`` names them as a pipeline's, which is how the resident models count their parameters."""
+
+    components: dict[str, torch.nn.Module]
+
+    @classmethod
+    def load(cls, load: Callable[..., torch.nn.Module], subfolders: tuple[str, ...]) -> torch.nn.Module | Experts:
+        """``load(subfolder=...)`` of each subfolder: the transformer itself when there is one."""
+        if subfolders == ("transformer",):
+            return load()
+        return cls({subfolder: load(subfolder=subfolder) for subfolder in subfolders})
+
+    def __getattr__(self, name: str) -> torch.nn.Module:
+        try:
+            return self.components[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def first(self) -> torch.nn.Module:
+        return next(iter(self.components.values()))
+
+    def others(self) -> dict[str, torch.nn.Module]:
+        """The experts after the first, by the keyword the family's ``denoise`` takes them under (their subfolder)."""
+        return dict(list(self.components.items())[1:])
 
 
 def _my_images(image: torch.Tensor, batch_size: int, start: int, count: int) -> torch.Tensor:

@@ -102,26 +102,30 @@ def load_transformer(
     device: torch.device,
     plan: StrategyPlan,
     weights: Weights = Weights.AS_STORED,
+    subfolder: str = "transformer",
 ) -> torch.nn.Module:
-    """This rank's ``cls`` transformer for ``plan`` (collective: every rank calls it together), built axis by axis on
-    the plan's one mesh: the weights' slices, then the tokens' split, then true CFG's passes. A folder's fp8 weights
-    are held as ``weights`` says (``worker/fp8_weights.py``)."""
+    """This rank's ``cls`` transformer (in ``subfolder``: Wan 2.2's second expert is another) for ``plan``
+    (collective: every rank calls it together), built axis by axis on the plan's one mesh: the weights' slices, then
+    the tokens' split, then true CFG's passes. A folder's fp8 weights are held as ``weights`` says
+    (``worker/fp8_weights.py``)."""
     mesh = device_mesh(device.type, plan.mesh_shape, plan.mesh_dim_names) if plan.mesh_dim_names else None
     as_stored = weights is Weights.AS_STORED
     if plan.shards_weights:
         # Each rank reads only its slice of every planned weight, into the tensor it keeps: no rank ever holds the
         # whole model, not even while loading.
+        if subfolder != "transformer":
+            raise WidgetError("strategy", f"tensor_parallel does not load a second expert ({subfolder}) yet")
         transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], as_stored)
-    elif fp8_files(model_dir):
+    elif fp8_files(model_dir, subfolder):
         # from_pretrained would cast every fp8 weight to ``dtype`` (the whole model in it at once) and ignore the
         # scales: the same reader as tensor parallelism's, for the whole model.
-        transformer = load_tensor_parallel(cls, model_dir, dtype, device, None, as_stored)
+        transformer = load_tensor_parallel(cls, model_dir, dtype, device, None, as_stored, subfolder)
     else:
         # Each tensor goes to the rank's device as it is read: loading on the host and moving afterwards would hold
         # the whole model in every rank's host memory at once (N × 24 GB for FLUX.1-dev on N GPUs when its dtype
         # changes).
         transformer = cls.from_pretrained(
-            model_dir, subfolder="transformer", dtype=dtype, use_safetensors=True, device_map={"": str(device)}
+            model_dir, subfolder=subfolder, dtype=dtype, use_safetensors=True, device_map={"": str(device)}
         )
     if plan.splits_tokens:
         # `from_pretrained(parallel_config=ContextParallelConfig(...))` fails in diffusers 0.42.1; the split lives in

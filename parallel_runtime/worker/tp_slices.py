@@ -41,11 +41,12 @@ from . import fp8_weights
 from .ops import OpError, WidgetError
 
 
-def weight_files(model_dir: str) -> list[str]:
-    """The transformer's safetensors files in ``model_dir``: the shards its index lists, or its one file."""
+def weight_files(model_dir: str, subfolder: str = "transformer") -> list[str]:
+    """A transformer's safetensors files in ``model_dir`` (its ``subfolder``): the shards its index lists, or its one
+    file."""
     from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
 
-    folder = os.path.join(model_dir, "transformer")
+    folder = os.path.join(model_dir, subfolder)
     index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
     if os.path.isfile(index):
         with open(index) as f:
@@ -139,10 +140,10 @@ def split_heads(model: torch.nn.Module, plan: TensorParallelPlan, mesh: DeviceMe
             attention.heads //= mesh.size()
 
 
-def fp8_files(model_dir: str) -> list[str]:
-    """The transformer's safetensors files when they store fp8 weights (which the pack's reader loads), else []."""
+def fp8_files(model_dir: str, subfolder: str = "transformer") -> list[str]:
+    """A transformer's safetensors files when they store fp8 weights (which the pack's reader loads), else []."""
     try:
-        files = weight_files(model_dir)
+        files = weight_files(model_dir, subfolder)
     except OpError:  # no safetensors (a .bin folder): no fp8 either
         return []
     return files if fp8_weights.stored_fp8(files) else []
@@ -178,6 +179,7 @@ def load_tensor_parallel(
     device: torch.device,
     mesh: DeviceMesh | None,
     fp8_as_stored: bool = False,
+    subfolder: str = "transformer",
 ) -> torch.nn.Module:
     """This rank's ``cls`` transformer from ``model_dir``, sharded over ``mesh`` by the class's tensor-parallel plan
     (``families.tp_plan``; collective only where diffusers' forward hooks and the plan's head norms are: every rank of
@@ -194,7 +196,7 @@ def load_tensor_parallel(
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    config = cls.load_config(model_dir, subfolder="transformer")
+    config = cls.load_config(model_dir, subfolder=subfolder)
     if config.get("quantization_config") is not None:
         # What from_pretrained refuses too: a quantizer's packed layout cannot be cut into DTensor slices.
         raise OpError(
@@ -202,7 +204,7 @@ def load_tensor_parallel(
             "config.json), which tensor parallelism cannot shard; use an unquantized (bf16 / fp16) folder, or "
             "another strategy"
         )
-    files = weight_files(model_dir)
+    files = weight_files(model_dir, subfolder)
     scales = fp8_weights.read_scales(files)
 
     # As from_pretrained builds it: on the meta device, under the run dtype, no initialisation run.

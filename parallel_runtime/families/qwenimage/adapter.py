@@ -30,6 +30,7 @@ from ..base import (
     expand_batch,
     generators,
     image_pipeline,
+    latent_statistics,
     load_placed,
     scheduler_for,
     step_callback,
@@ -119,10 +120,7 @@ class QwenImage(FamilyAdapter):
             raise ValueError(f"Qwen-Image needs at least {self.min_steps} steps, got {sampling.steps}.")
         true_cfg_scale = sampling.true_cfg_scale or 1.0
         do_true_cfg = true_cfg_scale > 1 and "negative_prompt_embeds" in embeds
-        vae_config = AutoencoderKLQwenImage.load_config(model_dir, subfolder="vae")
-        channels = vae_config["z_dim"]
-        mean = torch.tensor(vae_config["latents_mean"]).view(1, channels, 1, 1, 1)
-        inverse_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, channels, 1, 1, 1)
+        mean, inverse_std = latent_statistics(AutoencoderKLQwenImage.load_config(model_dir, subfolder="vae"))
         image = None
         if latent_image is not None:
             # Normalised (ComfyUI's LATENT is not) and 4-D, the frame dropped: the pipelines' image processor passes

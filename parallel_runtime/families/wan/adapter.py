@@ -1,0 +1,202 @@
+"""Wan: ``WanPipeline`` text-to-video — Wan 2.1 (one transformer) and Wan 2.2 A14B (two experts: ``transformer`` for
+high noise, ``transformer_2`` for low noise, switched per step at ``boundary_ratio`` × 1000) — with a UMT5 text
+encoder and Wan 2.1's video VAE (``AutoencoderKLWan``).
+
+Between the stages travel ComfyUI's types:
+
+- embeddings: ``prompt_embeds`` [B, max_sequence_length, hidden], and ``negative_prompt_embeds`` for CFG, on the CPU.
+  Wan has no text mask: the pipeline zero-pads every prompt to ``max_sequence_length`` and the transformer attends to
+  the padding, so the video depends on that length; the embeddings are padded exactly as the pipeline pads them;
+- LATENT samples: [B, 16, T, H/8, W/8] with T = (frames - 1) / 4 + 1, the VAE's own (un-normalised) latents:
+  ComfyUI's ``latent_formats.Wan21`` normalises inside the model, not in the LATENT;
+- IMAGE: a clip's frames, [B·frames, H, W, 3] float32 in 0..1 (clip by clip), which ComfyUI's video nodes take.
+
+Wan's CFG is real classifier-free guidance (two transformer passes per step against the negative prompt): the pack's
+true CFG, so ParallelSampler's ``true_cfg_scale`` is the pipeline's ``guidance_scale`` and ``cfg_parallel`` splits its
+passes; Wan 2.2's ``guidance_scale_2`` guides the second expert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, ClassVar
+
+import torch
+
+from ...samplers import Sampler
+from ...wire import Prompts, Sampling
+from ..base import (
+    FamilyAdapter,
+    LatentLayout,
+    OnStep,
+    Placement,
+    check_size,
+    comfy_image,
+    expand_batch,
+    generators,
+    latent_statistics,
+    load_placed,
+    scheduler_for,
+    step_callback,
+)
+
+SECOND_EXPERT = "transformer_2"  # Wan 2.2 A14B's low-noise expert: its subfolder and the pipeline's argument
+
+
+def pipeline_config(model_dir: str) -> dict:
+    """The folder's ``model_index.json``: its components and the pipeline's config (``boundary_ratio``, ...)."""
+    with open(os.path.join(model_dir, "model_index.json")) as f:
+        return json.load(f)
+
+
+def has_second_expert(config: dict) -> bool:
+    """``model_index.json`` names a second expert (Wan 2.2 A14B), whose ``boundary_ratio`` switches to it."""
+    return config.get("boundary_ratio") is not None or (config.get(SECOND_EXPERT) or [None])[0] is not None
+
+
+class Wan(FamilyAdapter):
+    key = "wan"
+    name = "Wan"
+    pipeline = "WanPipeline"
+    max_sequence_length = 512  # WanPipeline's default; it pads every prompt to the length it is given
+    pads_text = True
+    true_cfg = True
+    splits_text = False  # Wan's _cp_plan splits only the video tokens; the text stays whole on every rank
+    takes_latent_image = False  # text-to-video only (WanVideoToVideoPipeline is not wired)
+    latent = LatentLayout(ndims=(5,), vae_channels_key="z_dim", temporal_downscale=4)
+    # uni_pc is the pipeline's own (what a video equal to WanPipeline's needs); euler and lcm run with the folder's
+    # flow_shift as their shift.
+    samplers = (Sampler.UNI_PC, Sampler.EULER, Sampler.LCM)
+    block_lists: ClassVar[dict[str, str]] = {"num_layers": "blocks"}
+
+    def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
+        from diffusers import WanPipeline
+
+        return load_placed(
+            WanPipeline,
+            model_dir,
+            dtype,
+            placement,
+            "Wan text encoder",
+            transformer=None,
+            transformer_2=None,
+            vae=None,
+        )
+
+    @torch.no_grad()
+    def encode(self, pipe: Any, prompts: Prompts) -> dict[str, torch.Tensor]:
+        """The prompts and, for CFG, the negative prompts ("" is a valid, empty one), each padded with zeros to
+        ``max_sequence_length`` as the pipeline pads them."""
+        if prompts.prompts_2 is not None:
+            raise ValueError("Wan has one text encoder; prompt_2 has nothing to feed.")
+
+        def encoded(texts: tuple[str, ...]) -> torch.Tensor:
+            embeds, _ = pipe.encode_prompt(
+                prompt=list(texts), do_classifier_free_guidance=False, max_sequence_length=prompts.max_sequence_length
+            )
+            return embeds.cpu()
+
+        out = {"prompt_embeds": encoded(prompts.prompts)}
+        negative = prompts.negative_prompts
+        if negative is not None:
+            if len(negative) != len(prompts.prompts):
+                raise ValueError(
+                    f"{len(negative)} negative prompts for {len(prompts.prompts)} prompts; give one per prompt."
+                )
+            out["negative_prompt_embeds"] = encoded(negative)
+        return out
+
+    def transformer_class(self) -> type:
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel
+
+    def transformer_subfolders(self, model_dir: str) -> tuple[str, ...]:
+        return ("transformer", SECOND_EXPERT) if has_second_expert(pipeline_config(model_dir)) else ("transformer",)
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        model_dir: str,
+        transformer: torch.nn.Module,
+        embeds: dict[str, torch.Tensor],
+        sampling: Sampling,
+        on_step: OnStep | None = None,
+        *,
+        latent_image: torch.Tensor | None = None,
+        noise_mask: torch.Tensor | None = None,
+        transformer_2: torch.nn.Module | None = None,
+    ) -> torch.Tensor:
+        """LATENT samples [batch_size, 16, (frames - 1) / 4 + 1, height/8, width/8]. CFG runs when
+        ``true_cfg_scale`` > 1 and the embeddings hold negative ones: two passes per step, at ``true_cfg_scale`` for
+        the first expert and ``guidance_scale_2`` (default: the same) for Wan 2.2's second, ``transformer_2``, which
+        a Wan 2.2 A14B folder needs. ``guidance_scale`` (FLUX's distilled guidance) is not Wan's."""
+        from diffusers import AutoencoderKLWan, WanPipeline
+
+        if latent_image is not None or noise_mask is not None:
+            raise ValueError("Wan runs text-to-video only; it takes no latent_image.")
+        check_size(self, sampling)
+        config = pipeline_config(model_dir)
+        if config.get("expand_timesteps"):
+            raise ValueError("Wan 2.2 TI2V-5B (expand_timesteps) is not supported yet; use Wan 2.1 or Wan 2.2 A14B.")
+        boundary_ratio = config.get("boundary_ratio")
+        if has_second_expert(config) and transformer_2 is None:
+            raise ValueError(f"{model_dir} is Wan 2.2 A14B, whose second expert ({SECOND_EXPERT}) was not loaded.")
+        cfg_scale = sampling.true_cfg_scale or 1.0
+        do_cfg = cfg_scale > 1 and "negative_prompt_embeds" in embeds
+        pipe = WanPipeline(
+            tokenizer=None,
+            text_encoder=None,
+            vae=None,
+            scheduler=scheduler_for(model_dir, sampling),
+            transformer=transformer,
+            transformer_2=transformer_2,
+            boundary_ratio=boundary_ratio,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        device = pipe._execution_device
+        batch = expand_batch(embeds, sampling.batch_size)
+        names = ["prompt_embeds", "negative_prompt_embeds"] if do_cfg else ["prompt_embeds"]
+        conditioning = {name: batch[name].to(device=device, dtype=transformer.dtype) for name in names}
+        second = {}
+        if boundary_ratio is not None:
+            second["guidance_scale_2"] = sampling.guidance_scale_2 if do_cfg else None
+        latents = pipe(
+            **conditioning,
+            # CFG off is the pipeline's guidance_scale 1 (> 1 would make it encode a negative prompt itself).
+            guidance_scale=cfg_scale if do_cfg else 1.0,
+            **second,
+            num_inference_steps=sampling.steps,
+            height=sampling.height,
+            width=sampling.width,
+            num_frames=sampling.frames,
+            max_sequence_length=batch["prompt_embeds"].shape[1],
+            generator=generators(sampling.seed, sampling.batch_size),
+            output_type="latent",
+            callback_on_step_end=step_callback(on_step),
+        ).frames
+        # What WanPipeline does before `vae.decode`, without the VAE's weights: undo the per-channel normalisation,
+        # in float32 (ComfyUI's LATENT dtype) even for a bf16 transformer.
+        mean, inverse_std = latent_statistics(AutoencoderKLWan.load_config(model_dir, subfolder="vae"))
+        return latents.float().cpu() / inverse_std + mean
+
+    def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+        from diffusers import AutoencoderKLWan
+
+        return load_placed(AutoencoderKLWan, model_dir, dtype, Placement(device), "Wan VAE", subfolder="vae")
+
+    @torch.no_grad()
+    def decode(self, vae: torch.nn.Module, samples: torch.Tensor) -> torch.Tensor:
+        """LATENT samples [B, C, T, h, w] (un-normalised) to the clips' frames, an IMAGE [B·frames, H, W, 3]."""
+        if samples.ndim != 5:
+            raise ValueError(f"Wan LATENTs are [B, C, frames, h, w]; got {list(samples.shape)}.")
+        video = vae.decode(samples.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0]
+        return comfy_image(video.transpose(1, 2).flatten(0, 1))
+
+    @torch.no_grad()
+    def encode_image(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        raise ValueError("Wan runs text-to-video only; VAEEncodeSingleGPU has no Wan latent to make yet.")
+
+    def decoder_channels(self, vae_config: dict) -> int:
+        return vae_config["base_dim"]  # Wan 2.1's VAE: base_dim × dim_mult per level, the first level at × 1

@@ -1,0 +1,92 @@
+"""Wan's tiny builders: a random-weight ``WanPipeline`` folder (``make_tiny_model``) of Wan 2.1 (one transformer) or,
+with ``two_experts``, of Wan 2.2 A14B (a second expert ``transformer_2`` and the pipeline's ``boundary_ratio``).
+
+The tiny pipeline: a UMT5 encoder with the shared tiny T5 tokenizer (UMT5 reads T5's vocabulary format), transformers
+with 4 heads of 8 (so context parallelism splits heads and tokens over 2 or 4 ranks), Wan 2.1's video VAE with its real
+per-channel latents mean / std and 4x temporal, 8x spatial compression, and the scheduler of Wan's diffusers folders
+(UniPC with flow sigmas).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from transformers import UMT5Config, UMT5EncoderModel
+
+from ..tiny import t5_tokenizer
+
+# Wan 2.1's diffusers folders' scheduler (Wan-AI/Wan2.1-T2V-*-Diffusers), flow_shift 3 as their 480p default.
+SCHEDULER = {
+    "num_train_timesteps": 1000,
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "flow_shift": 3.0,
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "predict_x0": True,
+    "lower_order_final": True,
+    "final_sigmas_type": "zero",
+}
+BOUNDARY_RATIO = 0.875  # Wan 2.2 A14B T2V's: the high-noise expert runs while t >= 875
+TEXT_WIDTH = 32
+
+
+def _transformer() -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=8,  # rope: 4 temporal, 2 height, 2 width
+        in_channels=16,
+        out_channels=16,
+        text_dim=TEXT_WIDTH,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=64,
+    )
+
+
+def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False) -> str:
+    """Build a tiny Wan 2.1 ``WanPipeline`` in ``out_dir``; with ``two_experts``, Wan 2.2 A14B's layout (a second,
+    differently initialised expert in ``transformer_2`` and ``boundary_ratio`` in model_index.json)."""
+    tokenizer = t5_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer),
+                d_model=TEXT_WIDTH,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=16,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=tokenizer.pad_token_id,
+            )
+        )
+        transformer = _transformer()
+        transformer_2 = _transformer() if two_experts else None
+        # The real per-channel latents_mean / latents_std (the defaults): a normalisation a wrong LATENT shows.
+        vae = AutoencoderKLWan(
+            base_dim=4,
+            z_dim=16,
+            dim_mult=[1, 2, 4, 4],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],  # 4x in time, 8x in space
+        )
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(**SCHEDULER),
+        transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=BOUNDARY_RATIO if two_experts else None,
+    )
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    return os.fspath(out_dir)

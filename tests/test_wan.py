@@ -1,0 +1,236 @@
+"""The Wan family (text-to-video, Wan 2.1 and Wan 2.2 A14B's two experts): the adapter's staged path against
+diffusers' one-shot ``WanPipeline`` in one process, its LATENT against ComfyUI's Wan 2.1 convention, the sampler's
+video widgets refused by name before anything loads, and the strategies on real CPU ranks against the one-shot
+pipeline (fp32, ≤ 1e-4). Tiny models: 4 heads, 5 frames (2 latent frames) of 48×32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import WAN_CLIP, wan_one_shot
+
+from parallel_runtime import InvalidInput, default_spec, jobs
+from parallel_runtime.families import Placement
+from parallel_runtime.families import family as family_adapter
+from parallel_runtime.families.wan.tiny import make_tiny_model
+from parallel_runtime.samplers import Sampler
+from parallel_runtime.wire import Prompts, Sampling
+
+wan = family_adapter("wan")
+PROMPT, NEGATIVE, CFG = WAN_CLIP["prompt"], WAN_CLIP["negative_prompt"], WAN_CLIP["guidance_scale"]
+WIDTH, HEIGHT, FRAMES = WAN_CLIP["width"], WAN_CLIP["height"], WAN_CLIP["num_frames"]
+STEPS, TOKENS = WAN_CLIP["num_inference_steps"], WAN_CLIP["max_sequence_length"]
+CFG_2 = 3.0
+CPU = Placement("cpu")
+MODELS = {"wan21": "tiny-wan21", "wan22": "tiny-wan22"}  # Wan 2.2 A14B: two experts
+
+
+@pytest.fixture(scope="module")
+def wan_dir(models_root):
+    """The module's model folder with a tiny Wan 2.1 and a tiny Wan 2.2 A14B."""
+    make_tiny_model(str(models_root / MODELS["wan21"]), 0)
+    make_tiny_model(str(models_root / MODELS["wan22"]), 0, two_experts=True)
+    return models_root
+
+
+def one_shot(
+    folder, seed: int = 3, batch_size: int = 1, guidance_scale_2: float | None = None, output_type: str = "pt"
+) -> torch.Tensor:
+    """WanPipeline's clips as an IMAGE [B·frames, H, W, 3] (with ``output_type="latent"``: its latents)."""
+    second = {"guidance_scale_2": guidance_scale_2} if guidance_scale_2 is not None else {}
+    frames = wan_one_shot(folder, seed, batch_size, output_type, **second)
+    return frames if output_type == "latent" else frames.permute(0, 1, 3, 4, 2).flatten(0, 1)
+
+
+# -- the adapter in one process ---------------------------------------------------------------------------------
+def staged(folder, seed: int = 3, experts: dict | None = None, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LATENT, IMAGE) through the adapter's stages: encode, denoise, decode."""
+    text = wan.load_text_encoders(str(folder), torch.float32, CPU)
+    embeds = wan.encode(text, Prompts((PROMPT,), negative_prompts=(NEGATIVE,), max_sequence_length=TOKENS))
+    subfolders = wan.transformer_subfolders(str(folder))
+    loaded = [wan.load_transformer(str(folder), torch.float32, CPU, subfolder) for subfolder in subfolders]
+    sampling = Sampling(
+        **{
+            "seed": seed,
+            "steps": STEPS,
+            "guidance_scale": 1.0,
+            "width": WIDTH,
+            "height": HEIGHT,
+            "true_cfg_scale": CFG,
+            "sampler": Sampler.UNI_PC,
+            "frames": FRAMES,
+            **overrides,
+        }
+    )
+    experts = experts if experts is not None else dict(zip(subfolders[1:], loaded[1:]))
+    latent = wan.denoise(str(folder), loaded[0], embeds, sampling, **experts)
+    return latent, wan.decode(wan.load_vae(str(folder), torch.float32, "cpu"), latent)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_staged_equals_one_shot(wan_dir, name):
+    """The staged clip is WanPipeline's, frame for frame; its LATENT is ComfyUI's Wan 2.1 one: [B, 16, T, h, w]."""
+    folder = wan_dir / MODELS[name]
+    latent, frames = staged(folder, guidance_scale_2=CFG_2 if name == "wan22" else None)
+    assert latent.shape == (1, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8) and latent.dtype == torch.float32
+    assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3)
+    diff = (frames - one_shot(folder, guidance_scale_2=CFG_2 if name == "wan22" else None)).abs().max().item()
+    print(f"{name}: staged vs one-shot max |diff| {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def test_two_experts_switch_at_the_boundary(wan_dir):
+    """Wan 2.2's second expert runs the low-noise steps with its own guidance: with the first expert in its place,
+    or guidance_scale_2 changed, the clip changes."""
+    folder = wan_dir / MODELS["wan22"]
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["boundary_ratio"] == 0.875 and index["transformer_2"][1] == "WanTransformer3DModel"
+    latent = staged(folder)[0]
+    first = wan.load_transformer(str(folder), torch.float32, CPU)
+    assert (latent - staged(folder, experts={"transformer_2": first})[0]).abs().max() > 1e-3
+    assert (latent - staged(folder, guidance_scale_2=CFG_2)[0]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="transformer_2"):
+        staged(folder, experts={})
+
+
+def test_latent_decodes_as_comfyui_decodes_it(wan_dir):
+    """ComfyUI's VAEDecode for Wan 2.1's VAE: the LATENT as it is (``Wan21.process_out`` ran in the sampler), clamp
+    ((x + 1) / 2), frames folded into the batch clip by clip; and the LATENT is the pipeline's latents
+    un-normalised by the VAE's per-channel mean and std."""
+    folder = wan_dir / MODELS["wan21"]
+    latent, frames = staged(folder)
+    vae = wan.load_vae(str(folder), torch.float32, "cpu")
+    with torch.no_grad():
+        raw = vae.decode(latent).sample
+    comfy = torch.clamp((raw + 1.0) / 2.0, 0.0, 1.0).movedim(1, -1)
+    assert (frames - comfy.reshape(-1, HEIGHT, WIDTH, 3)).abs().max().item() <= 1e-6
+    # ComfyUI's latent_formats.Wan21.process_in, which its Wan model applies to the LATENT: the pipeline's latents.
+    mean = torch.tensor(vae.config.latents_mean).view(1, 16, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, 16, 1, 1, 1)
+    pipeline_latents = one_shot(folder, output_type="latent")
+    assert ((latent - mean) / std - pipeline_latents).abs().max().item() <= 1e-5
+    assert (latent - pipeline_latents).abs().max().item() > 0.1  # the normalisation is not the identity
+
+
+# -- the widgets, before anything loads ------------------------------------------------------------------------
+def backend(ranks: int = 2):
+    return default_spec(ranks=ranks, device="cpu", memory_policy="staged")
+
+
+def _validate(name: str, strategy: str = "device_map", **widgets) -> None:
+    transformer = jobs.plan_transformer(backend(), model=MODELS[name], strategy=strategy)
+    args = {"steps": STEPS, "width": WIDTH, "height": HEIGHT, "batch_size": 1, "true_cfg_scale": CFG}
+    jobs.validate_sample(transformer, None, **{**args, "sampler": "uni_pc", "length": FRAMES, **widgets})
+
+
+@pytest.mark.parametrize(
+    "widget, call, hint",
+    [
+        ("length", lambda: _validate("wan21", length=6), "use 5 or 9"),
+        ("length", lambda: _validate("wan21", length=0), "4k \\+ 1"),
+        ("width", lambda: _validate("wan21", width=40), "multiple of 16"),
+        ("height", lambda: _validate("wan21", height=24), "multiple of 16"),
+        ("guidance_scale_2", lambda: _validate("wan21", guidance_scale_2=3.0), "second expert"),
+        ("guidance_scale_2", lambda: _validate("wan22", guidance_scale_2=3.0, true_cfg_scale=1.0), "true_cfg_scale"),
+        ("scheduler", lambda: _validate("wan21", scheduler="karras"), "choose simple"),
+        ("cache", lambda: jobs.plan_transformer(backend(), model=MODELS["wan22"], cache="taylorseer"), "two experts"),
+        (
+            "width",
+            lambda: _validate("wan21", "context_parallel", width=48, height=48, length=1),
+            "do not split over 2",
+        ),
+    ],
+)
+def test_video_widgets_fail_before_anything_runs(wan_dir, widget, call, hint):
+    with pytest.raises(InvalidInput, match=hint) as info:
+        call()
+    assert info.value.widget == widget
+
+
+def test_a_clip_is_not_decoded_over_the_ranks_yet(wan_dir):
+    with pytest.raises(InvalidInput, match="latent frames does not decode over the ranks") as info:
+        jobs.decode(backend(), model=MODELS["wan21"], samples=torch.zeros(1, 16, 2, 4, 6), decode_over_ranks=True)
+    assert info.value.widget == "decode_over_ranks"
+
+
+def test_a_wan22_folder_without_its_second_expert_is_refused(wan_dir, tmp_path):
+    """model_index.json names transformer_2, its folder is gone: LoadShardedTransformer refuses the model."""
+    import shutil
+
+    broken = wan_dir / "tiny-wan22-no-expert"
+    shutil.copytree(wan_dir / MODELS["wan22"], broken)
+    shutil.rmtree(broken / "transformer_2")
+    with pytest.raises(InvalidInput, match="transformer_2/ holds no model") as info:
+        jobs.plan_transformer(backend(), model=broken.name)
+    assert info.value.widget == "model"
+
+
+# -- the strategies on real ranks -----------------------------------------------------------------------------
+def generate(name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, **strategy_args) -> torch.Tensor:
+    """The clips' frames of ``name`` under ``strategy`` through the nodes' steps."""
+    spec = backend(ranks)
+    model = MODELS[name]
+    positive = jobs.encode_prompt(
+        spec, model=model, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
+    )
+    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=3,
+        steps=STEPS,
+        guidance_scale=1.0,
+        true_cfg_scale=CFG,
+        width=WIDTH,
+        height=HEIGHT,
+        batch_size=batch_size,
+        sampler="uni_pc",
+        length=FRAMES,
+        guidance_scale_2=CFG_2 if name == "wan22" else 0.0,
+    )
+    assert latent.shape == (batch_size, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
+    return jobs.decode(spec, model=model, samples=latent)
+
+
+def check(
+    wan_dir, name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, tolerance: float = 1e-4, **args
+) -> None:
+    frames = generate(name, strategy, batch_size=batch_size, ranks=ranks, **args)
+    second = CFG_2 if name == "wan22" else None
+    reference = one_shot(wan_dir / MODELS[name], batch_size=batch_size, guidance_scale_2=second)
+    assert frames.shape == reference.shape == (batch_size * FRAMES, HEIGHT, WIDTH, 3)
+    diff = (frames - reference).abs().max().item()
+    print(f"{name} {strategy} {args} on {ranks} ranks: max |diff| vs one-shot {diff:.3g}")
+    assert diff <= tolerance
+
+
+CASES = [
+    # (id, family, strategy, widgets, batch_size)
+    ("ulysses", "wan21", "context_parallel", {"ulysses_degree": 2}, 1),
+    ("cfg_parallel_two_experts", "wan22", "cfg_parallel", {}, 1),
+    ("data_parallel", "wan21", "data_parallel", {}, 2),
+    ("device_map_two_experts", "wan22", "device_map", {}, 1),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name, strategy, args, batch_size", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_strategy_matches_one_shot(wan_dir, name, strategy, args, batch_size):
+    # Data parallel is not bit-exact: CPU GEMM kernels block differently for another batch size.
+    check(wan_dir, name, strategy, batch_size=batch_size, tolerance=1e-5 if batch_size > 1 else 1e-4, **args)
+
+
+SLOW_CASES = [
+    ("ring", "wan21", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 2),
+    ("ulysses_two_experts", "wan22", "context_parallel", {"ulysses_degree": 2}, 2),
+    ("cfg_x_ulysses", "wan21", "cfg_parallel", {"ulysses_degree": 2}, 4),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("name, strategy, args, ranks", [c[1:] for c in SLOW_CASES], ids=[c[0] for c in SLOW_CASES])
+def test_more_strategies_match_one_shot(wan_dir, name, strategy, args, ranks):
+    check(wan_dir, name, strategy, ranks=ranks, **args)

@@ -1,0 +1,91 @@
+"""Wan in a real ComfyUI server (2 CPU ranks, tiny Wan 2.1, Ulysses 2): a 5-frame clip from ParallelSampler's
+``length`` decoded by VAEDecodeSingleGPU into an IMAGE batch that ComfyUI's own SaveAnimatedWEBP saves, frame for
+frame WanPipeline's; and a length that is not 4k + 1 answered by POST /prompt with a 400 naming the widget, before
+anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from comfyui_host import PromptRejected
+from helpers import WAN_CLIP, wan_one_shot
+from PIL import Image
+
+pytestmark = [pytest.mark.comfyui]
+
+MODEL, SEED = "tiny-wan", 3
+PROMPT, NEGATIVE, CFG = WAN_CLIP["prompt"], WAN_CLIP["negative_prompt"], WAN_CLIP["guidance_scale"]
+WIDTH, HEIGHT, FRAMES = WAN_CLIP["width"], WAN_CLIP["height"], WAN_CLIP["num_frames"]
+STEPS, TOKENS = WAN_CLIP["num_inference_steps"], WAN_CLIP["max_sequence_length"]
+
+
+def tiny_wan(models_dir) -> Path:
+    from parallel_runtime.families.wan.tiny import make_tiny_model
+
+    path = Path(models_dir) / MODEL
+    if not (path / "model_index.json").is_file():
+        make_tiny_model(str(path))
+    return path
+
+
+def workflow(length: int = FRAMES) -> dict:
+    nodes = {
+        "1": ("ParallelBackend", {"ranks": 2, "device": "cpu", "memory_policy": "staged"}),
+        "2": (
+            "EncodeOnBalancedGPUs",
+            {
+                **{"model": MODEL, "prompt": PROMPT, "negative_prompt": NEGATIVE},
+                **{"max_sequence_length": TOKENS, "backend": ["1", 0]},
+            },
+        ),
+        "3": (
+            "LoadShardedTransformer",
+            {"model": MODEL, "strategy": "context_parallel", "ulysses_degree": 2, "backend": ["1", 0]},
+        ),
+        "4": (
+            "ParallelSampler",
+            {
+                **{"transformer": ["3", 0], "positive": ["2", 0], "seed": SEED, "steps": STEPS, "guidance_scale": 1.0},
+                **{"width": WIDTH, "height": HEIGHT, "batch_size": 1, "true_cfg_scale": CFG},
+                **{"sampler": "uni_pc", "scheduler": "simple", "length": length},
+            },
+        ),
+        "5": ("VAEDecodeSingleGPU", {"samples": ["4", 0], "model": MODEL, "device": "cpu", "backend": ["1", 0]}),
+        "6": (
+            "SaveAnimatedWEBP",
+            {
+                **{"images": ["5", 0], "filename_prefix": "wan_clip", "fps": 16.0},
+                **{"lossless": True, "quality": 100, "method": "fastest"},
+            },
+        ),
+    }
+    return {node_id: {"class_type": kind, "inputs": inputs} for node_id, (kind, inputs) in nodes.items()}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_clip_reaches_save_animated_webp(comfyui_server, comfyui_models_dir):
+    folder = tiny_wan(comfyui_models_dir)
+    comfyui_server.run(workflow(), timeout=600)
+    (path,) = comfyui_server.output_dir.glob("wan_clip_*.webp")
+    with Image.open(path) as webp:
+        assert webp.n_frames == FRAMES
+        frames = []
+        for index in range(FRAMES):
+            webp.seek(index)
+            frames.append(np.asarray(webp.convert("RGB")))
+    reference = wan_one_shot(folder, SEED, output_type="np")[0]
+    # SaveAnimatedWEBP stores clip(255 · x) as uint8, losslessly.
+    expected = np.clip(reference * 255.0, 0, 255).astype(np.uint8)
+    assert np.abs(np.stack(frames).astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_a_length_that_is_not_4k_plus_1_is_a_400_naming_it(comfyui_server, comfyui_models_dir):
+    tiny_wan(comfyui_models_dir)
+    with pytest.raises(PromptRejected) as rejected:
+        comfyui_server.post_prompt(workflow(length=6))
+    assert rejected.value.status == 400 and list(rejected.value.node_errors) == ["4"], rejected.value.node_errors
+    (error,) = rejected.value.node_errors["4"]["errors"]
+    assert "length: 6 frames is not 4k + 1" in error["details"] and "use 5 or 9" in error["details"], error
