@@ -307,21 +307,24 @@ class ParallelSampler(io.ComfyNode):
         w = comfy.execution_inputs(cls, inputs)
         comfy.make_room(cls, w["transformer"].backend)
         handle = w.pop("transformer")
+        # ComfyUI's progress text replaces the node's last one: what the run has to say is shown once, together.
+        said: list[str] = []
         samples = comfy.run(
             cls,
             jobs.sample,
             handle,
             w.pop("positive"),
-            on_result=lambda result: [comfy.show_text(cls, note) for note in result.notes()],
-            on_conditioning=lambda said: comfy.show_text(cls, said),
+            on_result=lambda result: said.extend(result.notes()),
+            on_conditioning=said.append,
             **w,
         )
         if w["latent_image"] is not None:
             downscale = handle.family.latent.downscale
             steps = img2img_steps(w["steps"], w["denoise"])
-            comfy.show_text(
-                cls,
+            said.append(
                 f"{samples.shape[-1] * downscale}×{samples.shape[-2] * downscale} from latent_image (width and "
-                f"height ignored); {steps} of {w['steps']} steps at denoise {w['denoise']}",
+                f"height ignored); {steps} of {w['steps']} steps at denoise {w['denoise']}"
             )
+        if said:
+            comfy.show_text(cls, "\n".join(said))
         return io.NodeOutput({"samples": samples})

@@ -222,7 +222,10 @@ def test_three_prompts_back_to_back_succeed_loading_weights_once_and_report_prog
     # The first run: each node says what it is doing, and the sampler reports every step in order.
     window = prompt_window(server, prompt_ids[0])
     assert progress_texts(window, ENCODER) == ["loading text encoders", "encoding", "encoded"], window
-    assert progress_texts(window, SAMPLER) == ["loading transformer", "denoising", "denoised"], window
+    # ... and, once it is done, where its conditioning came from (with whatever else the run has to say).
+    sampler_texts = progress_texts(window, SAMPLER)
+    assert sampler_texts[:3] == ["loading transformer", "denoising", "denoised"], window
+    assert len(sampler_texts) == 4 and sampler_texts[3].startswith("positive: EncodeOnBalancedGPUs"), window
     assert progress_texts(window, DECODER) == ["loading VAE", "decoding", "decoded"], window
     steps = step_progress(window, SAMPLER, STEPS)
     if server.version and server.version.startswith("0.3."):
