@@ -109,6 +109,7 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
     def fingerprint_inputs(cls, **inputs) -> object:
         """The files' sizes and modification times: a file replaced under its name is a new input (a new conversion),
         not the cached output of the file that was."""
+        inputs = comfy.with_defaults(cls, inputs)  # an API prompt may leave out the optional inputs appended later
         found = []
         for widget in WIDGETS:
             if inputs.get(widget) == comfy_files.NO_FILE:

@@ -260,6 +260,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     ctx.state["step_activations"] = estimate.activations
     _auto_room(ctx, key, lambda: need, ctx.device, ctx.local_world_size if plan.spmd else 1)
     ctx.progress(0, steps, "loading transformer")
+    budget_note = ""  # device_map on GPUs: which GPU's free memory limits the split
     if plan.spmd:
         loaded = _load_together(ctx, models, key, lambda: Experts.load(load_one, subfolders))
     else:
@@ -267,7 +268,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             flush(ctx.device)  # what staged just freed counts as free for the budget
             budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate.activations)
             placement = dataclasses.replace(placement, max_memory=budget)
-            ctx.state["budget_note"] = memory.describe_budget(budget)
+            budget_note = memory.describe_budget(budget)
         load_placed = functools.partial(_load_placed, adapter, spec, dtype, placement)
         loaded = models.get(key, lambda: Experts.load(load_placed, subfolders))
     transformer, experts = (loaded.first, loaded.others()) if isinstance(loaded, Experts) else (loaded, {})
@@ -303,12 +304,13 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     cache = ctx.state["last_cache"] = record.report() if record is not None else None
     ctx.state["last_passes"] = passes[0]
     if split is not None:
-        speeds.measured(ctx, count, steps, clock.seconds)
+        # A run that compiled took the compile's time too, which says nothing of the rank's speed.
+        if compile_record is None or not compile_record.graphs:
+            speeds.measured(ctx, count, steps, clock.seconds)
         samples = strategies.gather_batch(samples, split.images)
     if ctx.rank != 0:
         return None, {}
-    budget = ctx.state.pop("budget_note", "")
-    ctx.progress(steps, steps, _closing(ctx, f"denoised; {budget}" if budget else "denoised"))
+    ctx.progress(steps, steps, _closing(ctx, f"denoised; {budget_note}" if budget_note else "denoised"))
     result = DenoiseResult(
         tuple(samples.shape),
         cache=cache,
