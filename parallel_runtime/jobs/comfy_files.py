@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .. import comfy_files
+from .. import comfy_files, families
 from ..client import ProgressFn
+from ..errors import InvalidInput
 
 
 def validate_comfy_files(
@@ -17,8 +18,18 @@ def validate_comfy_files(
     vae: str,
     diffusion_model_2: str = comfy_files.NO_FILE,
 ) -> comfy_files.FilesPlan:
-    """The checks the node makes before it runs (also its validate_inputs): headers only, nothing converted."""
-    return comfy_files.plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2)
+    """The checks the node makes before it runs (also its validate_inputs): headers only, nothing converted; files
+    that would convert into a pipeline no node of the pack runs yet (Wan 2.2 A14B image-to-video) are refused here,
+    before a conversion of tens of gigabytes that the next node would refuse."""
+    plan = comfy_files.plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2)
+    pipeline = plan.contents.model_index["_class_name"]
+    if families.for_pipeline(pipeline) is None:
+        raise InvalidInput(
+            "diffusion_model",
+            f"{plan.variant} converts into a {pipeline} folder, which no node of this pack runs yet; pick a model "
+            f"the pack runs: {families.supported()}",
+        )
+    return plan
 
 
 def model_from_comfy_files(
