@@ -14,10 +14,12 @@ from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, img2img_
 from .files import FilesLayout
 from .flux import Flux1, Flux1Files
 from .flux2 import Flux2, Flux2Files
+from .flux_kontext import FluxKontext
 from .qwenimage import QwenImage, QwenImageFiles
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
+    FluxKontext(),
     Flux2(),
     QwenImage(),
 )

@@ -26,9 +26,10 @@ from ..wire import Prompts, Sampling
 
 log = logging.getLogger(__name__)
 
-# The denoise stage's img2img inputs, by the names they travel under beside the embeddings (and the keyword arguments
-# of ``FamilyAdapter.denoise``): a LATENT of the family, and a mask of where to repaint.
-IMAGE_INPUTS = ("latent_image", "noise_mask")
+# The denoise stage's image inputs, by the names they travel under beside the embeddings (and the keyword arguments
+# of ``FamilyAdapter.denoise``): a LATENT of the family, a mask of where to repaint (img2img and inpainting), and the
+# reference IMAGE of an edit model (only the families with ``reference_images`` take it).
+IMAGE_INPUTS = ("latent_image", "noise_mask", "image")
 
 OnStep = Callable[[int, int], None]  # (step index from 0, total steps); raising stops the loop (how a cancel works)
 
@@ -93,6 +94,9 @@ class FamilyAdapter(abc.ABC):
         min_steps, min_steps_reason: the fewest steps that give an image, and why (for the error).
         latent: the LATENT layout.
         pixels_per_token: image pixels per transformer token along each side (8x VAE, 2x2 patches: 16).
+        reference_images: how many reference images the sampler's ``image`` input takes (an edit model's, which
+            its transformer reads in its sequence), and must be given; 0: none. Such a family's ``reference_size``
+            gives the size the pipeline resizes each to, and its ``denoise`` takes them as ``image``.
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
@@ -109,10 +113,15 @@ class FamilyAdapter(abc.ABC):
     min_steps_reason: ClassVar[str] = "would not denoise anything"
     latent: ClassVar[LatentLayout]
     pixels_per_token: ClassVar[int] = 16
+    reference_images: ClassVar[int] = 0
     block_lists: ClassVar[dict[str, str]] = {
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",
     }
+
+    def reference_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) a reference image of this size runs at (families with ``reference_images``)."""
+        raise NotImplementedError(f"{self.name} takes no reference image")
 
     # -- stages (on the ranks) --------------------------------------------------------------------------------
     @abc.abstractmethod

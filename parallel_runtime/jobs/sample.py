@@ -12,7 +12,7 @@ import torch
 
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
-from ..families import FamilyAdapter, img2img_steps
+from ..families import FamilyAdapter, img2img_steps, names
 from ..samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
 from ..wire import CacheReport, DenoiseArgs, Sampling
 from .encode import Conditioning
@@ -125,6 +125,68 @@ def _read_mask(mask: Any, latent_width: int, latent_height: int) -> torch.Tensor
     return mask
 
 
+@dataclasses.dataclass(frozen=True)
+class ReferenceImage:
+    """The IMAGE an edit model edits (ParallelSampler's ``image``), checked against the transformer's family.
+
+    Args:
+        pixels: ComfyUI's IMAGE [1 or one per image, H, W, 3 or 4] in 0..1, float32.
+        width, height: the size it runs at, resized by the family's pipeline (``FamilyAdapter.reference_size``).
+    """
+
+    pixels: torch.Tensor
+    width: int
+    height: int
+
+    @property
+    def batch(self) -> int:
+        return self.pixels.shape[0]
+
+    def describe(self) -> str:
+        """What the node shows of it: the size it was given and the size it ran at."""
+        given = f"{self.pixels.shape[2]}×{self.pixels.shape[1]}"
+        ran = f"{self.width}×{self.height}"
+        return f"reference image {given}" + (f", resized to {ran}" if ran != given else "")
+
+
+def read_reference_image(handle: TransformerHandle, image: Any) -> ReferenceImage | None:
+    """ParallelSampler's ``image`` (None: not linked) checked against the transformer's family: given exactly when
+    the family edits one, an IMAGE of whole tokens, finite."""
+    family = handle.family
+    _check_image_linked(handle, image is not None)
+    if image is None:
+        return None
+    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
+        raise InvalidInput("image", "is not an IMAGE [batch, height, width, channels]; link an IMAGE (LoadImage)")
+    height, width = image.shape[1:3]
+    multiple = family.pixels_per_token
+    if width < multiple or height < multiple:
+        raise InvalidInput(
+            "image", f"is {width}×{height}, smaller than one {multiple}-pixel token; scale it up (ImageScale)"
+        )
+    if not torch.isfinite(image).all():
+        raise InvalidInput("image", "holds NaN or infinite values; load it again (LoadImage)")
+    return ReferenceImage(image.float(), *family.reference_size(width, height))
+
+
+def _check_image_linked(handle: TransformerHandle, linked: bool) -> None:
+    """An edit model needs its ``image``; a model that reads none is refused one (it would be ignored)."""
+    family, model = handle.family, handle.spec.model.name
+    if family.reference_images and not linked:
+        raise InvalidInput(
+            "image",
+            f"is not linked, and {model} ({family.name}) edits an image; link the image to edit (LoadImage) to "
+            "ParallelSampler's image input",
+        )
+    if linked and not family.reference_images:
+        editors = names(lambda f: f.reference_images > 0, last="or")
+        raise InvalidInput(
+            "image",
+            f"is linked, but {model} ({family.name}) reads no reference image; unlink it, or load an edit model "
+            f"({editors}) on LoadShardedTransformer",
+        )
+
+
 def _read_sampler(handle: TransformerHandle, sampler: str, scheduler: str) -> tuple[Sampler, Scheduler]:
     """The ``sampler`` and ``scheduler`` widgets as the table's words (``samplers``), refused where the pack cannot
     run them as diffusers does."""
@@ -179,13 +241,23 @@ def validate_sample(
     latent_size: tuple[int, int] | None = None,
     sampler: str = Sampler.EULER.value,
     scheduler: str = Scheduler.SIMPLE.value,
+    image: ReferenceImage | None = None,
+    image_linked: bool = False,
 ) -> None:
     """Every check ParallelSampler can make before it runs. Without a ``conditioning`` (at validation), ``prompts``
     says how many prompts it will hold; None skips the checks that need to know. ``latent_linked``: a latent_image
     is linked whose contents only execution knows; ``latent_size`` its (width, height) in latent pixels where the
-    graph says it (the size checks wait for execution otherwise)."""
+    graph says it (the size checks wait for execution otherwise). ``image``: an edit model's reference image;
+    ``image_linked``: one is linked whose size only execution knows."""
     family, plan = handle.family, handle.plan
     _read_sampler(handle, sampler, scheduler)
+    _check_image_linked(handle, image is not None or image_linked)
+    if family.reference_images and (latent_image is not None or latent_linked):
+        raise InvalidInput(
+            "latent_image",
+            f"is linked, but {family.name} edits its image input and starts from noise (no img2img); unlink "
+            "latent_image and set the output's size with width and height",
+        )
     if steps < family.min_steps:
         raise InvalidInput("steps", f"{steps} steps {family.min_steps_reason}; use at least {family.min_steps}")
     check_finite("denoise", denoise)
@@ -248,9 +320,12 @@ def validate_sample(
         )
     world = plan.ranks
     prompts = len(conditioning.prompts) if conditioning is not None else prompts
-    if latent_image is not None and prompts is not None:
+    if prompts is not None:
         images = batch_size * prompts
-        for what, count in (("latent_image", latent_image.batch), ("noise_mask", _mask_batch(latent_image))):
+        counts = (("image", image.batch),) if image is not None else ()
+        if latent_image is not None:
+            counts += (("latent_image", latent_image.batch), ("noise_mask", _mask_batch(latent_image)))
+        for what, count in counts:
             if count not in (1, images):
                 made = f"batch_size {batch_size} × {prompts} prompts" if prompts > 1 else f"batch_size {batch_size}"
                 raise InvalidInput(
@@ -272,13 +347,23 @@ def validate_sample(
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         image_tokens = (width // family.pixels_per_token) * (height // family.pixels_per_token)
-        if image_tokens % degree:
+        if image_tokens % degree and not family.reference_images:  # an edit model's whole sequence is below
             raise InvalidInput(
                 "latent_image" if latent_linked or latent_image is not None else "width",
                 f"{width}×{height} makes {image_tokens} image tokens, which do not split over "
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
             )
+        if image is not None:  # the reference's tokens follow the image's in one sequence, split as a whole
+            reference_tokens = (image.width // family.pixels_per_token) * (image.height // family.pixels_per_token)
+            if (image_tokens + reference_tokens) % degree:
+                raise InvalidInput(
+                    "image",
+                    f"the output's {image_tokens} tokens ({width}×{height}) and the reference image's "
+                    f"{reference_tokens} ({image.width}×{image.height}) make a sequence of "
+                    f"{image_tokens + reference_tokens}, which does not split over {degree} ranks; turn on anything "
+                    "on LoadShardedTransformer, or change width or height by 16",
+                )
         for source, embeds in (_text_streams(family, conditioning, true_cfg_scale) if conditioning else {}).items():
             tokens = embeds.shape[1]
             if not tokens % degree:
@@ -321,6 +406,7 @@ def sample(
     denoise: float = 1.0,
     sampler: str = Sampler.EULER.value,
     scheduler: str = Scheduler.SIMPLE.value,
+    image: torch.Tensor | None = None,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_cache_report: Callable[[CacheReport], None] | None = None,
@@ -335,7 +421,9 @@ def sample(
     img2img pipelines do it at strength ``denoise`` (``steps × denoise`` steps run, rounded up), and inpainting where
     its ``noise_mask`` is 1. ``sampler`` and ``scheduler`` pick the diffusers scheduler and its sigma schedule
     (``samplers``; euler and simple are the family's own). With the transformer's step cache on,
-    ``on_cache_report`` gets what it skipped (rank 0's passes)."""
+    ``on_cache_report`` gets what it skipped (rank 0's passes). An edit model (FLUX.1 Kontext) edits ``image``
+    (ComfyUI's IMAGE, batch 1 or one per image), resized as its pipeline does (``read_reference_image``)."""
+    reference = read_reference_image(handle, image)
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
@@ -350,9 +438,12 @@ def sample(
         latent_image=image,
         sampler=sampler,
         scheduler=scheduler,
+        image=reference,
     )
     chosen, schedule = _read_sampler(handle, sampler, scheduler)
     tensors = dict(conditioning.tensors)
+    if reference is not None:
+        tensors["image"] = reference.pixels
     if image is not None:
         width, height = image.width, image.height
         tensors["latent_image"] = image.samples

@@ -99,9 +99,26 @@ class Flux1(FamilyAdapter):
             tokenizer_2=None,
             transformer=transformer,
         )
-        pipe.set_progress_bar_config(disable=True)
         if image is not None:
             _latent_channels_of_the_vae(pipe, vae_config["latent_channels"], model_dir, masked=noise_mask is not None)
+        return self.run_pipeline(pipe, transformer, embeds, sampling, vae_config, on_step, **image_inputs)
+
+    def run_pipeline(
+        self,
+        pipe: Any,
+        transformer: torch.nn.Module,
+        embeds: dict[str, torch.Tensor],
+        sampling: Sampling,
+        vae_config: dict,
+        on_step: OnStep | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        """Run a FLUX.1 pipeline built around ``transformer`` (FluxPipeline or a variant's, which take the same
+        arguments and ``inputs`` besides) to LATENT samples [batch_size, 16, height/8, width/8] in ComfyUI's
+        convention."""
+        from diffusers import FluxPipeline
+
+        pipe.set_progress_bar_config(disable=True)
         device = pipe._execution_device
         # Passed-in embeddings are used as given (the pipeline repeats only the ones it encodes itself), and their
         # dtype sets the latents' dtype.
@@ -116,7 +133,7 @@ class Flux1(FamilyAdapter):
             generator=generators(sampling.seed, sampling.batch_size),
             output_type="latent",
             callback_on_step_end=step_callback(on_step),
-            **image_inputs,
+            **inputs,
         ).images
         # What FluxPipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's weights.
         # In float32 (ComfyUI's LATENT dtype) even for a bf16 transformer, so the scale and shift add no rounding.
