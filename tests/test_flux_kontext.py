@@ -5,10 +5,16 @@ edits one, before anything loads."""
 
 from __future__ import annotations
 
+import io
+
+import numpy as np
 import pytest
 import torch
+from comfyui_host import PromptRejected
+from comfyui_workflows import progress_texts, prompt_window
 from diffusers import FluxKontextPipeline
 from helpers import MODEL, PROMPT, STEPS, TOKENS
+from PIL import Image
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import family
@@ -144,3 +150,73 @@ def test_sequence_that_does_not_split_is_refused(kontext_dir):
     with pytest.raises(InvalidInput, match="sequence of 4071, which does not split over 2 ranks") as info:
         jobs.validate_sample(transformer, None, steps=1, width=80, height=HEIGHT, batch_size=1, image=image)
     assert info.value.widget == "image"
+
+
+# -- in a real ComfyUI: LoadImage -> ParallelSampler's image, and the image refused by name at validation (a 400) ------
+def kontext_workflow(model: str, image: str | None) -> dict:
+    """LoadImage (``image``, a file in ComfyUI's input/; None: none linked) edited by ``model`` under Ulysses over 2
+    CPU ranks, decoded and saved."""
+
+    def link(node: str) -> list:
+        return [node, 0]
+
+    nodes = {
+        "1": ("ParallelBackend", {"ranks": 2, "device": "cpu", "memory_policy": "staged"}),
+        "2": ("EncodeOnBalancedGPUs", {"model": model, "prompt": PROMPT, "max_sequence_length": TOKENS}),
+        "3": (
+            "LoadShardedTransformer",
+            {"model": model, "strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 2},
+        ),
+        "4": (
+            "ParallelSampler",
+            {"seed": SEED, "steps": STEPS, "guidance_scale": GUIDANCE, "width": WIDTH, "height": HEIGHT},
+        ),
+        "5": ("VAEDecodeSingleGPU", {"model": model, "device": "cpu"}),
+        "6": ("SaveImage", {"filename_prefix": "kontext"}),
+    }
+    nodes["2"][1]["backend"] = nodes["3"][1]["backend"] = nodes["5"][1]["backend"] = link("1")
+    nodes["4"][1].update(transformer=link("3"), positive=link("2"), batch_size=1)
+    nodes["5"][1]["samples"] = link("4")
+    nodes["6"][1]["images"] = link("5")
+    if image is not None:
+        nodes["7"] = ("LoadImage", {"image": image})
+        nodes["4"][1]["image"] = link("7")
+    return {node_id: {"class_type": kind, "inputs": inputs} for node_id, (kind, inputs) in nodes.items()}
+
+
+@pytest.fixture(scope="module")
+def comfyui_kontext(comfyui_server, comfyui_models_dir):
+    """The tiny Kontext (and FLUX.1) in the server's diffusers folder, and the reference image in its input/."""
+    for key, name in (("flux_kontext", KONTEXT), ("flux", MODEL)):
+        if not (comfyui_models_dir / name / "model_index.json").is_file():
+            make_tiny_model(key, str(comfyui_models_dir / name))
+    pil_images(reference_image())[0].save(comfyui_server.input_dir / "kontext.png")
+    return comfyui_server
+
+
+@pytest.mark.comfyui
+def test_image_refused_by_name_in_the_host(comfyui_kontext):
+    for model, image, hint in (
+        (KONTEXT, None, "image: is not linked, and tiny-flux-kontext (FLUX.1 Kontext) edits an image"),
+        (MODEL, "kontext.png", "image: is linked, but tiny-flux (FLUX.1) reads no reference image; unlink it"),
+    ):
+        with pytest.raises(PromptRejected) as rejected:
+            comfyui_kontext.post_prompt(kontext_workflow(model, image))
+        assert rejected.value.status == 400 and list(rejected.value.node_errors) == ["4"]
+        (error,) = rejected.value.node_errors["4"]["errors"]
+        assert hint in error["details"], error
+
+
+@pytest.mark.comfyui
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_load_image_to_save_image_in_the_host(comfyui_kontext, one_shot):
+    prompt_id, _ = comfyui_kontext.run(kontext_workflow(KONTEXT, "kontext.png"), timeout=600)
+    shown = progress_texts(prompt_window(comfyui_kontext, prompt_id), "4")
+    assert "64×48 from the reference image 56×40, resized to 1248×832" in shown, shown
+    (saved,) = comfyui_kontext.output_images(prompt_id)
+    got = np.asarray(Image.open(io.BytesIO(comfyui_kontext.view(**saved))).convert("RGB")).astype(np.int16)
+    # ComfyUI's SaveImage quantises as uint8(clip(255 * x)).
+    expected = np.clip(255.0 * one_shot(1)[0].numpy(), 0, 255).astype(np.uint8).astype(np.int16)
+    assert got.shape == (HEIGHT, WIDTH, 3)
+    assert np.abs(got - expected).max() <= 1
