@@ -4,8 +4,9 @@ VAE latents ride in the transformer's sequence after the image's own ([latents; 
 and the output is cut back to the image's tokens.
 
 A diffusers folder is told from FLUX.1's by ``model_index.json``'s ``_class_name``. ComfyUI's single file
-(``flux1-dev-kontext_fp8_scaled.safetensors``) has FLUX.1-dev's keys and shapes, so nothing in it tells the two
-apart: it converts as FLUX.1 (a later issue: an explicit choice of the variant).
+(``flux1-dev-kontext_fp8_scaled.safetensors``) has FLUX.1-dev's keys and shapes, so nothing in its weights tells the
+two apart: FLUX.1's layout (``flux/files.py``) refuses a file so named, and converts a renamed one as FLUX.1-dev (a
+later issue: an explicit choice of the variant on Model from ComfyUI Files).
 """
 
 from __future__ import annotations
