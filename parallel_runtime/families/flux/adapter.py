@@ -90,18 +90,25 @@ class Flux1(FamilyAdapter):
             image = (latent_image.float() - vae_config["shift_factor"]) * vae_config["scaling_factor"]
         pipelines = (FluxPipeline, diffusers.FluxImg2ImgPipeline, diffusers.FluxInpaintPipeline)
         pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
-        pipe = pipeline_class(
+        pipe = self.pipeline_around(pipeline_class, model_dir, sampling, transformer)
+        if image is not None:
+            _latent_channels_of_the_vae(pipe, vae_config["latent_channels"], model_dir, masked=noise_mask is not None)
+        return self.run_pipeline(pipe, transformer, embeds, sampling, vae_config, on_step, **image_inputs)
+
+    def pipeline_around(
+        self, pipeline_class: type, model_dir: str, sampling: Sampling, transformer: torch.nn.Module, vae: Any = None
+    ) -> Any:
+        """A FLUX.1 pipeline (FluxPipeline or a variant's) around ``transformer`` with the sampler's scheduler and no
+        text encoders; without a VAE unless it encodes an image itself (Kontext's reference)."""
+        return pipeline_class(
             scheduler=scheduler_for(model_dir, sampling),
-            vae=None,
+            vae=vae,
             text_encoder=None,
             tokenizer=None,
             text_encoder_2=None,
             tokenizer_2=None,
             transformer=transformer,
         )
-        if image is not None:
-            _latent_channels_of_the_vae(pipe, vae_config["latent_channels"], model_dir, masked=noise_mask is not None)
-        return self.run_pipeline(pipe, transformer, embeds, sampling, vae_config, on_step, **image_inputs)
 
     def run_pipeline(
         self,

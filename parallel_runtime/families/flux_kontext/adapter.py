@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ...wire import Sampling
-from ..base import OnStep, check_size, scheduler_for
+from ..base import OnStep, check_size
 from ..flux.adapter import Flux1
 
 
@@ -64,15 +64,7 @@ class FluxKontext(Flux1):
         # The pipeline encodes the resized reference itself (the posterior's argmax); the VAE is small and loads here,
         # in the transformer's dtype, which is the one the pipeline hands it the pixels in.
         vae = self.load_vae(model_dir, transformer.dtype, str(transformer.device))
-        pipe = FluxKontextPipeline(
-            scheduler=scheduler_for(model_dir, sampling),
-            vae=vae,
-            text_encoder=None,
-            tokenizer=None,
-            text_encoder_2=None,
-            tokenizer_2=None,
-            transformer=transformer,
-        )
+        pipe = self.pipeline_around(FluxKontextPipeline, model_dir, sampling, transformer, vae)
         return self.run_pipeline(
             pipe,
             transformer,
