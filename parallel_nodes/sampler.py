@@ -105,6 +105,7 @@ def _validate(node: comfy.QueuedNode) -> None:
         prompts=_prompt_count(node),
         latent_linked=node.linked("latent_image"),
         latent_size=size,
+        image_linked=node.linked("image"),
         **node.widgets(
             "steps",
             "width",
@@ -284,6 +285,16 @@ class ParallelSampler(io.ComfyNode):
                         "0 uses true_cfg_scale for both. Only for models with two experts."
                     ),
                 ),
+                io.Image.Input(
+                    "image",
+                    optional=True,
+                    tooltip=(
+                        f"The image an edit model edits as the prompt says ({names(lambda f: f.reference_images > 0)}"
+                        "; required there, refused by the others), e.g. from LoadImage: resized to the model's "
+                        "trained resolution nearest its aspect ratio, as its diffusers pipeline does. width and "
+                        "height set the output's size."
+                    ),
+                ),
             ],
             outputs=[
                 io.Latent.Output(
@@ -318,6 +329,12 @@ class ParallelSampler(io.ComfyNode):
             on_conditioning=said.append,
             **w,
         )
+        if w["image"] is not None:
+            reference = jobs.read_reference_image(handle, w["image"])
+            downscale = handle.family.latent.downscale
+            comfy.show_text(
+                cls, f"{samples.shape[-1] * downscale}×{samples.shape[-2] * downscale} from the {reference.describe()}"
+            )
         if w["latent_image"] is not None:
             downscale = handle.family.latent.downscale
             steps = img2img_steps(w["steps"], w["denoise"])

@@ -421,6 +421,13 @@ def test_refusals_name_the_input(tiny):
     with pytest.raises(InvalidInput, match=r"diffusion_model: .* is a VAE or a text encoder"):
         jobs.validate_comfy_files(**{**names, "diffusion_model": "ae-linked.safetensors"})
     assert "flux1-dev-Q4_K_S.gguf" in comfy_files.list_files("diffusion_model")  # listed, so that picking it says why
+    # FLUX.1 Kontext's file has FLUX.1-dev's shapes: told by its name alone, and refused rather than run without its
+    # image as FLUX.1-dev.
+    kontext = "flux1-dev-kontext_fp8_scaled.safetensors"
+    os.symlink(models / "diffusion_models" / names["diffusion_model"], models / "diffusion_models" / kontext)
+    with pytest.raises(InvalidInput, match=r"diffusion_model: .*kontext.* cannot be told from FLUX.1-dev's") as e:
+        jobs.validate_comfy_files(**{**names, "diffusion_model": kontext})
+    assert e.value.widget == "diffusion_model"
 
 
 def test_flux1_files_that_would_fail_after_converting_are_refused_by_name(tiny):

@@ -14,6 +14,7 @@ from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, TensorPa
 from .files import FilesLayout
 from .flux import Flux1, Flux1Files
 from .flux2 import Flux2, Flux2Files
+from .flux_kontext import FluxKontext
 from .qwenimage import QwenImage, QwenImageFiles
 from .wan import Wan
 from .wan.files import WanFiles
@@ -21,6 +22,7 @@ from .wan.tp_plan import WAN_TP_PLAN
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
+    FluxKontext(),
     Flux2(),
     QwenImage(),
     Wan(),

@@ -26,9 +26,10 @@ from ..wire import Prompts, Sampling
 
 log = logging.getLogger(__name__)
 
-# The denoise stage's img2img inputs, by the names they travel under beside the embeddings (and the keyword arguments
-# of ``FamilyAdapter.denoise``): a LATENT of the family, and a mask of where to repaint.
-IMAGE_INPUTS = ("latent_image", "noise_mask")
+# The denoise stage's image inputs, by the names they travel under beside the embeddings (and the keyword arguments
+# of ``FamilyAdapter.denoise``): a LATENT of the family, a mask of where to repaint (img2img and inpainting), and the
+# reference IMAGE of an edit model (only the families with ``reference_images`` take it).
+IMAGE_INPUTS = ("latent_image", "noise_mask", "image")
 
 OnStep = Callable[[int, int], None]  # (step index from 0, total steps); raising stops the loop (how a cancel works)
 
@@ -136,6 +137,9 @@ class FamilyAdapter(abc.ABC):
         pooled_text: the transformer also takes a pooled text embedding (``pooled_prompt_embeds``; ComfyUI's
             CONDITIONING carries it as ``pooled_output``).
         text_mask: the embeddings travel with their mask (``prompt_embeds_mask``; ComfyUI's ``attention_mask``).
+        reference_images: how many reference images the sampler's ``image`` input takes (an edit model's, which
+            its transformer reads in its sequence), and must be given; 0: none. Such a family's ``reference_size``
+            gives the size the pipeline resizes each to, and its ``denoise`` takes them as ``image``.
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
@@ -158,6 +162,7 @@ class FamilyAdapter(abc.ABC):
     comfy_text_encoder: ClassVar[tuple[str, str, str] | None] = None
     pooled_text: ClassVar[bool] = False
     text_mask: ClassVar[bool] = False
+    reference_images: ClassVar[int] = 0
     block_lists: ClassVar[dict[str, str]] = {
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",
@@ -170,6 +175,10 @@ class FamilyAdapter(abc.ABC):
             return f"ComfyUI's text encoder of {cls.name}"
         loader, clip_type, prompt_nodes = cls.comfy_text_encoder
         return f"{loader} (type {clip_type}) into {prompt_nodes}"
+
+    def reference_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) a reference image of this size runs at (families with ``reference_images``)."""
+        raise NotImplementedError(f"{self.name} takes no reference image")
 
     # -- stages (on the ranks) --------------------------------------------------------------------------------
     @abc.abstractmethod

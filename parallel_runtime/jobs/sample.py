@@ -13,7 +13,7 @@ import torch
 from .. import families
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
-from ..families import FamilyAdapter, img2img_steps
+from ..families import FamilyAdapter, img2img_steps, names
 from ..families.base import image_tokens
 from ..samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
 from ..wire import CacheReport, DenoiseArgs, DenoiseResult, Sampling
@@ -133,6 +133,68 @@ def _read_mask(mask: Any, latent_width: int, latent_height: int) -> torch.Tensor
     return mask
 
 
+@dataclasses.dataclass(frozen=True)
+class ReferenceImage:
+    """The IMAGE an edit model edits (ParallelSampler's ``image``), checked against the transformer's family.
+
+    Args:
+        pixels: ComfyUI's IMAGE [1 or one per image, H, W, 3 or 4] in 0..1, float32.
+        width, height: the size it runs at, resized by the family's pipeline (``FamilyAdapter.reference_size``).
+    """
+
+    pixels: torch.Tensor
+    width: int
+    height: int
+
+    @property
+    def batch(self) -> int:
+        return self.pixels.shape[0]
+
+    def describe(self) -> str:
+        """What the node shows of it: the size it was given and the size it ran at."""
+        given = f"{self.pixels.shape[2]}×{self.pixels.shape[1]}"
+        ran = f"{self.width}×{self.height}"
+        return f"reference image {given}" + (f", resized to {ran}" if ran != given else "")
+
+
+def read_reference_image(handle: TransformerHandle, image: Any) -> ReferenceImage | None:
+    """ParallelSampler's ``image`` (None: not linked) checked against the transformer's family: given exactly when
+    the family edits one, an IMAGE of whole tokens, finite."""
+    family = handle.family
+    _check_image_linked(handle, image is not None)
+    if image is None:
+        return None
+    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
+        raise InvalidInput("image", "is not an IMAGE [batch, height, width, channels]; link an IMAGE (LoadImage)")
+    height, width = image.shape[1:3]
+    multiple = family.pixels_per_token
+    if width < multiple or height < multiple:
+        raise InvalidInput(
+            "image", f"is {width}×{height}, smaller than one {multiple}-pixel token; scale it up (ImageScale)"
+        )
+    if not torch.isfinite(image).all():
+        raise InvalidInput("image", "holds NaN or infinite values; load it again (LoadImage)")
+    return ReferenceImage(image.float(), *family.reference_size(width, height))
+
+
+def _check_image_linked(handle: TransformerHandle, linked: bool) -> None:
+    """An edit model needs its ``image``; a model that reads none is refused one (it would be ignored)."""
+    family, model = handle.family, handle.spec.model.name
+    if family.reference_images and not linked:
+        raise InvalidInput(
+            "image",
+            f"is not linked, and {model} ({family.name}) edits an image; link the image to edit (LoadImage) to "
+            "ParallelSampler's image input",
+        )
+    if linked and not family.reference_images:
+        editors = names(lambda f: f.reference_images > 0, last="or")
+        raise InvalidInput(
+            "image",
+            f"is linked, but {model} ({family.name}) reads no reference image; unlink it, or load an edit model "
+            f"({editors}) on LoadShardedTransformer",
+        )
+
+
 def _read_sampler(handle: TransformerHandle, sampler: str, scheduler: str) -> tuple[Sampler, Scheduler]:
     """The ``sampler`` and ``scheduler`` widgets as the table's words (``samplers``), refused where the pack cannot
     run them as diffusers does."""
@@ -243,13 +305,23 @@ def validate_sample(
     scheduler: str = Scheduler.SIMPLE.value,
     length: int = 1,
     guidance_scale_2: float = 0.0,
+    image: ReferenceImage | None = None,
+    image_linked: bool = False,
 ) -> None:
     """Every check ParallelSampler can make before it runs. Without a ``conditioning`` (at validation), ``prompts``
     says how many prompts it will hold; None skips the checks that need to know. ``latent_linked``: a latent_image
     is linked whose contents only execution knows; ``latent_size`` its (width, height) in latent pixels where the
-    graph says it (the size checks wait for execution otherwise)."""
+    graph says it (the size checks wait for execution otherwise). ``image``: an edit model's reference image;
+    ``image_linked``: one is linked whose size only execution knows."""
     family, plan = handle.family, handle.plan
     _read_sampler(handle, sampler, scheduler)
+    _check_image_linked(handle, image is not None or image_linked)
+    if family.reference_images and (latent_image is not None or latent_linked):
+        raise InvalidInput(
+            "latent_image",
+            f"is linked, but {family.name} edits its image input and starts from noise (no img2img); unlink "
+            "latent_image and set the output's size with width and height",
+        )
     if steps < family.min_steps:
         raise InvalidInput("steps", f"{steps} steps {family.min_steps_reason}; use at least {family.min_steps}")
     check_finite("denoise", denoise)
@@ -322,9 +394,12 @@ def validate_sample(
         )
     world = plan.ranks
     prompts = conditioning.count if conditioning is not None else prompts
-    if latent_image is not None and prompts is not None:
+    if prompts is not None:
         images = batch_size * prompts
-        for what, count in (("latent_image", latent_image.batch), ("noise_mask", _mask_batch(latent_image))):
+        counts = (("image", image.batch),) if image is not None else ()
+        if latent_image is not None:
+            counts += (("latent_image", latent_image.batch), ("noise_mask", _mask_batch(latent_image)))
+        for what, count in counts:
             if count not in (1, images):
                 made = f"batch_size {batch_size} × {prompts} prompts" if prompts > 1 else f"batch_size {batch_size}"
                 raise InvalidInput(
@@ -346,7 +421,7 @@ def validate_sample(
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         tokens = image_tokens(family, width, height, length)
-        if tokens % degree:
+        if tokens % degree and not family.reference_images:  # an edit model's whole sequence is checked below
             clip = f" × {length} frames" if length > 1 else ""
             raise InvalidInput(
                 "latent_image" if latent_linked or latent_image is not None else "width",
@@ -354,6 +429,16 @@ def validate_sample(
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
             )
+        if image is not None:  # the reference's tokens follow the image's in one sequence, split as a whole
+            reference_tokens = (image.width // family.pixels_per_token) * (image.height // family.pixels_per_token)
+            if (tokens + reference_tokens) % degree:
+                raise InvalidInput(
+                    "image",
+                    f"the output's {tokens} tokens ({width}×{height}) and the reference image's "
+                    f"{reference_tokens} ({image.width}×{image.height}) make a sequence of "
+                    f"{tokens + reference_tokens}, which does not split over {degree} ranks; turn on anything "
+                    "on LoadShardedTransformer, or change width or height by 16",
+                )
         # Wan's _cp_plan leaves the text whole (splits_text): only the video tokens must divide.
         split_text = conditioning is not None and family.splits_text
         text_streams = _text_streams(family, conditioning, true_cfg_scale) if split_text else {}
@@ -402,6 +487,7 @@ def sample(
     scheduler: str = Scheduler.SIMPLE.value,
     length: int = 1,
     guidance_scale_2: float = 0.0,
+    image: torch.Tensor | None = None,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_cache_report: Callable[[CacheReport], None] | None = None,
@@ -426,7 +512,8 @@ def sample(
     ``positive`` and ``negative`` are EncodeOnBalancedGPUs' Conditioning or ComfyUI's CONDITIONING (``conditioning``
     turns it into the family's inputs); ``negative`` is true CFG's negative prompt, over the encoder's. A guidance
     that came with the conditioning (FluxGuidance) replaces ``guidance_scale``. ``on_conditioning`` gets where the
-    conditioning came from, in words."""
+    conditioning came from, in words. An edit model (FLUX.1 Kontext) edits ``image`` (ComfyUI's IMAGE, batch 1 or one
+    per image), resized as its pipeline does (``read_reference_image``)."""
     conditioning, negative_said = with_negative(handle, read_positive(handle, positive), negative)
     if conditioning.guidance is not None:
         guidance_scale = conditioning.guidance
@@ -435,6 +522,7 @@ def sample(
         if conditioning.guidance is not None and not handle.family.true_cfg:
             said += " (its guidance replaces guidance_scale)"
         on_conditioning("; ".join(filter(None, (said, negative_said))))
+    reference = read_reference_image(handle, image)
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
@@ -451,9 +539,12 @@ def sample(
         scheduler=scheduler,
         length=length,
         guidance_scale_2=guidance_scale_2,
+        image=reference,
     )
     chosen, schedule = _read_sampler(handle, sampler, scheduler)
     tensors = dict(conditioning.tensors)
+    if reference is not None:
+        tensors["image"] = reference.pixels
     if image is not None:
         width, height = image.width, image.height
         tensors["latent_image"] = image.samples

@@ -92,18 +92,42 @@ class Flux1(FamilyAdapter):
             image = (latent_image.float() - vae_config["shift_factor"]) * vae_config["scaling_factor"]
         pipelines = (FluxPipeline, diffusers.FluxImg2ImgPipeline, diffusers.FluxInpaintPipeline)
         pipeline_class, image_inputs = image_pipeline(pipelines, image, noise_mask, sampling.denoise)
-        pipe = pipeline_class(
+        pipe = self.pipeline_around(pipeline_class, model_dir, sampling, transformer)
+        if image is not None:
+            _latent_channels_of_the_vae(pipe, vae_config["latent_channels"], model_dir, masked=noise_mask is not None)
+        return self.run_pipeline(pipe, transformer, embeds, sampling, vae_config, on_step, **image_inputs)
+
+    def pipeline_around(
+        self, pipeline_class: type, model_dir: str, sampling: Sampling, transformer: torch.nn.Module, vae: Any = None
+    ) -> Any:
+        """A FLUX.1 pipeline (FluxPipeline or a variant's) around ``transformer`` with the sampler's scheduler and no
+        text encoders; without a VAE unless it encodes an image itself (Kontext's reference)."""
+        return pipeline_class(
             scheduler=scheduler_for(model_dir, sampling),
-            vae=None,
+            vae=vae,
             text_encoder=None,
             tokenizer=None,
             text_encoder_2=None,
             tokenizer_2=None,
             transformer=transformer,
         )
+
+    def run_pipeline(
+        self,
+        pipe: Any,
+        transformer: torch.nn.Module,
+        embeds: dict[str, torch.Tensor],
+        sampling: Sampling,
+        vae_config: dict,
+        on_step: OnStep | None,
+        **inputs: Any,
+    ) -> torch.Tensor:
+        """Run a FLUX.1 pipeline built around ``transformer`` (FluxPipeline or a variant's, which take the same
+        arguments and ``inputs`` besides) to LATENT samples [batch_size, 16, height/8, width/8] in ComfyUI's
+        convention."""
+        from diffusers import FluxPipeline
+
         pipe.set_progress_bar_config(disable=True)
-        if image is not None:
-            _latent_channels_of_the_vae(pipe, vae_config["latent_channels"], model_dir, masked=noise_mask is not None)
         device = pipe._execution_device
         # Passed-in embeddings are used as given (the pipeline repeats only the ones it encodes itself), and their
         # dtype sets the latents' dtype.
@@ -118,7 +142,7 @@ class Flux1(FamilyAdapter):
             generator=generators(sampling.seed, sampling.batch_size),
             output_type="latent",
             callback_on_step_end=step_callback(on_step),
-            **image_inputs,
+            **inputs,
         ).images
         # What FluxPipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's weights.
         # In float32 (ComfyUI's LATENT dtype) even for a bf16 transformer, so the scale and shift add no rounding.

@@ -281,6 +281,15 @@ class Flux1Files(FilesLayout):
     def contents(
         self, variant: str, transformer: SourceHeader, text_encoders: list[SourceHeader], vae: SourceHeader
     ) -> FilesContents:
+        if "kontext" in transformer.name.lower():
+            # Kontext's file has FLUX.1-dev's keys and shapes: only its name tells it, and converted as FLUX.1-dev it
+            # would run text-to-image, ignoring the image it is for.
+            raise InvalidInput(
+                transformer.widget,
+                f"{transformer.name!r} is named as FLUX.1 Kontext's, whose weights have FLUX.1-dev's shapes, so its "
+                "file cannot be told from FLUX.1-dev's and would run as FLUX.1-dev, without the image; use the "
+                "FLUX.1-Kontext-dev diffusers folder (README, Edit models) in the model widgets instead",
+            )
         clip = [f for f in text_encoders if is_clip(f.shapes)]
         t5 = [f for f in text_encoders if is_t5(f.shapes)]
         for f in text_encoders:
