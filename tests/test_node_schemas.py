@@ -50,8 +50,17 @@ ADDED_AFTER_0_1_0 = {
 # Inputs appended since 0.1.0 to the optional end of a node's, in the order they came.
 GROWN_AFTER_0_1_0 = {
     "ParallelBackend": ["gpus", "free_comfyui_vram", "nnodes", "rdzv_endpoint"],  # GPU readiness; several machines
-    # img2img, inpainting; the samplers; ComfyUI's negative; Wan's clip length and second expert's CFG
-    "ParallelSampler": ["latent_image", "denoise", "sampler", "scheduler", "negative", "length", "guidance_scale_2"],
+    # img2img, inpainting; the samplers; ComfyUI's negative; Wan's clip length and second expert's CFG; an edit's image
+    "ParallelSampler": [
+        "latent_image",
+        "denoise",
+        "sampler",
+        "scheduler",
+        "negative",
+        "length",
+        "guidance_scale_2",
+        "image",
+    ],
     # step caching; compiled blocks; fp8 held as stored
     "LoadShardedTransformer": ["cache", "cache_threshold", "compile", "weights"],
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
