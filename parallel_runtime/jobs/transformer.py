@@ -4,9 +4,11 @@ Nothing loads here: the backend loads the transformer when the sampler first nee
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from .. import families, model_folders
 from ..errors import InvalidInput
+from ..gguf_files import TENSOR_PARALLEL_REFUSAL, gguf_weights
 from ..spec import BackendSpec
 from ..strategy import StrategyPlan, TransformerFacts, check_attention
 from ..wire import FIRST_BLOCK_CACHE_THRESHOLD, CacheMode, StepCache, TransformerSpec
@@ -70,6 +72,8 @@ def plan_transformer(
             f"{families.family(ref.family).name} has no true CFG (one transformer pass per step), so cfg_parallel "
             "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
         )
+    if plan.shards_weights and gguf_weights(os.path.join(ref.path, "transformer")) is not None:
+        raise InvalidInput("strategy", f"{model!r} is {TENSOR_PARALLEL_REFUSAL.removeprefix('a ')}")
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(

@@ -23,6 +23,7 @@ import torch
 
 from ..estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, weights_share
 from ..families import FamilyAdapter
+from ..gguf_files import gguf_weights
 from ..strategy import StrategyPlan
 from ..wire import Sampling
 from .diagnostics import memory_of
@@ -41,6 +42,14 @@ def parameters_in(folder: str) -> int:
                 header = json.loads(f.read(length))
             count += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
     return count
+
+
+def transformer_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """Bytes of the transformer's weights as a rank holds them: ``dtype``'s, or a GGUF file's packed bytes (each rank
+    holds the file's tensors as stored)."""
+    folder = os.path.join(model_dir, "transformer")
+    packed = gguf_weights(folder)
+    return os.path.getsize(packed) if packed is not None else parameters_in(folder) * dtype.itemsize
 
 
 def text_encoder_bytes(model_dir: str, dtype: torch.dtype) -> int:
@@ -70,7 +79,7 @@ def cap_without_room_for_encoders(
 ) -> str:
     """A ``CAP_ENV`` value (GiB) under which a rank holds the transformer and its step's activations but not the text
     encoders beside them as well: what a test or a benchmark declares to see ``auto`` behave as ``staged``."""
-    transformer = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize
+    transformer = transformer_bytes(model_dir, dtype)
     activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
     cap = transformer + activations + text_encoder_bytes(model_dir, dtype) // 2
     return f"{cap / 2**30:.12f}"
@@ -134,7 +143,7 @@ def check_denoise(
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     weights = 0
     if loads_weights:
-        weights = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize * weights_share(plan)
+        weights = transformer_bytes(model_dir, dtype) * weights_share(plan)
     free, sharing = _free(device, local_ranks if plan.spmd else 1)
     need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
     if need > have:

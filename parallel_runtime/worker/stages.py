@@ -243,7 +243,8 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             flush(ctx.device)  # what staged just freed counts as free for the budget
             budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate.activations)
             placement = dataclasses.replace(placement, max_memory=budget)
-        transformer = models.get(key, functools.partial(adapter.load_transformer, spec.model.path, dtype, placement))
+        load = functools.partial(strategies.load_placed, adapter, spec.model.path, dtype, placement)
+        transformer = models.get(key, load)
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
     lora.apply_loras(ctx, transformer, spec, adapter)
 

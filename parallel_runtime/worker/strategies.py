@@ -4,6 +4,7 @@ CFG parallelism. Family-agnostic: the family names its transformer class.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,7 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import InvalidInput
+from ..families import FamilyAdapter, Placement
 from ..families.base import expand_batch
+from ..gguf_files import TENSOR_PARALLEL_REFUSAL, gguf_weights, load_gguf_transformer
 from ..strategy import StrategyPlan, check_attention_on_gpu, ring_attention_backend
 from .cfg_parallel import enable_cfg_parallel
 from .diagnostics import device_label
@@ -100,10 +103,15 @@ def load_transformer(
     """This rank's ``cls`` transformer for ``plan`` (collective: every rank calls it together), built axis by axis on
     the plan's one mesh: the weights' slices, then the tokens' split, then true CFG's passes."""
     mesh = device_mesh(device.type, plan.mesh_shape, plan.mesh_dim_names) if plan.mesh_dim_names else None
+    gguf = gguf_weights(os.path.join(model_dir, "transformer")) is not None
     if plan.shards_weights:
+        if gguf:
+            raise WidgetError("strategy", TENSOR_PARALLEL_REFUSAL)
         # Each rank reads only its slice of every planned weight, into the tensor it keeps: no rank ever holds the
         # whole model, not even while loading.
         transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"])
+    elif gguf:
+        transformer = load_gguf_transformer(cls, model_dir, dtype, str(device))
     else:
         # Each tensor goes to the rank's device as it is read: loading on the host and moving afterwards would hold
         # the whole model in every rank's host memory at once (N × 24 GB for FLUX.1-dev on N GPUs when its dtype
@@ -118,6 +126,14 @@ def load_transformer(
     if plan.splits_cfg:
         enable_cfg_parallel(transformer, mesh["cfg"])
     return transformer
+
+
+def load_placed(adapter: FamilyAdapter, model_dir: str, dtype: torch.dtype, placement: Placement) -> torch.nn.Module:
+    """device_map's transformer on rank 0: the family's load, spread over the devices; a GGUF transformer packed, whole
+    on ``placement``'s first device (diffusers' single-file path places a model whole)."""
+    if gguf_weights(os.path.join(model_dir, "transformer")) is not None:
+        return load_gguf_transformer(adapter.transformer_class(), model_dir, dtype, placement.device)
+    return adapter.load_transformer(model_dir, dtype, placement)
 
 
 def share(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
