@@ -195,7 +195,8 @@ def flux_models(files):
 
 FLUX_STRATEGIES = [
     pytest.param("Q4_K", "context_parallel", {"ulysses_degree": 2}, 1, id="Q4_K-ulysses"),
-    pytest.param("Q8_0", "data_parallel", {}, 2, id="Q8_0-data_parallel"),
+    # data parallel on GGUF runs in the default run with stacked LoRAs (test_stacked_loras_on_gguf_weights_...)
+    pytest.param("Q8_0", "data_parallel", {}, 2, marks=pytest.mark.slow, id="Q8_0-data_parallel"),
     pytest.param("Q8_0", "device_map", {}, 1, id="Q8_0-device_map"),
     pytest.param("Q8_0", "context_parallel", {"ulysses_degree": 2}, 1, marks=pytest.mark.slow, id="Q8_0-ulysses"),
     pytest.param(
@@ -293,3 +294,70 @@ def test_qwenimage_reference_is_diffusers_own_gguf_path(files, qwen_models):
         with torch.no_grad():
             a, b = own(**inputs).sample, plain(**inputs).sample
         assert (a - b).abs().max() <= 1e-5
+
+
+# -- LoRAs on GGUF weights ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_loras(files, tmp_path_factory):
+    """Two tiny LoRAs of the FLUX.1 model (diffusers' layout) in the module's LoRA folder: the family's test layers
+    that its one-block model has (packed Q8_0 layers, F32 ones, the embedder and proj_out)."""
+    from parallel_runtime.families.flux.tiny import LORA_LAYERS as FLUX_LAYERS
+    from parallel_runtime.families.tiny import make_tiny_lora, save_diffusers_lora
+
+    LORA_LAYERS = [m for m in FLUX_LAYERS if ".1." not in m]
+
+    _, made = files
+    _, reference = made["flux"]["Q8_0"]
+    root = tmp_path_factory.mktemp("gguf-loras")
+    old = os.environ.get("COMFY_PARALLEL_LORAS")
+    os.environ["COMFY_PARALLEL_LORAS"] = str(root)
+    for i, name in enumerate(("gguf_a.safetensors", "gguf_b.safetensors")):
+        lora = make_tiny_lora(reference, "flux", layers=LORA_LAYERS, seed=20 + i)
+        save_diffusers_lora(lora, root / name, "flux")
+    yield root
+    if old is None:
+        del os.environ["COMFY_PARALLEL_LORAS"]
+    else:
+        os.environ["COMFY_PARALLEL_LORAS"] = old
+
+
+STACK = (("gguf_a.safetensors", 0.8), ("gguf_b.safetensors", -0.5))
+
+
+@pytest.mark.multirank
+def test_stacked_loras_on_gguf_weights_are_side_branches(files, flux_models, gguf_loras):
+    """Two LoRAs stacked on the Q8_0 model under data parallel: PEFT adapters beside the packed weights (auto), the
+    image equal to diffusers' pipeline with the same adapters on what the file means; ``fused`` (which would merge
+    the deltas into packed weights) is refused naming lora_mode, and the backend stays usable."""
+    import dataclasses
+
+    from diffusers import FluxPipeline
+
+    from parallel_runtime import OpFailed
+    from parallel_runtime.wire import LoraMode
+
+    _, made = files
+    name, _ = flux_models["Q8_0"]
+    spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
+    positive = jobs.encode_prompt(spec, model=name, prompt="a photo of a horse in the city", max_sequence_length=TOKENS)
+
+    def image(mode: LoraMode) -> torch.Tensor:
+        handle = jobs.plan_transformer(spec, model=name, strategy="data_parallel")
+        for lora, strength in STACK:
+            handle, _ = jobs.add_lora(handle, lora_name=lora, strength=strength)
+        handle = dataclasses.replace(handle, spec=dataclasses.replace(handle.spec, lora_mode=mode))
+        latent = jobs.sample(handle, positive, seed=3, steps=2, guidance_scale=3.5, width=64, height=64, batch_size=2)
+        return jobs.decode(spec, model=name, samples=latent)
+
+    ours = image(LoraMode.AUTO)
+    pipe = FluxPipeline.from_pretrained(made["flux"]["Q8_0"][1], dtype=torch.float32)
+    for i, (lora, _) in enumerate(STACK):
+        pipe.load_lora_weights(str(gguf_loras / lora), adapter_name=f"lora{i}")
+    pipe.set_adapters(["lora0", "lora1"], [strength for _, strength in STACK])
+    expected = one_shot_images(pipe, guidance_scale=3.5, max_sequence_length=TOKENS)(3, 64, 64, 2)
+    diff = (ours - expected).abs().max().item()
+    print(f"FLUX.1 GGUF Q8_0 with two stacked LoRAs (PEFT side branches): max |diff| vs one-shot {diff:.3g}")
+    assert diff <= 1e-4
+    with pytest.raises((InvalidInput, OpFailed), match=r"lora_mode: .* a GGUF transformer holds packed"):
+        image(LoraMode.FUSED)
+    assert (image(LoraMode.AUTO) - ours).abs().max() <= 1e-6
