@@ -17,7 +17,8 @@ from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig, QwenImageT
 from gguf import quants
 from helpers import generate, generate_family, one_shot_images
 
-from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
+from parallel_runtime import InvalidInput, default_spec, get_backend, jobs, model_folders
+from parallel_runtime.estimates import gguf_bytes
 from parallel_runtime.families.flux.tiny import bfl_transformer
 from parallel_runtime.families.tiny import count_blocks, quantize_q4_k, write_gguf, write_gguf_formats
 from parallel_runtime.gguf_files import gguf_weights, load_gguf_transformer, read_gguf
@@ -109,6 +110,8 @@ def test_the_converted_folder_links_the_file_and_every_rank_holds_it_packed(file
                 out, width = p.quant_shape
                 assert p.dtype == torch.uint8 and p.numel() == round(out * width * ratio), key
                 assert p.quant_type.name == qtype
+            values = sum(p.quant_shape[0] * p.quant_shape[1] for p in packed.values())
+            assert gguf_bytes(values, qtype) == sum(p.numel() for p in packed.values())  # the README's estimate
             expected = cls.from_pretrained(reference, subfolder="transformer", dtype=torch.float32).state_dict()
             from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
@@ -162,6 +165,19 @@ def test_refusals_name_the_input(files):
     os.symlink(source, models / "text_encoders" / "t5.gguf")
     with pytest.raises(InvalidInput, match=r"text_encoder_2: .* only the diffusion model may be GGUF"):
         jobs.validate_comfy_files(**{**names, "text_encoder_2": "t5.gguf"})
+
+
+def test_a_gguf_component_outside_a_conversion_is_refused(tmp_path, monkeypatch):
+    """A diffusers folder whose component holds only a .gguf file the pack did not link: refused naming the model
+    input, with where a GGUF transformer goes."""
+    model = tmp_path / "diffusers" / "gguf-folder"
+    (model / "transformer").mkdir(parents=True)
+    (model / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    (model / "transformer" / "config.json").write_text("{}")
+    (model / "transformer" / "flux1-dev-Q8_0.gguf").write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setenv("COMFY_PARALLEL_MODELS", str(tmp_path / "diffusers"))
+    with pytest.raises(InvalidInput, match=r"model: gguf-folder/transformer holds GGUF weights, .* ParallelModelFrom"):
+        model_folders.resolve("gguf-folder")
 
 
 def _tiny_flux_config(made) -> dict:
