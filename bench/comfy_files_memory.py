@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,24 +46,20 @@ def _status(pid: int, field: str) -> int:
     raise RuntimeError(f"no {field} for {pid}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--width", type=int, default=1024, help="the transformer's width (a multiple of 128)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-
+def random_flux_files(prefix: str, width: int) -> tuple[str, dict[str, str], object]:
+    """A temporary ComfyUI models folder (removed at exit; the conversion root below it) with the tiny FLUX.1's bf16
+    files, and a random FLUX.1 transformer ``width`` wide (``width // 128`` heads of 128, 2 double + 4 single blocks):
+    (the folder, the tiny files' widget values, the transformer)."""
     import torch
     from diffusers import FluxTransformer2DModel
-    from safetensors.torch import save_file
 
-    from parallel_runtime import comfy_files, default_spec, get_backend, jobs, shutdown_backend
+    from parallel_runtime import comfy_files
     from parallel_runtime.families.flux import tiny as flux_tiny
 
     comfy_dir = comfy_files.comfy_package_dir()
     if comfy_dir is None:
         sys.exit("needs ComfyUI's tokenizers: set COMFYUI_DIR")
-    work = tempfile.mkdtemp(prefix="comfy-files-memory-")
+    work = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, work, ignore_errors=True)  # the files and their conversion: GiBs at real widths
     os.environ["COMFY_PARALLEL_COMFY_MODELS"] = os.path.join(work, "models")
     os.environ["COMFY_PARALLEL_CONVERTED"] = os.path.join(work, "converted")
@@ -75,12 +73,52 @@ def main() -> None:
             num_layers=2,
             num_single_layers=4,
             attention_head_dim=128,
-            num_attention_heads=args.width // 128,
+            num_attention_heads=width // 128,
             joint_attention_dim=64,
             pooled_projection_dim=64,
             guidance_embeds=True,
             axes_dims_rope=(16, 56, 56),
         )
+    return work, names, big
+
+
+@contextlib.contextmanager
+def anonymous_peaks(pids: list[int]) -> Iterator[tuple[list[int], list[int]]]:
+    """Each process's anonymous memory (``RssAnon``) before the block and its peak during it, sampled every 5 ms
+    (anonymous memory has no high-water mark of its own); the peaks are final once the block ends."""
+    before = [_status(pid, "RssAnon") for pid in pids]
+    peak = list(before)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for i, pid in enumerate(pids):
+                peak[i] = max(peak[i], _status(pid, "RssAnon"))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield before, peak
+    finally:
+        done.set()
+        watcher.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1024, help="the transformer's width (a multiple of 128)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+    from safetensors.torch import save_file
+
+    from parallel_runtime import default_spec, get_backend, jobs, shutdown_backend
+    from parallel_runtime.families.flux import tiny as flux_tiny
+
+    work, names, big = random_flux_files("comfy-files-memory-", args.width)
     full_bytes = sum(p.numel() * 4 for p in big.parameters())  # float32: the CPU ranks' dtype
     bfl = flux_tiny.bfl_transformer(big.state_dict(), 2, 4)
     name = "bench-flux1-dev.safetensors"
@@ -106,21 +144,8 @@ def main() -> None:
         generate(tiny_model)
         pids = [pid for _, pid in sorted(backend.worker_pids.items())]
         before = [_status(pid, "VmRSS") for pid in pids]
-        anon_before = [_status(pid, "RssAnon") for pid in pids]
-        anon_peak = list(anon_before)
-        done = threading.Event()
-
-        def watch(pids: list[int] = pids, anon_peak: list[int] = anon_peak, done: threading.Event = done) -> None:
-            while not done.is_set():  # anonymous memory has no high-water mark of its own: sample it
-                for i, pid in enumerate(pids):
-                    anon_peak[i] = max(anon_peak[i], _status(pid, "RssAnon"))
-                time.sleep(0.005)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        generate(model)
-        done.set()
-        watcher.join()
+        with anonymous_peaks(pids) as (anon_before, anon_peak):
+            generate(model)
         after = [_status(pid, "VmHWM") for pid in pids]
         params = [
             next(m for m in r.resident if m.component == "transformer").parameter_bytes for r in backend.status().ranks

@@ -19,18 +19,14 @@ CPU ranks compute in float32, so "bf16" holds 4 bytes a parameter there; on a GP
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import sys
-import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from comfy_files_memory import _status
+from comfy_files_memory import anonymous_peaks, random_flux_files
 
 FORMATS = ("bf16", "Q8_0", "Q4_K")
 
@@ -44,36 +40,13 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
 
-    from parallel_runtime import comfy_files, default_spec, get_backend, jobs, shutdown_backend
+    from parallel_runtime import default_spec, get_backend, jobs, shutdown_backend
     from parallel_runtime.families.flux import tiny as flux_tiny
     from parallel_runtime.families.tiny import write_gguf
 
-    comfy_dir = comfy_files.comfy_package_dir()
-    if comfy_dir is None:
-        sys.exit("needs ComfyUI's tokenizers: set COMFYUI_DIR")
-    work = tempfile.mkdtemp(prefix="gguf-bench-")
-    atexit.register(shutil.rmtree, work, ignore_errors=True)
-    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = os.path.join(work, "models")
-    os.environ["COMFY_PARALLEL_CONVERTED"] = os.path.join(work, "converted")
-    names, _ = flux_tiny.make_tiny_flux_files(
-        os.path.join(work, "models"), os.path.join(work, "reference"), comfy_dir, formats=("bf16",)
-    )["bf16"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        big = FluxTransformer2DModel(
-            in_channels=64,
-            num_layers=2,
-            num_single_layers=4,
-            attention_head_dim=128,
-            num_attention_heads=args.width // 128,
-            joint_attention_dim=64,
-            pooled_projection_dim=64,
-            guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56),
-        )
+    work, names, big = random_flux_files("gguf-bench-", args.width)
     parameters = sum(p.numel() for p in big.parameters())
     bfl = {k: v.to(torch.bfloat16) for k, v in flux_tiny.bfl_transformer(big.state_dict(), 2, 4).items()}
     del big
@@ -107,21 +80,8 @@ def main() -> None:
         sample(tiny_model, 2)
         pids = [pid for _, pid in sorted(backend.worker_pids.items())]
         for fmt in FORMATS:
-            before = [_status(pid, "RssAnon") for pid in pids]
-            peak = list(before)
-            done = threading.Event()
-
-            def watch(peak: list[int] = peak, done: threading.Event = done) -> None:
-                while not done.is_set():  # anonymous memory has no high-water mark of its own: sample it
-                    for i, pid in enumerate(pids):
-                        peak[i] = max(peak[i], _status(pid, "RssAnon"))
-                    time.sleep(0.005)
-
-            watcher = threading.Thread(target=watch, daemon=True)
-            watcher.start()
-            sample(models[fmt], 2)  # loads the format's transformer (the staged policy freed the last one first)
-            done.set()
-            watcher.join()
+            with anonymous_peaks(pids) as (before, peak):
+                sample(models[fmt], 2)  # loads the format's transformer (the staged policy freed the last one first)
             step = (sample(models[fmt], 4) - sample(models[fmt], 2)) / 2
             held = [
                 next(m for m in r.resident if m.component == "transformer").parameter_bytes
