@@ -119,6 +119,31 @@ def test_the_converted_folder_links_the_file_and_every_rank_holds_it_packed(file
                 torch.testing.assert_close(dequantize_gguf_tensor(value).float(), expected[key], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # building the tiny FLUX.2's files (its Mistral and tokenizer) takes a while
+def test_flux2_gguf_converts_and_loads_packed(tmp_path, monkeypatch):
+    """FLUX.2's GGUF goes the same way: its layout's moves make the model's keys from BFL's, the weights stay packed
+    and mean what the file means."""
+    from diffusers import Flux2Transformer2DModel
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    from parallel_runtime.families.flux2.tiny import _bfl_flux2_transformer, make_tiny_flux2_files
+
+    models = tmp_path / "models"
+    monkeypatch.setenv("COMFY_PARALLEL_COMFY_MODELS", str(models))
+    monkeypatch.setenv("COMFY_PARALLEL_CONVERTED", str(tmp_path / "converted"))
+    made = make_tiny_flux2_files(str(models), str(tmp_path / "reference"), formats=("bf16",))["bf16"]
+    names, reference = write_gguf_formats(
+        str(models), made, "flux", _bfl_flux2_transformer, Flux2Transformer2DModel, ("Q4_K",)
+    )["Q4_K"]
+    name, _ = jobs.model_from_comfy_files(**names)
+    model = load_gguf_transformer(Flux2Transformer2DModel, str(tmp_path / "converted" / name), torch.float32, "cpu")
+    assert any(hasattr(p, "quant_type") for p in model.parameters())
+    expected = Flux2Transformer2DModel.from_pretrained(reference, subfolder="transformer", dtype=torch.float32)
+    for key, value in expected.state_dict().items():
+        got = dequantize_gguf_tensor(model.state_dict()[key]).float()
+        torch.testing.assert_close(got, value, rtol=0, atol=1e-6)
+
+
 def _raw_type_offset(path: str, name: str) -> int:
     """Where tensor ``name``'s type sits in ``path``'s tensor infos (to write one the gguf package does not know)."""
     reader = gguf.GGUFReader(path)
