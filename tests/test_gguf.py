@@ -278,14 +278,20 @@ def _fp32_bytes(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def qwen_models(files):
+    """Each Qwen-Image GGUF converted, and (made when first asked for) the one-shot pipeline's image on the folder of
+    what it means: (model name, that image)."""
     from helpers import family_reference
 
     _, made = files
-    out = {}
-    for qtype, (names, reference) in made["qwenimage"].items():
-        name, _ = jobs.model_from_comfy_files(**names)
-        out[qtype] = (name, reference, family_reference(reference, "qwenimage", 3))
-    return out
+    cache = {}
+
+    def model(qtype: str) -> tuple[str, torch.Tensor]:
+        if qtype not in cache:
+            names, reference = made["qwenimage"][qtype]
+            cache[qtype] = (jobs.model_from_comfy_files(**names)[0], family_reference(reference, "qwenimage", 3))
+        return cache[qtype]
+
+    return model
 
 
 QWEN_STRATEGIES = [
@@ -300,7 +306,7 @@ QWEN_STRATEGIES = [
 def test_qwenimage_gguf_strategies(qwen_models, qtype, strategy, args):
     """Qwen-Image's GGUF (true CFG with a negative prompt) on 2 CPU ranks equals the one-shot pipeline on what the
     file means within 1e-4."""
-    name, _, expected = qwen_models[qtype]
+    name, expected = qwen_models(qtype)
     spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
     _, image = generate_family(spec, "qwenimage", strategy, model=name, **args)
     diff = (image - expected).abs().max().item()
@@ -308,7 +314,7 @@ def test_qwenimage_gguf_strategies(qwen_models, qtype, strategy, args):
     assert diff <= 1e-4
 
 
-def test_qwenimage_reference_is_diffusers_own_gguf_path(files, qwen_models):
+def test_qwenimage_reference_is_diffusers_own_gguf_path(files):
     """For Qwen-Image (whose ComfyUI files keep diffusers' keys) diffusers' own one-process GGUF path reads the file
     itself: ``from_single_file`` with ``GGUFQuantizationConfig`` computes what the reference folder's model computes,
     so the strategies' reference is diffusers' GGUF path."""

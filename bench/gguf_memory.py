@@ -2,7 +2,7 @@
 """Each rank's memory and per-step time with a GGUF transformer (Q8_0, Q4_K) against the same model's bf16 file, on
 the same ranks, in one run.
 
-    COMFYUI_DIR=... python bench/gguf.py [--ranks 2] [--width 1024] [--strategy context_parallel] [--json]
+    COMFYUI_DIR=... python bench/gguf_memory.py [--ranks 2] [--width 1024] [--strategy context_parallel] [--json]
 
 A FLUX.1 transformer with random weights (``--width`` 1024: 8 heads × 128, 2 double + 4 single blocks, ~140M
 parameters) is written as ComfyUI's bf16 file and as ComfyUI-GGUF's Q8_0 and Q4_K files (``families.tiny.write_gguf``)
@@ -14,6 +14,7 @@ packed bytes), its anonymous memory's peak growth while the format loads and sam
 ``/proc/<pid>/status`` sampled every 5 ms: what the rank allocated, not the file's page cache), and the time per
 denoising step (a 4-step run's wall time minus a 2-step run's, over 2: the load and the encode cancel out). The
 CPU ranks compute in float32, so "bf16" holds 4 bytes a parameter there; on a GPU (bf16 compute) it holds 2.
+(Not ``bench/gguf.py``: run as a script, that name would shadow the ``gguf`` package for everything it imports.)
 """
 
 from __future__ import annotations
