@@ -4,15 +4,14 @@ the same ranks, in one run.
 
     COMFYUI_DIR=... python bench/gguf_memory.py [--ranks 2] [--width 1024] [--strategy context_parallel] [--json]
 
-A FLUX.1 transformer with random weights (``--width`` 1024: 8 heads × 128, 2 double + 4 single blocks, ~140M
-parameters) is written as ComfyUI's bf16 file and as ComfyUI-GGUF's Q8_0 and Q4_K files (``families.tiny.write_gguf``)
-beside the tiny CLIP / T5 / VAE files, converted by ``comfy_files`` as ParallelModelFromComfyFiles does, and generated
-from on one CPU backend (context parallel by default: each rank holds the whole transformer). The tiny model runs
-first (imports and first-run buffers in the baseline); each format's transformer replaces the last (the staged
-policy frees it first). Measured per rank: the parameter bytes it holds (diffusers' packed GGUF tensors count their
-packed bytes), its anonymous memory's peak growth while the format loads and samples (``RssAnon`` of
-``/proc/<pid>/status`` sampled every 5 ms: what the rank allocated, not the file's page cache), and the time per
-denoising step (a 4-step run's wall time minus a 2-step run's, over 2: the load and the encode cancel out). The
+A FLUX.1 transformer with random weights (``--width`` 1024: 8 heads × 128, 2 double + 4 single blocks, ~140M parameters)
+is written as ComfyUI's bf16 file and as ComfyUI-GGUF's Q8_0 and Q4_K files (``families.tiny.write_gguf``) beside the
+tiny CLIP / T5 / VAE files, converted by ``comfy_files`` as ParallelModelFromComfyFiles does, and generated from on a
+fresh CPU backend per format (context parallel by default: each rank holds the whole transformer), where the tiny model
+runs first (imports and first-run buffers in the baseline). Measured per rank: the parameter bytes it holds (diffusers'
+packed GGUF tensors count their packed bytes), its anonymous memory's peak growth while the format loads and samples
+(``RssAnon`` of ``/proc/<pid>/status`` sampled every 5 ms: what the rank allocated, not the file's page cache), and the
+time per denoising step (a 4-step run's wall time minus a 2-step run's, over 2: the load and the encode cancel out). The
 CPU ranks compute in float32, so "bf16" holds 4 bytes a parameter there; on a GPU (bf16 compute) it holds 2.
 (Not ``bench/gguf.py``: run as a script, that name would shadow the ``gguf`` package for everything it imports.)
 """
@@ -65,7 +64,6 @@ def main() -> None:
     tiny_model, _ = jobs.model_from_comfy_files(**names)
 
     spec = default_spec(ranks=args.ranks, device="cpu", memory_policy="staged")
-    backend = get_backend(spec)
     batch = args.ranks if args.strategy == "data_parallel" else 1
     extra = {"ulysses_degree": args.ranks} if args.strategy == "context_parallel" else {}
 
@@ -77,24 +75,27 @@ def main() -> None:
         return time.perf_counter() - t0
 
     results = {"parameters": parameters, "strategy": args.strategy, "ranks": args.ranks, "formats": {}}
-    try:
-        sample(tiny_model, 2)
-        pids = [pid for _, pid in sorted(backend.worker_pids.items())]
-        for fmt in FORMATS:
+    for fmt in FORMATS:
+        # A fresh backend per format: memory another format's model held and gave back stays in the ranks' heaps and
+        # would hide this one's peak.
+        backend = get_backend(spec)
+        try:
+            sample(tiny_model, 2)
+            pids = [pid for _, pid in sorted(backend.worker_pids.items())]
             with anonymous_peaks(pids) as (before, peak):
-                sample(models[fmt], 2)  # loads the format's transformer (the staged policy freed the last one first)
+                sample(models[fmt], 2)  # loads the format's transformer
             step = (sample(models[fmt], 4) - sample(models[fmt], 2)) / 2
             held = [
                 next(m for m in r.resident if m.component == "transformer").parameter_bytes
                 for r in backend.status().ranks
             ]
-            results["formats"][fmt] = {
-                "parameter_bytes": held,
-                "peak_anonymous_growth_bytes": [p - b for p, b in zip(peak, before)],
-                "seconds_per_step": round(step, 4),
-            }
-    finally:
-        shutdown_backend()
+        finally:
+            shutdown_backend()
+        results["formats"][fmt] = {
+            "parameter_bytes": held,
+            "peak_anonymous_growth_bytes": [p - b for p, b in zip(peak, before)],
+            "seconds_per_step": round(step, 4),
+        }
     if args.json:
         print(json.dumps(results, indent=2))
         return
