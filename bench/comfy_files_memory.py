@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,6 +67,50 @@ def big_flux1(width: int) -> object:
         )
 
 
+def random_flux_files(prefix: str, width: int) -> tuple[str, dict[str, str], object]:
+    """A temporary ComfyUI models folder (removed at exit; the conversion root below it) with the tiny FLUX.1's bf16
+    files, and a random FLUX.1 transformer ``width`` wide (``width // 128`` heads of 128, 2 double + 4 single blocks):
+    (the folder, the tiny files' widget values, the transformer)."""
+    from parallel_runtime import comfy_files
+    from parallel_runtime.families.flux import tiny as flux_tiny
+
+    comfy_dir = comfy_files.comfy_package_dir()
+    if comfy_dir is None:
+        sys.exit("needs ComfyUI's tokenizers: set COMFYUI_DIR")
+    work = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # the files and their conversion: GiBs at real widths
+    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = os.path.join(work, "models")
+    os.environ["COMFY_PARALLEL_CONVERTED"] = os.path.join(work, "converted")
+    names, _ = flux_tiny.make_tiny_flux_files(
+        os.path.join(work, "models"), os.path.join(work, "reference"), comfy_dir, formats=("bf16",)
+    )["bf16"]
+    big = big_flux1(width)
+    return work, names, big
+
+
+@contextlib.contextmanager
+def anonymous_peaks(pids: list[int]) -> Iterator[tuple[list[int], list[int]]]:
+    """Each process's anonymous memory (``RssAnon``) before the block and its peak during it, sampled every 5 ms
+    (anonymous memory has no high-water mark of its own); the peaks are final once the block ends."""
+    before = [proc_status(pid, "RssAnon") for pid in pids]
+    peak = list(before)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for i, pid in enumerate(pids):
+                peak[i] = max(peak[i], proc_status(pid, "RssAnon"))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield before, peak
+    finally:
+        done.set()
+        watcher.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -75,20 +121,10 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from parallel_runtime import comfy_files, default_spec, get_backend, jobs, shutdown_backend
+    from parallel_runtime import default_spec, get_backend, jobs, shutdown_backend
     from parallel_runtime.families.flux import tiny as flux_tiny
 
-    comfy_dir = comfy_files.comfy_package_dir()
-    if comfy_dir is None:
-        sys.exit("needs ComfyUI's tokenizers: set COMFYUI_DIR")
-    work = tempfile.mkdtemp(prefix="comfy-files-memory-")
-    atexit.register(shutil.rmtree, work, ignore_errors=True)  # the files and their conversion: GiBs at real widths
-    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = os.path.join(work, "models")
-    os.environ["COMFY_PARALLEL_CONVERTED"] = os.path.join(work, "converted")
-    names, _ = flux_tiny.make_tiny_flux_files(
-        os.path.join(work, "models"), os.path.join(work, "reference"), comfy_dir, formats=("bf16",)
-    )["bf16"]
-    big = big_flux1(args.width)
+    work, names, big = random_flux_files("comfy-files-memory-", args.width)
     full_bytes = sum(p.numel() * 4 for p in big.parameters())  # float32: the CPU ranks' dtype
     bfl = flux_tiny.bfl_transformer(big.state_dict(), 2, 4)
     name = "bench-flux1-dev.safetensors"
@@ -114,21 +150,8 @@ def main() -> None:
         generate(tiny_model)
         pids = [pid for _, pid in sorted(backend.worker_pids.items())]
         before = [proc_status(pid, "VmRSS") for pid in pids]
-        anon_before = [proc_status(pid, "RssAnon") for pid in pids]
-        anon_peak = list(anon_before)
-        done = threading.Event()
-
-        def watch(pids: list[int] = pids, anon_peak: list[int] = anon_peak, done: threading.Event = done) -> None:
-            while not done.is_set():  # anonymous memory has no high-water mark of its own: sample it
-                for i, pid in enumerate(pids):
-                    anon_peak[i] = max(anon_peak[i], proc_status(pid, "RssAnon"))
-                time.sleep(0.005)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        generate(model)
-        done.set()
-        watcher.join()
+        with anonymous_peaks(pids) as (anon_before, anon_peak):
+            generate(model)
         after = [proc_status(pid, "VmHWM") for pid in pids]
         params = [
             next(m for m in r.resident if m.component == "transformer").parameter_bytes for r in backend.status().ranks

@@ -39,7 +39,8 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                 "the text encoders in models/text_encoders, the VAE in models/vae) for the model input of Encode on "
                 "Balanced GPUs, Load Sharded Transformer and VAE Decode (single GPU): link its output into each. "
                 f"{join_words([layout.variants for layout in FILES_LAYOUTS])}; bf16 / fp16, fp8 and ComfyUI's scaled "
-                "fp8 files. "
+                "fp8 files, and ComfyUI-GGUF's .gguf transformers (held packed on every rank; not under tensor "
+                "parallel). "
                 "The first run converts them once into a cached diffusers folder (what is already in the right layout "
                 "is linked, not copied); later runs reuse it. Every strategy then loads it as any diffusers folder."
             ),
@@ -49,8 +50,8 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                     options=comfy_files.widget_options("diffusion_model"),
                     tooltip=(
                         "The transformer from models/diffusion_models (or unet): "
-                        f"{', '.join(_picked('diffusion_model'))}, or their fp8 versions. The family (and its variant, "
-                        "such as dev or schnell) is told from its weights."
+                        f"{', '.join(_picked('diffusion_model'))}, or their fp8 or GGUF (.gguf) versions. The family "
+                        "(and its variant, such as dev or schnell) is told from its weights."
                     ),
                 ),
                 io.Combo.Input(

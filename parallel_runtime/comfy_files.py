@@ -28,7 +28,9 @@ names (``<layer>.weight_scale``, ``wire.FP8_SCALE_SUFFIX``, moved with their wei
 than the file, and the ranks hold the weights in fp8 or dequantize them as LoadShardedTransformer's ``weights`` says
 (``worker/fp8_weights.py``). A plain-fp8 transformer already in diffusers' keys is linked, not copied. A text encoder's
 fp8 weights are still cast to the file's own high-precision dtype (bf16 when it has none), scaled ones dequantized
-(weight × scale) on the way: transformers loads the folder as it is. GGUF, NF4 (bitsandbytes), nunchaku (SVDQuant),
+(weight × scale) on the way: transformers loads the folder as it is. A GGUF
+transformer (ComfyUI-GGUF's) is linked as it is, its moves beside it, and stays packed on the ranks (``gguf_files``).
+NF4 (bitsandbytes), nunchaku (SVDQuant),
 GPTQ / AWQ and other integer formats are refused by name.
 """
 
@@ -47,8 +49,18 @@ from collections.abc import Callable, Iterator
 
 from .errors import Cancelled, InvalidInput
 from .families import FILES_LAYOUTS, FilesLayout, join_words
-from .families.files import TEXT_ENCODER_WIDGETS, Component, FilesContents, Move, Tokenizer, TokenizerFromFile
+from .families.files import (
+    TEXT_ENCODER_WIDGETS,
+    Component,
+    FilesContents,
+    Move,
+    Tokenizer,
+    TokenizerFromFile,
+    apply_moves,
+    group_moves,
+)
 from .families.lora import SAFETENSORS_SUFFIXES
+from .gguf_files import GGUF_SUFFIX, GGUF_WEIGHTS, computable_types, read_gguf, write_moves
 from .headers import read_header
 from .model_folders import (
     PARTIAL,
@@ -101,7 +113,7 @@ def list_files(role: str) -> list[str]:
         for here, dirs, files in os.walk(root, followlinks=True):
             dirs.sort()
             for file in files:
-                if file.lower().endswith(SAFETENSORS_SUFFIXES + tuple(REFUSED_SUFFIXES)):
+                if file.lower().endswith((*SAFETENSORS_SUFFIXES, GGUF_SUFFIX, *REFUSED_SUFFIXES)):
                     names.add(os.path.relpath(os.path.join(here, file), root).replace(os.sep, "/"))
     return sorted(names)
 
@@ -146,6 +158,11 @@ class SourceFile:
     @property
     def identity(self) -> tuple[str, int, int]:
         return (os.path.realpath(self.path), self.size, self.mtime_ns)
+
+    @property
+    def is_gguf(self) -> bool:
+        """A GGUF file (its ``dtypes`` are GGML type names, ``metadata`` its ``general.architecture``)."""
+        return self.path.lower().endswith(GGUF_SUFFIX)
 
     @property
     def has_fp8(self) -> bool:
@@ -198,6 +215,8 @@ def _strip(key: str, prefixes: tuple[str, ...]) -> str:
 def read_file(role: str, name: str, widget: str) -> SourceFile:
     """``name`` resolved and its header read and checked: safetensors, in a format the conversion takes."""
     path = resolve(role, name, widget)
+    if name.lower().endswith(GGUF_SUFFIX):
+        return _read_gguf_file(role, name, widget, path)
     refused = refused_because(name)
     if refused is not None:
         raise InvalidInput(widget, f"{name!r} is {refused}; only safetensors are loaded: {USE_INSTEAD}")
@@ -225,6 +244,42 @@ def read_file(role: str, name: str, widget: str) -> SourceFile:
     )
     _check_format(file)
     return file
+
+
+def _read_gguf_file(role: str, name: str, widget: str, path: str) -> SourceFile:
+    """A GGUF transformer's header, checked: readable, whole, every tensor of a type diffusers computes."""
+    if role != "diffusion_model":
+        raise InvalidInput(
+            widget,
+            f"{name!r} is a GGUF file; only the diffusion model may be GGUF here (ComfyUI-GGUF's transformers): "
+            "pick the text encoder's / VAE's safetensors file",
+        )
+    try:
+        header = read_gguf(path)
+    except OSError as e:
+        raise InvalidInput(widget, f"{name!r} cannot be read ({e.strerror}); check the file") from None
+    except ValueError as e:
+        raise InvalidInput(widget, f"{name!r} is not a GGUF file this pack reads: {e}; download it again") from None
+    unknown = sorted(set(header.types.values()) - computable_types())
+    if unknown:
+        raise InvalidInput(
+            widget,
+            f"{name!r} holds {', '.join(unknown)} tensors, which diffusers' GGUF path cannot compute; pick a "
+            "Q8_0, Q6_K, Q5_K, Q4_K or Q4_0 file (or the bf16 / fp8 safetensors)",
+        )
+    keys = {_strip(k, _STRIP_PREFIXES): k for k in header.types}
+    stat = os.stat(path)
+    return SourceFile(
+        widget=widget,
+        name=name,
+        path=path,
+        size=stat.st_size,
+        mtime_ns=stat.st_mtime_ns,
+        dtypes={k: header.types[v] for k, v in keys.items()},
+        shapes={k: header.shapes[v] for k, v in keys.items()},
+        keys=keys,
+        metadata={"general.architecture": header.architecture or ""},
+    )
 
 
 def _check_format(file: SourceFile) -> None:
@@ -317,7 +372,11 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
     for layout in FILES_LAYOUTS:
         variant = layout.variant(shapes)
         if variant is not None:
+            if transformer.is_gguf:
+                _check_architecture(transformer, layout)
             return layout, variant
+    if transformer.is_gguf:
+        _check_architecture(transformer, None)
     examples = " or ".join(layout.example_files.split(", ")[0] for layout in FILES_LAYOUTS)
     by_layout: dict[str, list[str]] = {}
     for layout in FILES_LAYOUTS:
@@ -336,6 +395,26 @@ def _layout_of(transformer: SourceFile) -> tuple[FilesLayout, str]:
         f"{transformer.name!r} is not a transformer this pack recognises ({recognised}); pick {examples} from "
         "models/diffusion_models, or use a diffusers folder",
     )
+
+
+def _check_architecture(transformer: SourceFile, layout: FilesLayout | None) -> None:
+    """A GGUF file names its family (``general.architecture``, ComfyUI-GGUF's "flux", "qwen_image"): one of another
+    family, or one whose name and tensors disagree, is refused by name."""
+    arch = transformer.metadata.get("general.architecture") or None
+    families = [(a, other.name) for other in FILES_LAYOUTS for a in other.gguf_architectures]
+    loads = join_words(list(dict.fromkeys(name for _, name in families)), "or")
+    if arch is not None and arch not in dict(families):
+        raise InvalidInput(
+            transformer.widget,
+            f"{transformer.name!r} is a GGUF of {arch!r} (its general.architecture), a family this pack does not run; "
+            f"pick a GGUF of {loads}",
+        )
+    if layout is not None and arch is not None and arch not in layout.gguf_architectures:
+        raise InvalidInput(
+            transformer.widget,
+            f"{transformer.name!r} says it is a GGUF of {arch!r} (its general.architecture) but holds {layout.name}'s "
+            "tensors; the file was written wrongly: download it again, or pick another file",
+        )
 
 
 def _tensor_bytes(file: SourceFile, key: str, out_dtype: str | None = None) -> int:
@@ -363,6 +442,8 @@ def _needs_rewrite(component: Component) -> bool:
 
 def _write_bytes(component: Component) -> int:
     file = component.file
+    if file.is_gguf:
+        return 0  # a link and its moves
     if component.convert is not None:
         return file.size
     filled = sum(_filled_bytes(file, shape) for shape, _ in component.filled.values())
@@ -572,6 +653,10 @@ def _write_folder(
     for component in contents.components:
         folder = os.path.join(out, component.name)
         _write_json(os.path.join(folder, "config.json"), component.config)
+        if component.file.is_gguf:
+            _write_gguf(component, folder)
+            steps(f"linking {component.name}")
+            continue
         if component.moves is not None:
             _write_moved(component, folder, steps)
             continue
@@ -652,6 +737,8 @@ def _kept_keys(component: Component) -> list[str]:
 
 def _units(component: Component) -> int:
     """The component's steps of progress: one per source tensor it streams, else one."""
+    if component.file.is_gguf:
+        return 1
     if component.moves is not None:
         return len(group_moves(component.moves)) + (len(component.file.scales) if _keeps_fp8(component) else 0)
     if component.convert is None and _needs_rewrite(component):
@@ -692,6 +779,15 @@ def _write_whole(component: Component, folder: str, steps: _Steps) -> None:
     shards.close()
 
 
+def _write_gguf(component: Component, folder: str) -> None:
+    """A GGUF transformer stays packed in its file (``gguf_files``): linked, with the moves that make its tensors the
+    model's (a component kept whole moves each tensor to its own key), sources by the file's own keys."""
+    file = component.file
+    os.symlink(os.path.realpath(file.path), os.path.join(folder, GGUF_WEIGHTS))
+    moves = component.moves if component.moves is not None else [Move(k, k) for k in _kept_keys(component)]
+    write_moves((dataclasses.replace(m, source=file.keys[m.source]) for m in moves), folder)
+
+
 def _write_moved(component: Component, out: str, steps: _Steps) -> None:
     """A transformer in diffusers' layout, streamed: one source tensor read at a time, written into shards of at most
     SHARD_BYTES as they fill (diffusers' sharded layout with its index)."""
@@ -726,38 +822,6 @@ def _moved_scales(file: SourceFile, by_source: dict[str, list[Move]]) -> Iterato
                 continue
             for target, part in apply_moves({source: moves}, iter([(source, scale.reshape(-1))])):
                 yield target + FP8_SCALE_SUFFIX, part
-
-
-def group_moves(moves: tuple[Move, ...] | list[Move]) -> dict[str, list[Move]]:
-    """The moves by source key, in the order the sources are first needed."""
-    by_source: dict[str, list[Move]] = {}
-    for move in moves:
-        by_source.setdefault(move.source, []).append(move)
-    return by_source
-
-
-def apply_moves(
-    by_source: dict[str, list[Move]],
-    tensors: Iterator[tuple[str, object]],
-    steps: Callable[[str], None] | None = None,
-) -> Iterator[tuple[str, object]]:
-    """The diffusers tensors made from each (source key, tensor), in turn: a source tensor is let go once its moves
-    are made."""
-    import torch
-
-    for source, tensor in tensors:
-        # fp8 rows are moved as bytes (cat of float8 is not implemented everywhere), which is exact.
-        fp8 = tensor.dtype if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
-        rows = tensor.view(torch.uint8) if fp8 is not None else tensor
-        for move in by_source[source]:
-            part = rows if move.rows is None else rows[move.rows[0] : move.rows[1]].clone()
-            if move.swap_halves:
-                shift, scale = part.chunk(2, dim=0)
-                part = torch.cat([scale, shift], dim=0)
-            part = part.contiguous()
-            yield move.target, part.view(fp8) if fp8 is not None else part
-        if steps is not None:
-            steps("converting transformer")
 
 
 class _Shards:

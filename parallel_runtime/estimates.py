@@ -78,3 +78,13 @@ def step_bytes(config: dict, tokens: int, text_tokens: int, ranks: int) -> dict[
     reduced = (config["num_layers"] * 2 + single) * sequence * hidden * BF16
     tp = reduced * 2 * share
     return {"ulysses": ulysses, "ring": ring, "tensor_parallel": tp, "data_parallel": 0.0}
+
+
+def gguf_bytes(parameters: int, qtype: str) -> int:
+    """Bytes of ``parameters`` packed as GGUF ``qtype`` ("Q8_0": 34 bytes per 32 values, "Q4_K": 144 per 256): what
+    each rank holds of a GGUF transformer under the strategies that keep a replica (the few tensors a GGUF file keeps
+    in F32, norms and biases, are left out)."""
+    import gguf
+
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    return math.ceil(parameters * size / values)

@@ -109,6 +109,13 @@ INTERNALS: tuple[Internal, ...] = (
              "diffusers' own divisibility checks before a slice-by-slice load"),
     Internal("diffusers.hooks.tensor_parallel", "_local_shard", "worker/lora.py",
              "this rank's slice of a LoRA's factor, cut as the weight's own slice"),
+    # diffusers: GGUF transformers (gguf_files.py)
+    Internal("diffusers.models.model_loading_utils", "load_gguf_checkpoint", "gguf_files.py",
+             "reads a GGUF file's tensors packed (GGUFParameter), which the family's moves map to the model's keys"),
+    Internal("diffusers.quantizers.gguf.utils", "SUPPORTED_GGUF_QUANT_TYPES", "gguf_files.py",
+             "the GGML types diffusers computes: a file of any other is refused before anything loads"),
+    Internal("diffusers.quantizers.gguf.gguf_quantizer", "GGUFQuantizer", "gguf_files.py",
+             "the quantizer a GGUF model records on itself (hf_quantizer): how worker/lora.py tells one"),
     # diffusers: hooks and step caches
     Internal("diffusers.hooks.hooks", "HookRegistry._diffusers_hook", "worker/step_cache.py",
              "the registry a module carries; worker/cfg_parallel.py, worker/vae_tiles.py and worker/fp8_weights.py "

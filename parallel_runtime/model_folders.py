@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from . import families
 from .errors import InvalidInput
 from .families.lora import SAFETENSORS_SUFFIXES
+from .gguf_files import GGUF_SUFFIX, gguf_weights, moved_keys
 from .headers import read_header
 from .wire import ModelRef
 
@@ -37,8 +38,8 @@ log = logging.getLogger(__name__)
 
 _PICKLE = "a pickle, which can run code when it is loaded"
 _PICKLE_ARCHIVE = "a PyTorch archive of pickles, which can run code when it is loaded"
-# What ComfyUI lists besides safetensors (its supported_pt_extensions, and ComfyUI-GGUF's .gguf), with the reason it is
-# never loaded.
+# What ComfyUI lists besides safetensors (its supported_pt_extensions), with the reason it is never loaded.
+# (ComfyUI-GGUF's .gguf transformers load through ParallelModelFromComfyFiles: gguf_files.)
 REFUSED_SUFFIXES = {
     ".ckpt": _PICKLE,
     ".pt": _PICKLE,
@@ -46,11 +47,10 @@ REFUSED_SUFFIXES = {
     ".bin": _PICKLE,
     ".pkl": _PICKLE,
     ".pt2": _PICKLE_ARCHIVE,
-    ".gguf": "a GGUF file (ComfyUI-GGUF's quantization), which diffusers' parallel strategies cannot load",
 }
 # What a loras folder lists besides LoRAs: the pickles (LoRA files are refused by ``families.lora.check_file``).
 PICKLE_SUFFIXES = tuple(suffix for suffix, why in REFUSED_SUFFIXES.items() if why in (_PICKLE, _PICKLE_ARCHIVE))
-_WEIGHTS = (".safetensors", ".sft", *REFUSED_SUFFIXES)  # files that make a folder look like a model
+_WEIGHTS = (".safetensors", ".sft", GGUF_SUFFIX, *REFUSED_SUFFIXES)  # files that make a folder look like a model
 MAX_DEPTH = 3  # folder levels searched below a root: "name" and "org/name" are the usual layouts
 _warned: set[str] = set()
 
@@ -237,6 +237,14 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
                 f"{name}/{component} has no safetensors weights, only {refused[0]}, {refused_because(refused[0])}; "
                 "only safetensors are loaded — re-save it with save_pretrained(safe_serialization=True)",
             )
+        if component == "transformer" and gguf_weights(sub) is not None:
+            continue  # ComfyUI-GGUF's transformer, linked by a conversion (gguf_files)
+        if any(f.endswith(GGUF_SUFFIX) for f in files) and not any(f.endswith(".safetensors") for f in files):
+            raise InvalidInput(
+                widget,
+                f"{name}/{component} holds GGUF weights, which load only as the transformer of ComfyUI's files: put "
+                "the .gguf file in models/diffusion_models and pick it in ParallelModelFromComfyFiles",
+            )
         if "config.json" in files and not any(f.endswith(".safetensors") for f in files):
             expected = _weights_name(os.path.join(sub, "config.json"))
             raise InvalidInput(
@@ -292,7 +300,15 @@ def transformer_config(model: ModelRef, widget: str = "model") -> dict:
 
 
 def _weight_keys(folder: str, name: str, widget: str) -> set[str]:
-    """The tensor names of a component's weights: its index's weight map, else its safetensors files' headers."""
+    """The tensor names of a component's weights: its index's weight map, else its safetensors files' headers (a
+    GGUF transformer's: the model's keys its moves make)."""
+    if gguf_weights(folder) is not None:
+        try:
+            return moved_keys(folder)
+        except (OSError, ValueError, TypeError) as e:
+            raise InvalidInput(
+                widget, f"{name}/transformer/ has GGUF moves that cannot be read ({e}); convert the files again"
+            ) from None
     files = sorted(f for f in os.listdir(folder) if f.endswith((".safetensors", ".safetensors.index.json")))
     index = next((f for f in files if f.endswith(".index.json")), None)
     try:

@@ -392,7 +392,7 @@ def _refusal_cases(models, names):
     _write(str(d / "sdxl-unet.safetensors"), {"input_blocks.0.0.weight": torch.zeros(2, 2)})
     (d / "broken.safetensors").write_bytes(b"\xff" * 20)
     return [
-        ("diffusion_model", "flux1-dev-Q4_K_S.gguf", r"GGUF .* use the bf16 / fp16 file"),
+        ("diffusion_model", "flux1-dev-Q4_K_S.gguf", r"not a GGUF file this pack reads: .* download it again"),
         ("diffusion_model", "flux1-dev.ckpt", r"pickle"),
         ("diffusion_model", "nf4.safetensors", r"NF4 / FP4 \(bitsandbytes\)"),
         ("diffusion_model", "svdq.safetensors", r"nunchaku"),

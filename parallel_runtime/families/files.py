@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import ClassVar, Protocol
 
 from ..errors import InvalidInput
@@ -156,6 +156,8 @@ class FilesLayout(abc.ABC):
             others must be left at "none".
         variants: the variants it converts, for the node's description ("FLUX.1 (dev and schnell)").
         transformer_layout: the keys its transformer file has, for the refusal of one that fits no family.
+        gguf_architectures: the ``general.architecture`` values of its ComfyUI-GGUF transformers ("flux"): a GGUF file
+            naming another family is refused.
         widget_files: per widget it takes (in the node's order), what the user picks there, for the node's tooltips
             and messages ("CLIP-L (clip_l.safetensors)"; the first file named is the example). A layout that names
             ``diffusion_model_2`` takes a second transformer there (Wan 2.2 A14B's low-noise expert).
@@ -166,6 +168,7 @@ class FilesLayout(abc.ABC):
     text_encoder_widgets: ClassVar[tuple[str, ...]]
     variants: ClassVar[str]
     transformer_layout: ClassVar[str]
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
     widget_files: ClassVar[Mapping[str, str]]
 
     @property
@@ -212,3 +215,35 @@ def configs_from_shapes(
                 file.widget, f"{file.name!r} {what} (cut short, or not {model}'s); pick {model}'s complete file"
             ) from None
     return configs
+
+
+def group_moves(moves: tuple[Move, ...] | list[Move]) -> dict[str, list[Move]]:
+    """The moves by source key, in the order the sources are first needed."""
+    by_source: dict[str, list[Move]] = {}
+    for move in moves:
+        by_source.setdefault(move.source, []).append(move)
+    return by_source
+
+
+def apply_moves(
+    by_source: dict[str, list[Move]],
+    tensors: Iterator[tuple[str, object]],
+    steps: Callable[[str], None] | None = None,
+) -> Iterator[tuple[str, object]]:
+    """The diffusers tensors made from each (source key, tensor), in turn: a source tensor is let go once its moves
+    are made."""
+    import torch
+
+    for source, tensor in tensors:
+        # fp8 rows are moved as bytes (cat of float8 is not implemented everywhere), which is exact.
+        fp8 = tensor.dtype if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+        rows = tensor.view(torch.uint8) if fp8 is not None else tensor
+        for move in by_source[source]:
+            part = rows if move.rows is None else rows[move.rows[0] : move.rows[1]].clone()
+            if move.swap_halves:
+                shift, scale = part.chunk(2, dim=0)
+                part = torch.cat([scale, shift], dim=0)
+            part = part.contiguous()
+            yield move.target, part.view(fp8) if fp8 is not None else part
+        if steps is not None:
+            steps("converting transformer")

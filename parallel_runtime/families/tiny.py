@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, pre_tokenizers
@@ -256,6 +257,110 @@ def write_formats(
         )
         made[fmt] = ({**names, "diffusion_model": name}, reference)
     return made
+
+
+# -- ComfyUI-GGUF's files ---------------------------------------------------------------------------------------------
+GGUF_TYPES = ("Q8_0", "Q4_K")  # the tiny GGUF files' quantizations: a 32-value block type and a 256-value K-quant
+# Q4_K: values a block packs, and its bytes (f16 d, f16 dmin, 12 bytes of scales and mins, 128 of 4-bit values)
+_Q4_K_BLOCK, _Q4_K_BYTES = 256, 144
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32, its last dimension a multiple of 256) packed as GGML's Q4_K, from the format's definition
+    (llama.cpp's ``block_q4_K``; the gguf package dequantizes it but does not quantize it): each block of 256 values is
+    8 sub-blocks of 32, each value ``d * scale_j * q - dmin * min_j`` with q in 0..15 and 6-bit scales and mins."""
+    rows = np.asarray(x, dtype=np.float32).reshape(-1, 8, 32)
+    low, high = np.minimum(rows.min(axis=2), 0.0), np.maximum(rows.max(axis=2), 0.0)
+    scale, mins = (high - low) / 15.0, -low
+    d, dmin = (scale.max(axis=1) / 63.0).astype(np.float16), (mins.max(axis=1) / 63.0).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):  # an all-zero block has d = 0: its codes are 0
+        sc = np.where(d32 > 0, np.rint(scale / d32), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin32 > 0, np.rint(mins / dmin32), 0).clip(0, 63).astype(np.uint8)
+        step = (d32 * sc)[:, :, None]
+        q = np.where(step > 0, np.rint((rows + (dmin32 * m)[:, :, None]) / step), 0).clip(0, 15).astype(np.uint8)
+    scales = np.zeros((rows.shape[0], 12), dtype=np.uint8)  # the first 4 sub-blocks' 6 bits, the last 4's split 4 + 2
+    scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
+    pairs = q.reshape(-1, 4, 2, 32)  # sub-blocks 2i and 2i + 1 share 32 bytes: low and high nibbles
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return blocks.reshape(*x.shape[:-1], x.shape[-1] // _Q4_K_BLOCK * _Q4_K_BYTES)
+
+
+def write_gguf(tensors: Mapping[str, torch.Tensor], path: str, architecture: str, qtype: str) -> str:
+    """``tensors`` (a transformer file's, in its ComfyUI layout) as ComfyUI-GGUF writes them: the matrices whose rows
+    fill whole blocks in ``qtype`` (one of ``GGUF_TYPES``), the rest (biases, norms, narrow matrices) in F32, and
+    ``general.architecture`` naming the family."""
+    import gguf
+    from gguf import quants
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    writer = gguf.GGUFWriter(path, architecture)
+    for key, tensor in tensors.items():
+        values = tensor.float().numpy()
+        if values.ndim == 2 and values.shape[1] % block == 0:
+            packed = quantize_q4_k(values) if qtype == "Q4_K" else quants.quantize(values, kind)
+            writer.add_tensor(key, packed, raw_shape=packed.shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(key, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_meaning(sd: Mapping[str, torch.Tensor], qtype: str) -> dict[str, torch.Tensor]:
+    """What ``write_gguf`` makes of each tensor of ``sd``, in float32, as diffusers' GGUF layers compute with it (its
+    dequantizer: half precision for the packed types, then the compute dtype). A block lies within one row, so this is
+    also what the file means after a mapping that only concatenates, slices or swaps rows (BFL's fused layers): the
+    reference a GGUF file's model must equal."""
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+    from gguf import quants
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    meaning = {}
+    for key, tensor in sd.items():
+        values = tensor.float()
+        if values.ndim == 2 and values.shape[1] % block == 0:
+            plain = values.numpy()
+            packed = quantize_q4_k(plain) if qtype == "Q4_K" else quants.quantize(plain, kind)
+            values = dequantize_gguf_tensor(GGUFParameter(torch.from_numpy(packed), quant_type=kind)).float()
+        meaning[key] = values.contiguous()
+    return meaning
+
+
+def write_gguf_formats(
+    models_dir: str,
+    made: tuple[dict[str, str], str],
+    architecture: str,
+    layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    transformer_class: type,
+    qtypes: tuple[str, ...] = GGUF_TYPES,
+) -> dict[str, tuple[dict[str, str], str]]:
+    """Beside a family's tiny ComfyUI files (``made``: the widgets' values and the reference diffusers folder of its
+    bf16 transformer), that transformer as ComfyUI-GGUF files in ``qtypes`` (``layout``: diffusers' state dict in the
+    file's layout) and for each a reference folder whose transformer holds what the file means (``gguf_meaning``):
+    per type, the widgets' values and the reference folder."""
+    names, reference = made
+    sd = transformer_class.from_pretrained(reference, subfolder="transformer", dtype=torch.float32).state_dict()
+    stem = os.path.splitext(names["diffusion_model"])[0].removesuffix("-bf16")
+    out = {}
+    for qtype in qtypes:
+        name = f"{stem}-{qtype}.gguf"
+        write_gguf(layout(sd), os.path.join(models_dir, "diffusion_models", name), architecture, qtype)
+        folder = f"{reference.removesuffix('-bf16')}-{qtype}"
+        shutil.copytree(reference, folder, ignore=shutil.ignore_patterns("transformer"))
+        model = transformer_class.from_pretrained(reference, subfolder="transformer", dtype=torch.float32)
+        model.load_state_dict(gguf_meaning(sd, qtype))
+        model.save_pretrained(os.path.join(folder, "transformer"), safe_serialization=True)
+        out[qtype] = ({**names, "diffusion_model": name}, folder)
+    return out
 
 
 # -- LoRAs --------------------------------------------------------------------------------------------------------

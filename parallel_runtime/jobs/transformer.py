@@ -10,6 +10,7 @@ from .. import families, model_folders
 from ..comfy_files import _gib
 from ..errors import InvalidInput
 from ..estimates import weights_share
+from ..gguf_files import TENSOR_PARALLEL_REFUSAL, gguf_weights
 from ..headers import read_header
 from ..spec import BackendSpec
 from ..strategy import StrategyPlan, TransformerFacts, check_attention
@@ -97,6 +98,8 @@ def plan_transformer(
             "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
         )
     _check_experts(ref, plan, step_cache)
+    if plan.shards_weights and gguf_weights(os.path.join(ref.path, "transformer")) is not None:
+        raise InvalidInput("strategy", f"{model!r} is {TENSOR_PARALLEL_REFUSAL.removeprefix('a ')}")
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(

@@ -5,25 +5,27 @@ The transformer handle carries its LoRAs (``TransformerSpec.loras``, in the orde
 nothing), and changes only what the list changed. A LoRA chained twice counts once, at the sum of its strengths; a
 strength of 0 is no LoRA. How (``LoraMode``):
 
-- **fused**, the pack's choice on every strategy. A changed layer's weight becomes its original plus
-  Σ strength × scale × B @ A over the LoRAs that change it, computed in float32 from a copy of the original that the
-  rank keeps on the CPU, and cast to the weight's dtype. It is recomputed from that copy every time, never added
-  onto the previous result, so the same list always gives bit-identical weights (strength 1.0 → 0.5 → 1.0 gives the
-  first image back exactly, in bf16 too), and a layer no LoRA changes any more gets its original back, bit for bit,
-  and its copy dropped. The copy costs host memory: the bytes of every weight a LoRA changes (this rank's slice of
-  it under tensor parallelism). Under tensor parallelism (diffusers refuses adapters on a sharded model, and
+- **fused**, the pack's choice on every strategy (but for a GGUF transformer). A changed layer's weight becomes its
+  original plus Σ strength × scale × B @ A over the LoRAs that change it, computed in float32 from a copy of the
+  original that the rank keeps on the CPU, and cast to the weight's dtype. It is recomputed from that copy every time,
+  never added onto the previous result, so the same list always gives bit-identical weights (strength 1.0 → 0.5 → 1.0
+  gives the first image back exactly, in bf16 too), and a layer no LoRA changes any more gets its original back, bit
+  for bit, and its copy dropped. The copy costs host memory: the bytes of every weight a LoRA changes (this rank's
+  slice of it under tensor parallelism). Under tensor parallelism (diffusers refuses adapters on a sharded model, and
   sharding a model that has them) each rank computes only its own slice of the delta: for a layer sharded by rows
   (colwise) its rows of B times A, for one sharded by columns (rowwise) B times its columns of A, in the blocks the
-  model's tensor-parallel plan shards packed layers by (diffusers' ``resolve_tp_shard_specs`` and ``_local_shard``, the
-  arithmetic that sliced the weights when they were loaded, checked against each weight's DTensor placement), so no
-  rank ever holds a layer's full weight or delta. Fusing is refused, with the numbers, when the copies would not fit
-  the machine's free memory. A weight held in fp8 (``worker/fp8_weights.py``) is never written and needs no copy:
+  model's tensor-parallel plan shards packed layers by (diffusers' ``resolve_tp_shard_specs`` and ``_local_shard``,
+  the arithmetic that sliced the weights when they were loaded, checked against each weight's DTensor placement), so
+  no rank ever holds a layer's full weight or delta. Fusing is refused, with the numbers, when the copies would not
+  fit the machine's free memory. A weight held in fp8 (``worker/fp8_weights.py``) is never written and needs no copy:
   its layer's hook gets the rank's factors and merges them, in float32, into the weight it computes with at every
   forward (merging into the fp8 weight would round the LoRA away).
 - **peft**: diffusers' PEFT adapters (``load_lora_adapter``, ``set_adapters``), unfused; the weights are never
   touched. Refused under tensor parallelism (diffusers), and under context parallelism for a LoRA that changes a
   layer the model's ``_cp_plan`` hooks (``proj_out`` gathers the sequence there; an adapter around it adds a
-  rank's slice to the gathered whole).
+  rank's slice to the gathered whole). The pack's choice for a GGUF transformer (``auto``; ``fused`` refused):
+  merging a delta into packed weights would quantize it away, while an adapter is a side branch in the compute
+  dtype beside the layer's dequantized weight, so nothing is lost beyond what the format already lost.
 
 Every rank reads the files and agrees on the outcome before anything changes, so a bad file is an error on every
 rank at once (the backend stays up, the transformer as it was) rather than one rank missing from a collective. A file
@@ -42,6 +44,7 @@ import torch
 
 from ..families import FamilyAdapter
 from ..families.lora import LoraError, LoraWeights, read_lora
+from ..gguf_files import is_gguf_model
 from ..strategy import StrategyPlan
 from ..wire import LoraMode, LoraRef, TransformerSpec
 from . import fp8_weights
@@ -72,7 +75,18 @@ def _wanted(loras: tuple[LoraRef, ...]) -> list[_Wanted]:
     return [_Wanted(file, first[file], strength) for file, strength in strengths.items() if strength != 0.0]
 
 
-def resolved_mode(spec: TransformerSpec) -> LoraMode:
+def resolved_mode(spec: TransformerSpec, transformer: torch.nn.Module) -> LoraMode:
+    """``auto`` is FUSED, except on a GGUF transformer: its weights are packed (merging a delta into them would
+    quantize the delta away), so its LoRAs are PEFT adapters, a side branch in the compute dtype beside each
+    dequantized layer, and an explicit ``fused`` is refused."""
+    if is_gguf_model(transformer):
+        if spec.lora_mode is LoraMode.FUSED:
+            raise WidgetError(
+                "lora_mode",
+                "fused merges each LoRA into the weights, which a GGUF transformer holds packed (the delta would be "
+                "quantized away); use auto (PEFT adapters beside the packed weights)",
+            )
+        return LoraMode.PEFT
     return LoraMode.FUSED if spec.lora_mode is LoraMode.AUTO else spec.lora_mode
 
 
@@ -96,8 +110,10 @@ class _State:
 def apply_loras(ctx: OpContext, transformer: torch.nn.Module, spec: TransformerSpec, adapter: FamilyAdapter) -> None:
     """Bring ``transformer`` to ``spec.loras`` (see the module docstring). Collective under SPMD strategies: every
     rank calls it with the same spec; a rank-0 stage (device_map) calls it alone."""
-    wanted, mode = _wanted(spec.loras), resolved_mode(spec)
     state: _State | None = getattr(transformer, _STATE, None)
+    if not spec.loras and state is None:
+        return
+    wanted, mode = _wanted(spec.loras), resolved_mode(spec, transformer)
     target = tuple((w.file, w.strength) for w in wanted)
     if state is not None and state.mode is mode and state.applied == target:
         return

@@ -25,6 +25,7 @@ import torch
 from ..estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, weights_share
 from ..families import FamilyAdapter
 from ..families.base import image_tokens
+from ..gguf_files import gguf_weights
 from ..strategy import StrategyPlan
 from ..wire import FP8_SCALE_SUFFIX, Sampling
 from .diagnostics import memory_of
@@ -52,7 +53,11 @@ def parameters_in(folder: str) -> int:
 
 def weight_bytes_in(folder: str, dtype: torch.dtype, fp8_as_stored: bool) -> int:
     """Bytes a whole replica of the folder's weights takes on a rank: in ``dtype``, but the fp8 ones in fp8 (their
-    float32 scales beside) when they are held as stored (``worker/fp8_weights.py``)."""
+    float32 scales beside) when they are held as stored (``worker/fp8_weights.py``); a GGUF file's packed bytes (each
+    rank holds the file's tensors as stored, ``gguf_files``)."""
+    packed = gguf_weights(folder)
+    if packed is not None:
+        return os.path.getsize(packed)
     if not fp8_as_stored:
         return sum(n for key, _, n in _tensors_in(folder) if not key.endswith(FP8_SCALE_SUFFIX)) * dtype.itemsize
     sizes = {"F8_E4M3": 1, "F8_E5M2": 1}
@@ -89,7 +94,7 @@ def cap_without_room_for_encoders(
 ) -> str:
     """A ``CAP_ENV`` value (GiB) under which a rank holds the transformer and its step's activations but not the text
     encoders beside them as well: what a test or a benchmark declares to see ``auto`` behave as ``staged``."""
-    transformer = parameters_in(os.path.join(model_dir, "transformer")) * dtype.itemsize
+    transformer = weight_bytes_in(os.path.join(model_dir, "transformer"), dtype, fp8_as_stored=False)
     activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
     cap = transformer + activations + text_encoder_bytes(model_dir, dtype) // 2
     return f"{cap / 2**30:.12f}"

@@ -21,6 +21,7 @@ import torch
 
 from ..arena import TORCH_DTYPES
 from ..families import IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
+from ..gguf_files import gguf_weights, load_gguf_transformer
 from ..wire import (
     CacheMode,
     DecodeArgs,
@@ -335,7 +336,10 @@ def _load_placed(
 ) -> torch.nn.Module:
     """device_map's transformer (in ``subfolder``: Wan 2.2's second expert is another): placed by diffusers (its fp8
     weights cast to ``dtype`` on the way, as the plan of where the layers go assumes), then its fp8 weights held as
-    ``spec.weights`` says."""
+    ``spec.weights`` says. A GGUF transformer is held packed, whole on ``placement``'s first device (diffusers'
+    single-file path places a model whole)."""
+    if gguf_weights(os.path.join(spec.model.path, subfolder)) is not None:
+        return load_gguf_transformer(adapter.transformer_class(), spec.model.path, dtype, placement.device)
     transformer = adapter.load_transformer(spec.model.path, dtype, placement, subfolder)
     files = fp8_files(spec.model.path, subfolder)
     if files:

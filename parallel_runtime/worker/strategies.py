@@ -4,6 +4,7 @@ CFG parallelism. Family-agnostic: the family names its transformer class.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import InvalidInput
 from ..families.base import expand_batch
+from ..gguf_files import TENSOR_PARALLEL_REFUSAL, gguf_weights, load_gguf_transformer
 from ..strategy import StrategyPlan, check_attention_on_gpu, ring_attention_backend
 from ..wire import Weights
 from .cfg_parallel import enable_cfg_parallel
@@ -110,12 +112,17 @@ def load_transformer(
     (``worker/fp8_weights.py``)."""
     mesh = device_mesh(device.type, plan.mesh_shape, plan.mesh_dim_names) if plan.mesh_dim_names else None
     as_stored = weights is Weights.AS_STORED
+    gguf = gguf_weights(os.path.join(model_dir, subfolder)) is not None
     if plan.shards_weights:
+        if gguf:
+            raise WidgetError("strategy", TENSOR_PARALLEL_REFUSAL)
         # Each rank reads only its slice of every planned weight, into the tensor it keeps: no rank ever holds the
         # whole model, not even while loading.
         if subfolder != "transformer":
             raise WidgetError("strategy", f"tensor_parallel does not load a second expert ({subfolder}) yet")
         transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], as_stored)
+    elif gguf:
+        transformer = load_gguf_transformer(cls, model_dir, dtype, str(device))
     elif fp8_files(model_dir, subfolder):
         # from_pretrained would cast every fp8 weight to ``dtype`` (the whole model in it at once) and ignore the
         # scales: the same reader as tensor parallelism's, for the whole model.

@@ -266,6 +266,7 @@ class Flux1Files(FilesLayout):
     text_encoder_widgets = ("text_encoder", "text_encoder_2")
     variants = "FLUX.1 (dev and schnell)"
     transformer_layout = "in Black Forest Labs' layout"
+    gguf_architectures = ("flux",)
     widget_files: ClassVar[Mapping[str, str]] = {
         "diffusion_model": "flux1-dev.safetensors, flux1-schnell.safetensors",
         "text_encoder": "CLIP-L (clip_l.safetensors)",

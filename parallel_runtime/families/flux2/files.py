@@ -344,6 +344,7 @@ class Flux2Files(FilesLayout):
     text_encoder_widgets = ("text_encoder",)
     variants = "FLUX.2-dev"
     transformer_layout = "in Black Forest Labs' layout"
+    gguf_architectures = ("flux", "flux2")
     widget_files: ClassVar[Mapping[str, str]] = {
         "diffusion_model": "flux2_dev_bf16.safetensors",
         "text_encoder": "Mistral (mistral_3_small_flux2_bf16.safetensors, or its fp8 version)",

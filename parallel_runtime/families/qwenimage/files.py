@@ -261,6 +261,7 @@ class QwenImageFiles(FilesLayout):
     text_encoder_widgets = ("text_encoder",)
     variants = "Qwen-Image"
     transformer_layout = "in diffusers' layout"
+    gguf_architectures = ("qwen_image",)
     widget_files: ClassVar[Mapping[str, str]] = {
         "diffusion_model": "qwen_image_bf16.safetensors",
         "text_encoder": "Qwen2.5-VL (qwen_2.5_vl_7b.safetensors, or its fp8 version)",
