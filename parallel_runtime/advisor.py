@@ -40,8 +40,8 @@ DEFAULT_TFLOPS = 500.0  # an H100's effective bf16 rate: FLUX.1-dev 1024² (1.25
 LINK_BANDWIDTH = {"nvlink": 150e9, "pcie": 20e9}
 NO_P2P_BANDWIDTH = 8e9
 ACTIVATION_BYTES = 2  # bf16
-# Weights on a GPU: the dtype widgets' "auto" is bf16 there, and the pack loads no narrower dtype (fp8 files are
-# dequantized), so a quantized file takes as much GPU memory as a bf16 one.
+# Weights on a GPU: the dtype widgets' "auto" is bf16 there; a transformer stored in fp8 is held as stored
+# (LoadShardedTransformer's weights widget, "as stored" by default), its stored bytes.
 LOADED_BYTES = 2
 ONE_GPU = "one GPU"  # the reference every step time is relative to
 GPUS_SYNTAX = (
@@ -137,6 +137,8 @@ class ModelSize:
 
     @property
     def transformer_bytes(self) -> int:
+        if any(dtype.startswith("F8") for dtype in self.stored_dtypes.get("transformer", ())):
+            return self.stored_bytes["transformer"]  # fp8 held as stored, the rest (norms, biases) in bf16 already
         return self.transformer_parameters * LOADED_BYTES
 
     @property
@@ -251,7 +253,8 @@ def basis(advice: Advice) -> list[str]:
     m = advice.model
     passes = " × 2 passes (true CFG)" if m.family.true_cfg else ""
     return [
-        "memory: transformer weights in bf16 (what the pack loads, also from fp8 files) as the strategy places "
+        "memory: transformer weights in bf16, or as stored when they are fp8 (the weights widget's default), as the "
+        "strategy places "
         f"them (tensor parallel: the measured per-rank share; a "
         f"replica each under context / data / CFG parallelism; device_map: split evenly) + one step's bf16 "
         f"activations at {_text_tokens(m.family)} text tokens (the ranks' own estimate) + the VAE's weights, "
@@ -420,8 +423,8 @@ def _changes(model: ModelSize, box: Box, width: int, height: int, options: list[
     verdict = "would fit" if fp8 <= usable else "would still not fit"
     where = f"under device_map over {box.gpus} GPUs" if box.gpus > 1 else "on the GPU"
     changes.append(
-        "smaller weights: an fp8 or GGUF transformer (1 byte a parameter or less; the pack runs neither yet: it "
-        f"dequantizes fp8) {verdict} {where}: {_gib(fp8)} per GPU"
+        "smaller weights: an fp8 or GGUF transformer (1 byte a parameter or less, held as stored; GGUF not under "
+        f"tensor parallel) {verdict} {where}: {_gib(fp8)} per GPU"
     )
     changes.append("GPUs with more memory")
     return changes
