@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from comfyui_workflows import (
     weight_loads,
     worker_pids,
 )
+from helpers import wait_for
 
 pytestmark = pytest.mark.comfyui  # and multirank on the tests that start a backend
 
@@ -64,10 +64,14 @@ def nothing_left_queued(comfyui_server):
     """A test that fails halfway may leave prompts queued or running: the next one starts from an idle server."""
     yield
     comfyui_server.request("POST", "/queue", {"clear": True})
-    deadline = time.monotonic() + 120
-    while comfyui_server.queue()["queue_running"] and time.monotonic() < deadline:
+
+    def idle() -> bool:  # interrupted again each time it still runs: a queued prompt may have started meanwhile
+        if not comfyui_server.queue()["queue_running"]:
+            return True
         comfyui_server.interrupt()
-        time.sleep(0.5)
+        return False
+
+    wait_for(idle, 120, "the queue to be idle after the test", poll_s=0.5)
 
 
 def context_parallel(workflow: dict) -> dict:
