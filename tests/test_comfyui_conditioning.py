@@ -5,6 +5,12 @@ the family's file) of the pack's LATENT gives VAEDecodeSingleGPU's image; EmptyS
 1 gives the text-to-image latent; ComfyUI's VAEEncode gives VAEEncodeSingleGPU's latent, and the sampler's img2img
 from it the same. A CONDITIONING from another family's text-encoder loader is a 400 naming positive.
 
+Qwen-Image the same way, true CFG split over the 2 ranks (cfg_parallel): ComfyUI's Qwen2.5-VL text encode
+(CLIPLoader's model on the tiny file) → CLIPTextEncode for positive, TextEncodeQwenImageEdit without an image for
+negative → ParallelSampler gives the image of EncodeOnBalancedGPUs with the same negative prompt; ComfyUI's own
+VAELoader loads the tiny Wan 2.1 VAE file (it reads the width from the file) and its VAEDecode / VAEEncode meet
+VAEDecodeSingleGPU / VAEEncodeSingleGPU; EmptySD3LatentImage and the VAEEncode latent feed the sampler.
+
 ComfyUI's DualCLIPLoader / VAELoader build full-size models from fixed configs, so the test-only nodes
 (tests/comfyui_test_nodes) run the same ComfyUI code with the tiny models' configs: see their docstring.
 
@@ -12,7 +18,10 @@ Tolerances, and why: the latents of ComfyUI's text encode and the pack's agree t
 float32 arithmetic in two implementations of CLIP and T5 — ComfyUI's attention and GELU against transformers' — differs
 in the last bits, which the transformer carries through its steps), the PNGs to one 8-bit level; ComfyUI's VAEEncode
 and VAEEncodeSingleGPU to 1e-4 (measured 5e-6), ComfyUI's VAEDecode and VAEDecodeSingleGPU to one level (measured 0):
-the same VAE in ComfyUI's and diffusers' implementations, float32."""
+the same VAE in ComfyUI's and diffusers' implementations, float32. Qwen-Image's: the text encodes' latents to 1e-4
+(measured 4e-6; 1e-6 on the embeddings: ComfyUI's Llama code against transformers' Qwen2.5-VL, float32, which keep the
+same tokens after the chat template's prefix), the PNGs to one level; ComfyUI's Wan VAE against diffusers'
+AutoencoderKLQwenImage to 1e-4 on latents (measured 1e-7) and one level on images (measured 0), float32."""
 
 from __future__ import annotations
 
@@ -31,6 +40,10 @@ T5_TOKENS = 256
 
 def link(node: str, slot: int = 0) -> list:
     return [node, slot]
+
+
+def api(nodes: dict) -> dict:
+    return {node_id: {"class_type": kind, "inputs": inputs} for node_id, (kind, inputs) in nodes.items()}
 
 
 def workflow(names: dict, reference: str) -> dict:
@@ -83,7 +96,7 @@ def workflow(names: dict, reference: str) -> dict:
     latents.update({"17": "from_comfy_encode", "18": "from_pack_encode"})
     for node, name in latents.items():
         nodes[f"3{node}"] = ("SaveLatent", {"samples": link(node), "filename_prefix": f"latents/conditioning_{name}"})
-    return {node_id: {"class_type": kind, "inputs": inputs} for node_id, (kind, inputs) in nodes.items()}
+    return api(nodes)
 
 
 def saved(server, pattern: str) -> np.ndarray | torch.Tensor:
@@ -147,3 +160,83 @@ def test_another_familys_text_encoder_is_refused_before_anything_loads(
     (error,) = rejected.value.node_errors["6"]["errors"]
     assert "positive: comes from ComfyUI's CLIPLoader of type qwen_image" in error["details"], error
     assert "DualCLIPLoader (type flux) into CLIPTextEncode" in error["details"], error
+
+
+# Qwen-Image: ComfyUI keeps the prompt's own length, as QwenImagePipeline does up to max_sequence_length.
+QWEN_NEGATIVE, QWEN_TOKENS, TRUE_CFG = "a blue painting", 64, 4.0
+
+
+def qwen_workflow(names: dict, reference: str) -> dict:
+    files = link("1")
+    sampler = {"transformer": link("5"), "seed": SEED, "steps": STEPS, "width": SIZE, "height": SIZE, "batch_size": 1}
+    sampler["guidance_scale"], sampler["true_cfg_scale"] = 1.0, TRUE_CFG  # Qwen-Image is not guidance-distilled
+    comfy_sampler = {**sampler, "positive": link("3"), "negative": link("4")}
+    nodes = {
+        "1": ("ParallelModelFromComfyFiles", dict(names)),
+        "2": ("TinyQwenImageCLIPLoader", {"clip_name": names["text_encoder"], "config_folder": reference}),
+        "3": ("CLIPTextEncode", {"clip": link("2"), "text": PROMPT}),
+        # ComfyUI's Qwen-Image-Edit prompt node, without an image: the same chat template as CLIPTextEncode's.
+        "4": ("TextEncodeQwenImageEdit", {"clip": link("2"), "prompt": QWEN_NEGATIVE}),
+        "5": (
+            "LoadShardedTransformer",
+            {"model": files, "strategy": "cfg_parallel", "ring_degree": 1, "ulysses_degree": 1},
+        ),
+        "6": ("ParallelSampler", comfy_sampler),
+        "7": (
+            "EncodeOnBalancedGPUs",
+            {"model": files, "prompt": PROMPT, "negative_prompt": QWEN_NEGATIVE, "max_sequence_length": QWEN_TOKENS},
+        ),
+        "8": ("ParallelSampler", {**sampler, "positive": link("7")}),
+        "9": ("VAEDecodeSingleGPU", {"samples": link("6"), "model": files, "device": "auto"}),
+        "10": ("VAEDecodeSingleGPU", {"samples": link("8"), "model": files, "device": "auto"}),
+        "11": ("VAELoader", {"vae_name": names["vae"]}),
+        "12": ("VAEDecode", {"samples": link("6"), "vae": link("11")}),
+        "13": ("EmptySD3LatentImage", {"width": SIZE, "height": SIZE, "batch_size": 1}),
+        "14": ("ParallelSampler", {**comfy_sampler, "latent_image": link("13")}),
+        "15": ("VAEEncode", {"pixels": link("9"), "vae": link("11")}),
+        "16": ("VAEEncodeSingleGPU", {"pixels": link("9"), "model": files, "device": "auto"}),
+        "17": ("ParallelSampler", {**comfy_sampler, "denoise": 0.5, "latent_image": link("15")}),
+        "18": ("ParallelSampler", {**comfy_sampler, "denoise": 0.5, "latent_image": link("16")}),
+    }
+    for node, name in (("9", "comfy_te"), ("10", "pack_te"), ("12", "comfy_vae")):
+        nodes[f"2{node}"] = ("SaveImage", {"images": link(node), "filename_prefix": f"qwen_{name}"})
+    latents = {"6": "comfy_te", "8": "pack_te", "14": "empty", "15": "comfy_encode", "16": "pack_encode"}
+    latents.update({"17": "from_comfy_encode", "18": "from_pack_encode"})
+    for node, name in latents.items():
+        nodes[f"3{node}"] = ("SaveLatent", {"samples": link(node), "filename_prefix": f"latents/qwen_{name}"})
+    return api(nodes)
+
+
+def max_diff(a, b) -> float:
+    return float(abs(a - b).max())
+
+
+def test_comfyuis_qwen_image_text_encode_and_wan_vae_around_the_sampler(comfyui_server, tiny_qwen_comfy_files):
+    names, reference = tiny_qwen_comfy_files["fp8_scaled"]
+    prompt_id, _ = comfyui_server.run(qwen_workflow(names, reference), timeout=900)
+
+    comfy_te, pack_te = (saved(comfyui_server, f"latents/qwen_{n}_te_*") for n in ("comfy", "pack"))
+    assert comfy_te.shape == (1, 16, 1, SIZE // 8, SIZE // 8)
+    print(f"Qwen-Image, ComfyUI's text encode vs the pack's, latents: max |diff| {max_diff(comfy_te, pack_te):.3g}")
+    assert max_diff(comfy_te, pack_te) <= 1e-4
+    # EmptySD3LatentImage's 4-D latent is the one frame; at denoise 1 it is text-to-image.
+    assert max_diff(saved(comfyui_server, "latents/qwen_empty_*"), comfy_te) <= 1e-5
+
+    comfy_encode, pack_encode = (saved(comfyui_server, f"latents/qwen_{n}_encode_*") for n in ("comfy", "pack"))
+    encode_diff = max_diff(comfy_encode, pack_encode)
+    print(f"Qwen-Image, ComfyUI's VAEEncode vs VAEEncodeSingleGPU: max |diff| {encode_diff:.3g}")
+    assert comfy_encode.shape == comfy_te.shape and encode_diff <= 1e-4
+    from_comfy, from_pack = (saved(comfyui_server, f"latents/qwen_from_{n}_encode_*") for n in ("comfy", "pack"))
+    assert max_diff(from_comfy, from_pack) <= 1e-4 and max_diff(from_comfy, comfy_te) > 1e-3  # img2img, not t2i
+
+    image = saved(comfyui_server, "qwen_comfy_te_*.png")
+    assert image.shape == (SIZE, SIZE, 3) and image.std() > 1  # an image, not a flat fill
+    assert max_diff(image, saved(comfyui_server, "qwen_pack_te_*.png")) <= 1
+    comfy_vae = saved(comfyui_server, "qwen_comfy_vae_*.png")
+    print(f"Qwen-Image, ComfyUI's VAEDecode vs VAEDecodeSingleGPU: max |diff| {max_diff(comfy_vae, image)} levels")
+    assert max_diff(comfy_vae, image) <= 1
+
+    from comfyui_workflows import progress_texts, prompt_window
+
+    said = " ".join(progress_texts(prompt_window(comfyui_server, prompt_id), "6"))
+    assert "positive: ComfyUI's CONDITIONING (" in said and "negative: ComfyUI's CONDITIONING (" in said, said

@@ -8,6 +8,13 @@ file with the config reduced to the tiny model's (read from its diffusers folder
 - TinyDualCLIPLoader: ``comfy.sd.load_clip`` exactly as DualCLIPLoader calls it, plus ComfyUI's own per-model config
   override (``model_options["<name>_model_config"]``, which ``comfy.sd1_clip.SDClipModel`` applies) and float32;
   the tokenizers are ComfyUI's own (the tiny files use their vocabularies).
+- TinyQwenImageCLIPLoader: what CLIPLoader (type qwen_image) builds for a Qwen2.5-VL file — ComfyUI's
+  ``qwen_image.te`` model and ``QwenImageTokenizer`` in a ``comfy.sd.CLIP`` — on the tiny text config, float32.
+  CLIPLoader itself cannot take the tiny file: ``comfy.sd.detect_te_model`` tells Qwen2.5-VL 7B by its four 128-wide
+  key/value heads (the tiny model has one) and the config is the 7B's. ComfyUI's model also builds a fixed 1280-wide
+  vision tower (~630M parameters), which the tiny file's narrower one cannot fill: the file's ``visual.*`` weights stay
+  out and ComfyUI's tower stays as built, uninitialised and never run — only the text path runs for a prompt without
+  an image (CLIPTextEncode, TextEncodeQwenImageEdit without one).
 - TinyVAELoader: ``comfy.sd.VAE`` with an explicit config (ComfyUI's AutoencoderKL on the tiny VAE's channels and
   blocks); FLUX's VAE has no quant convs, which ComfyUI's AutoencoderKL always has: they are given as identity 1×1
   convolutions, exactly what their absence means.
@@ -19,6 +26,8 @@ import json
 import os
 
 import comfy.sd
+import comfy.supported_models_base
+import comfy.text_encoders.qwen_image
 import comfy.utils
 import folder_paths
 import torch
@@ -62,6 +71,40 @@ class TinyDualCLIPLoader:
         return (comfy.sd.load_clip(ckpt_paths=paths, clip_type=comfy.sd.CLIPType.FLUX, model_options=options),)
 
 
+class TinyQwenImageCLIPLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "clip_name": (folder_paths.get_filename_list("text_encoders"),),
+                "config_folder": ("STRING", {"default": ""}),
+            }
+        }
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load_clip"
+    CATEGORY = "testing"
+
+    def load_clip(self, clip_name, config_folder):
+        text = _config(config_folder, "text_encoder")["text_config"]
+        sd = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise("text_encoders", clip_name))
+        sd = {key: value for key, value in sd.items() if not key.startswith("visual.")}
+        # QwenImageTEModel's SDClipModel reads "qwen25_7b_model_config"; head_dim (128) and the rotary sections are
+        # the 7B's in ComfyUI's config class, as in the tiny model. te(dtype_llama=...) is how load_clip passes the
+        # file's dtype; float32 here, as the pack's encoder runs on the CPU.
+        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        options = {"dtype": torch.float32, "qwen25_7b_model_config": {key: text[key] for key in keys}}
+        target = comfy.supported_models_base.ClipTarget(
+            comfy.text_encoders.qwen_image.QwenImageTokenizer, comfy.text_encoders.qwen_image.te(torch.float32)
+        )
+        clip = comfy.sd.CLIP(target, parameters=comfy.utils.calculate_parameters(sd), model_options=options)
+        missing, unexpected = clip.load_sd(sd)
+        text_missing = [key for key in missing if not key.startswith("visual.")]
+        if text_missing or unexpected:
+            raise ValueError(f"the tiny Qwen2.5-VL file does not fit: missing {text_missing}, unexpected {unexpected}")
+        return (clip,)
+
+
 class TinyVAELoader:
     @classmethod
     def INPUT_TYPES(cls):
@@ -102,4 +145,8 @@ class TinyVAELoader:
         return (vae,)
 
 
-NODE_CLASS_MAPPINGS = {"TinyDualCLIPLoader": TinyDualCLIPLoader, "TinyVAELoader": TinyVAELoader}
+NODE_CLASS_MAPPINGS = {
+    "TinyDualCLIPLoader": TinyDualCLIPLoader,
+    "TinyQwenImageCLIPLoader": TinyQwenImageCLIPLoader,
+    "TinyVAELoader": TinyVAELoader,
+}
