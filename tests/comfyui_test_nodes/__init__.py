@@ -16,8 +16,10 @@ file with the config reduced to the tiny model's (read from its diffusers folder
   out and ComfyUI's tower stays as built, uninitialised and never run — only the text path runs for a prompt without
   an image (CLIPTextEncode, TextEncodeQwenImageEdit without one).
 - TinyVAELoader: ``comfy.sd.VAE`` with an explicit config (ComfyUI's AutoencoderKL on the tiny VAE's channels and
-  blocks); FLUX's VAE has no quant convs, which ComfyUI's AutoencoderKL always has: they are given as identity 1×1
-  convolutions, exactly what their absence means.
+  blocks); FLUX.1's VAE has no quant convs, which ComfyUI's AutoencoderKL always has: they are given as identity 1×1
+  convolutions, exactly what their absence means. FLUX.2's file (BFL's layout: quant convs inside the encoder and
+  decoder, batch-norm statistics) gets what ``comfy.sd.VAE``'s own detection gives it: the quant convs renamed, the
+  batch-norm latent (2×2 patches normalised: 4× the channels, a 16× downscale).
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class TinyVAELoader:
         config = _config(config_folder, "vae")
         channels, widths = config["latent_channels"], config["block_out_channels"]
         sd = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise("vae", vae_name))
+        sd = comfy.utils.state_dict_prefix_replace(
+            sd, {"decoder.post_quant_conv.": "post_quant_conv.", "encoder.quant_conv.": "quant_conv."}
+        )
         identity = torch.eye(2 * channels).reshape(2 * channels, 2 * channels, 1, 1)
         sd.setdefault("quant_conv.weight", identity)
         sd.setdefault("quant_conv.bias", torch.zeros(2 * channels))
@@ -139,9 +144,14 @@ class TinyVAELoader:
             "num_res_blocks": config["layers_per_block"],
             "attn_resolutions": [],
             "dropout": 0.0,
+            "batch_norm_latent": "bn.running_mean" in sd,
         }
         vae = comfy.sd.VAE(sd=sd, config={"params": {"ddconfig": ddconfig, "embed_dim": channels}}, dtype=torch.float32)
         vae.latent_channels = channels
+        if ddconfig["batch_norm_latent"]:
+            vae.latent_channels *= 4
+            vae.downscale_ratio *= 2
+            vae.upscale_ratio *= 2
         return (vae,)
 
 
