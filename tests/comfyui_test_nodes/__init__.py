@@ -97,7 +97,8 @@ class TinyQwenImageCLIPLoader:
         keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
         options = {"dtype": torch.float32, "qwen25_7b_model_config": {key: text[key] for key in keys}}
         target = comfy.supported_models_base.ClipTarget(
-            comfy.text_encoders.qwen_image.QwenImageTokenizer, comfy.text_encoders.qwen_image.te(torch.float32)
+            comfy.text_encoders.qwen_image.QwenImageTokenizer,
+            comfy.text_encoders.qwen_image.te(dtype_llama=torch.float32),
         )
         clip = comfy.sd.CLIP(target, parameters=comfy.utils.calculate_parameters(sd), model_options=options)
         missing, unexpected = clip.load_sd(sd)
