@@ -127,6 +127,16 @@ def tiny_qwen_comfy_files(comfyui_files_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_comfy_files(comfyui_files_dir, tmp_path_factory):
+    """A tiny FLUX.2-dev as ComfyUI's files in ``comfyui_files_dir`` (its bf16 transformer) with its diffusers folder,
+    built once for the session: ``{"bf16": (widget values, reference folder)}``."""
+    from parallel_runtime.families.flux2.tiny import make_tiny_flux2_files
+
+    reference = tmp_path_factory.mktemp("reference-flux2")
+    return make_tiny_flux2_files(str(comfyui_files_dir), str(reference), formats=("bf16",))
+
+
+@pytest.fixture(scope="session")
 def comfyui_server(comfyui_dir, comfyui_models_dir, comfyui_loras_dir, comfyui_files_dir):
     """One real ComfyUI server (CPU) with this pack linked in, shared by the session; stopped at the end."""
     server = ComfyUIServer(

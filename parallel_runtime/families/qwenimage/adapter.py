@@ -62,7 +62,8 @@ class QwenImage(FamilyAdapter):
     )
     # A one-frame video latent [B, C, 1, h, w] (ComfyUI's Wan 2.1 format); a 4-D one is taken as that frame.
     latent = LatentLayout(ndims=(5, 4), vae_channels_key="z_dim")
-    comfy_text_encoder = ("CLIPLoader", "qwen_image", "CLIPTextEncode or TextEncodeQwenImage")
+    # ComfyUI has no Qwen-Image-only prompt node: TextEncodeQwenImageEdit without an image encodes as CLIPTextEncode.
+    comfy_text_encoder = ("CLIPLoader", "qwen_image", "CLIPTextEncode")
     text_mask = True
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
