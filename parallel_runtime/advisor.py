@@ -1,5 +1,6 @@
 """Which strategy suits this box? ``comfy-parallel advise``: for a model's real size (its safetensors headers: each
-component's parameters and stored dtypes; nothing is loaded) and a box's GPUs (declared, or measured by
+component's parameters and stored dtypes; nothing is loaded; a diffusers folder, or ComfyUI's single files as
+ParallelModelFromComfyFiles takes them, read as they are, nothing converted) and a box's GPUs (declared, or measured by
 ``comfy-parallel doctor``'s checks), each strategy with its memory per GPU, the bytes it sends per step and its
 expected step time against one GPU, best first, with why; and what to change when nothing fits.
 
@@ -26,9 +27,11 @@ import os
 import re
 
 from . import families
+from .comfy_files import NO_FILE, plan_files
 from .errors import InvalidInput
 from .estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, step_bytes, weights_share
 from .families import FamilyAdapter
+from .gguf_files import TENSOR_PARALLEL_REFUSAL
 from .headers import DTYPE_BITS, read_header
 from .strategy import StrategyPlan, TransformerFacts
 
@@ -130,6 +133,7 @@ class ModelSize:
     parameters: dict[str, int]
     stored_bytes: dict[str, int]
     stored_dtypes: dict[str, tuple[str, ...]]
+    gguf: bool = False  # a GGUF transformer: held packed as stored, and never split by tensor parallelism
 
     @property
     def transformer_parameters(self) -> int:
@@ -137,6 +141,8 @@ class ModelSize:
 
     @property
     def transformer_bytes(self) -> int:
+        if self.gguf:
+            return self.stored_bytes["transformer"]  # the file's size: its packed blocks, held as they are
         if any(dtype.startswith("F8") for dtype in self.stored_dtypes.get("transformer", ())):
             return self.stored_bytes["transformer"]  # fp8 held as stored, the rest (norms, biases) in bf16 already
         return self.transformer_parameters * LOADED_BYTES
@@ -193,6 +199,39 @@ def read_model(model: str) -> ModelSize:
         with open(os.path.join(path, "vae", "config.json")) as f:
             channels = family.decoder_channels(json.load(f))
     return ModelSize(os.path.basename(os.path.normpath(model)), family, config, channels, parameters, sizes, dtypes)
+
+
+def read_files(
+    diffusion_model: str, text_encoder: str, text_encoder_2: str, vae: str, diffusion_model_2: str = NO_FILE
+) -> ModelSize:
+    """ComfyUI's single files, the widget values ParallelModelFromComfyFiles takes (names in ComfyUI's model folders),
+    measured from their headers (``comfy_files.plan_files``: nothing is loaded or converted). A safetensors file
+    counts its weights' parameters and stored bytes (ComfyUI's scales and tokenizer data are not weights); a GGUF
+    transformer its shapes' parameters and the file's size."""
+    plan = plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2)
+    family = families.family(plan.family)
+    parameters: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    dtypes: dict[str, tuple[str, ...]] = {}
+    for component in plan.contents.components:
+        file = component.file
+        keys = file.weight_keys
+        parameters[component.name] = sum(math.prod(file.shapes[k]) for k in keys)
+        dtypes[component.name] = tuple(sorted({file.dtypes[k] for k in keys}))
+        if file.is_gguf:
+            stored[component.name] = file.size
+        else:
+            stored[component.name] = sum(math.prod(file.shapes[k]) * DTYPE_BITS[file.dtypes[k]] for k in keys) // 8
+    return ModelSize(
+        plan.transformer.name,
+        family,
+        plan.configs["transformer"],
+        family.decoder_channels(plan.configs["vae"]),
+        parameters,
+        stored,
+        dtypes,
+        gguf=plan.transformer.is_gguf,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +353,9 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
         options.append(Option(name, int(weights), activations, peak, sends, relative, why, peak <= usable))
 
     def plan(strategy: str, **widgets: int) -> StrategyPlan | None:
+        if model.gguf and strategy in ("tensor_parallel", "tp_cp"):
+            refused.append((strategy, TENSOR_PARALLEL_REFUSAL))
+            return None
         try:
             return StrategyPlan.from_widgets(facts, n, strategy=strategy, **widgets)
         except InvalidInput as e:
