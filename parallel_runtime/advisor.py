@@ -33,6 +33,7 @@ from .estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, st
 from .families import FamilyAdapter
 from .gguf_files import TENSOR_PARALLEL_REFUSAL
 from .headers import DTYPE_BITS, read_header
+from .spec import BackendSpec
 from .strategy import StrategyPlan, TransformerFacts
 
 GIB = 1 << 30
@@ -74,12 +75,12 @@ class Box:
         )
 
 
-def parse_gpus(text: str) -> Box:
-    """A declared box (``GPUS_SYNTAX``); InvalidInput naming ``--gpus`` and the syntax when it is not one."""
+def parse_gpus(text: str, widget: str = "--gpus") -> Box:
+    """A declared box (``GPUS_SYNTAX``); InvalidInput naming ``widget`` and the syntax when it is not one."""
     parts = [p.strip().lower() for p in text.split(",") if p.strip()]
     head = re.fullmatch(r"(\d+)\s*x\s*(\d+(?:\.\d+)?)\s*gi?b", parts[0]) if parts else None
     if head is None or int(head.group(1)) < 1 or float(head.group(2)) <= 0:
-        raise InvalidInput("--gpus", f"{text!r} does not say the GPUs; write {GPUS_SYNTAX}")
+        raise InvalidInput(widget, f"{text!r} does not say the GPUs; write {GPUS_SYNTAX}")
     links = [p for p in parts[1:] if p in LINK_BANDWIDTH]
     p2p = "no-p2p" not in parts[1:]
     options = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
@@ -87,19 +88,19 @@ def parse_gpus(text: str) -> Box:
     unknown += [key for key in options if key not in ("bw", "tflops")]
     if unknown or len(links) > 1 or (int(head.group(1)) > 1 and not links):
         what = f"does not know {unknown[0]!r}" if unknown else "needs one link, nvlink or pcie"
-        raise InvalidInput("--gpus", f"{text!r} {what}; write {GPUS_SYNTAX}")
+        raise InvalidInput(widget, f"{text!r} {what}; write {GPUS_SYNTAX}")
     link = links[0] if links else "pcie"
     if link == "nvlink" and not p2p:
-        raise InvalidInput("--gpus", "NVLink is peer-to-peer; drop no-p2p, or declare pcie,no-p2p")
+        raise InvalidInput(widget, "NVLink is peer-to-peer; drop no-p2p, or declare pcie,no-p2p")
     try:
         bandwidth = float(options["bw"]) * 1e9 if "bw" in options else None
         tflops = float(options.get("tflops", DEFAULT_TFLOPS))
     except ValueError:
-        raise InvalidInput("--gpus", f"bw= and tflops= take numbers; write {GPUS_SYNTAX}") from None
+        raise InvalidInput(widget, f"bw= and tflops= take numbers; write {GPUS_SYNTAX}") from None
     if bandwidth is None:
         bandwidth = LINK_BANDWIDTH[link] if p2p else NO_P2P_BANDWIDTH
     if bandwidth <= 0 or tflops <= 0:
-        raise InvalidInput("--gpus", "bw= and tflops= must be above 0")
+        raise InvalidInput(widget, "bw= and tflops= must be above 0")
     return Box(int(head.group(1)), int(float(head.group(2)) * GIB), link, p2p, bandwidth, tflops)
 
 
@@ -156,7 +157,23 @@ class ModelSize:
         return self.parameters.get("vae", 0) * LOADED_BYTES
 
 
-def read_model(model: str) -> ModelSize:
+def backend_box(spec: BackendSpec, widget: str = "gpus") -> Box:
+    """The GPUs a one-machine backend's ranks use, as this process sees them (torch's device properties: nothing
+    loads): the smallest one's memory and whether the first reaches the others directly. The link's rate is not
+    measured here (``comfy-parallel advise`` without ``--gpus`` measures it): PCIe is assumed."""
+    import torch
+
+    visible = torch.cuda.device_count() if spec.device == "cuda" else 0
+    if visible < spec.ranks or spec.nnodes > 1 or spec.gpus is not None:
+        where = "runs on CPU" if spec.device != "cuda" else "uses GPUs this process does not see, or other machines'"
+        raise InvalidInput(widget, f"the backend {where}; declare the GPUs to advise for: {GPUS_SYNTAX}")
+    memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(spec.ranks))
+    p2p = all(torch.cuda.can_device_access_peer(0, i) for i in range(1, spec.ranks))
+    bandwidth = LINK_BANDWIDTH["pcie"] if p2p else NO_P2P_BANDWIDTH
+    return Box(spec.ranks, memory, "pcie (assumed)", p2p, bandwidth)
+
+
+def read_model(model: str, widget: str = "--model") -> ModelSize:
     """A diffusers folder (a path, or a name ComfyUI's model folders list) measured from its safetensors headers."""
     import json
 
@@ -165,10 +182,10 @@ def read_model(model: str) -> ModelSize:
     if os.path.isfile(os.path.join(model, "model_index.json")):
         adapter = families.for_pipeline(model_folders.pipeline_class(model))
         if adapter is None:
-            raise InvalidInput("--model", f"{model} is not a pipeline the pack runs: {families.supported()}")
+            raise InvalidInput(widget, f"{model} is not a pipeline the pack runs: {families.supported()}")
         path, family = model, adapter
     else:
-        ref = model_folders.resolve(model, "--model")
+        ref = model_folders.resolve(model, widget)
         path, family = ref.path, families.family(ref.family)
     sizes: dict[str, int] = {}
     dtypes: dict[str, tuple[str, ...]] = {}
@@ -183,7 +200,7 @@ def read_model(model: str) -> ModelSize:
             try:
                 tensors, _ = read_header(os.path.join(folder, name))
             except (OSError, ValueError) as e:
-                raise InvalidInput("--model", f"{component}/{name} cannot be read: {e}") from None
+                raise InvalidInput(widget, f"{component}/{name} cannot be read: {e}") from None
             for dtype, shape in tensors.values():
                 elements = math.prod(shape)
                 bits += elements * DTYPE_BITS[dtype]
@@ -191,7 +208,7 @@ def read_model(model: str) -> ModelSize:
                 seen.add(dtype)
         sizes[component], dtypes[component], parameters[component] = bits // 8, tuple(sorted(seen)), count
     if "transformer" not in sizes:
-        raise InvalidInput("--model", f"{model} has no transformer/*.safetensors to measure")
+        raise InvalidInput(widget, f"{model} has no transformer/*.safetensors to measure")
     with open(os.path.join(path, "transformer", "config.json")) as f:
         config = json.load(f)
     channels = 128

@@ -385,3 +385,21 @@ def test_the_command_on_comfyui_files(tiny_comfy_files, comfy_models, capsys) ->
     with pytest.raises(SystemExit) as e:
         main([*command, *files, "--model", "x"])
     assert e.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+# -- in ComfyUI ------------------------------------------------------------------------------------------------------
+def test_the_advisor_node_in_comfyui(comfyui_server, comfyui_models_dir) -> None:
+    """ParallelAdvisor in a real ComfyUI: the advice of a tiny model on declared GPUs, shown on the node (its UI text)
+    and as its output, the same text as the command's; with no GPUs declared on a CPU backend, the prompt is refused
+    before it queues, naming ``gpus``."""
+    from comfyui_host import PromptRejected
+
+    folder = make_tiny_model("flux", str(comfyui_models_dir / "advisor-tiny-flux"))
+    inputs = {"model": "advisor-tiny-flux", "width": 512, "height": 256, "gpus": "2x24GB,pcie,no-p2p"}
+    prompt_id, _ = comfyui_server.run({"1": {"class_type": "ParallelAdvisor", "inputs": inputs}})
+    shown = comfyui_server.history(prompt_id, timeout=10)["outputs"]["1"]["text"]
+    assert shown == [advise(read_model(folder), parse_gpus(inputs["gpus"]), 512, 256).text()]
+    assert shown[0].startswith("advisor-tiny-flux (FLUX.1) at 512×256:")
+    with pytest.raises(PromptRejected) as e:
+        comfyui_server.post_prompt({"1": {"class_type": "ParallelAdvisor", "inputs": {**inputs, "gpus": ""}}})
+    assert "gpus" in json.dumps(e.value.node_errors["1"]) and "runs on CPU" in json.dumps(e.value.node_errors["1"])
