@@ -50,6 +50,7 @@ class ParallelAdvisor(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, input_types: dict) -> bool | str:
+        """The model, the declared GPUs (or the backend's) and the size, before the prompt queues."""
         return comfy.validate(cls, input_types, comfy.QueuedNode.run)
 
     @classmethod
