@@ -32,7 +32,7 @@ import torch
 # Runnable as a plain script from a checkout: the package is not necessarily installed in the venv.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.random_flux import PRESETS, build
+from bench.random_flux import serve_bench_model
 from parallel_runtime import default_spec, get_backend, jobs, shutdown_backend
 from parallel_runtime.wire import Sampling
 from parallel_runtime.worker import memory
@@ -98,14 +98,7 @@ def main() -> int:
     scratch = tempfile.mkdtemp(prefix="bench-memory-policy-")
     failed = False
     try:
-        model_dir = args.model_dir or os.path.join(scratch, MODEL)
-        if not os.path.isfile(os.path.join(model_dir, "model_index.json")):
-            print(f"building the bench preset's FLUX.1 in {model_dir} ...", flush=True)
-            build(model_dir, PRESETS["bench"])
-        link_root = os.path.join(scratch, "models")
-        os.makedirs(link_root)
-        os.symlink(os.path.abspath(model_dir), os.path.join(link_root, MODEL))
-        os.environ["COMFY_PARALLEL_MODELS"] = link_root
+        model_dir = serve_bench_model(args.model_dir, scratch, MODEL)
 
         rows = {}
         for row in dict.fromkeys(args.rows if "staged" in args.rows else ["staged", *args.rows]):

@@ -165,6 +165,21 @@ def build(
     return os.fspath(out_dir)
 
 
+def serve_bench_model(model_dir: str | None, scratch: str, name: str) -> str:
+    """The ``bench`` preset's FLUX.1 in ``model_dir`` (built there when it holds none; None: below ``scratch``), listed
+    to the nodes as ``name``: a link in a diffusers model folder below ``scratch`` that ``COMFY_PARALLEL_MODELS``
+    names. Returns the folder."""
+    model_dir = model_dir or os.path.join(scratch, name)
+    if not os.path.isfile(os.path.join(model_dir, "model_index.json")):
+        print(f"building the bench preset's FLUX.1 in {model_dir} ...", flush=True)
+        build(model_dir, PRESETS["bench"])
+    link_root = os.path.join(scratch, "models")
+    os.makedirs(link_root)
+    os.symlink(os.path.abspath(model_dir), os.path.join(link_root, name))
+    os.environ["COMFY_PARALLEL_MODELS"] = link_root
+    return model_dir
+
+
 def preset_config(preset: str, double_blocks: int | None = None, single_blocks: int | None = None) -> dict:
     """A preset's transformer arguments, with its block counts overridden where given (fewer blocks: same width,
     smaller files, for proving the build and load path on a small machine)."""

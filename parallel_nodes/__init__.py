@@ -15,6 +15,7 @@ from comfy_api.latest import ComfyExtension, io
 from parallel_runtime.internals import untested_diffusers
 
 from . import comfy
+from .advisor import ParallelAdvisor
 from .backend import ParallelBackend
 from .comfy_files import ParallelModelFromComfyFiles
 from .encode import EncodeOnBalancedGPUs
@@ -33,6 +34,7 @@ NODES: list[type[io.ComfyNode]] = [
     ParallelLoraLoader,
     VAEEncodeSingleGPU,
     ParallelModelFromComfyFiles,
+    ParallelAdvisor,
 ]
 NODES_BY_ID = comfy.NODES_BY_ID  # filled here, read by comfy's validation
 NODES_BY_ID.update({node.define_schema().node_id: node for node in NODES})

@@ -5,12 +5,12 @@ import os
 from comfy_api.latest import io
 
 from parallel_runtime import InvalidInput, comfy_files, jobs
+from parallel_runtime.comfy_files import WIDGETS
 from parallel_runtime.families import FILES_LAYOUTS, join_words
 
 from . import comfy
 from .types import CATEGORY
 
-WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae", "diffusion_model_2")
 # A model name for a combo input: a plain "COMBO" output type (io.Combo.Output's type is its list of options, which
 # ComfyUI's link check compares with the input's "COMBO" and refuses).
 ModelName = io.Custom("COMBO")

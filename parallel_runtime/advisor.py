@@ -1,5 +1,6 @@
 """Which strategy suits this box? ``comfy-parallel advise``: for a model's real size (its safetensors headers: each
-component's parameters and stored dtypes; nothing is loaded) and a box's GPUs (declared, or measured by
+component's parameters and stored dtypes; nothing is loaded; a diffusers folder, or ComfyUI's single files as
+ParallelModelFromComfyFiles takes them, read as they are, nothing converted) and a box's GPUs (declared, or measured by
 ``comfy-parallel doctor``'s checks), each strategy with its memory per GPU, the bytes it sends per step and its
 expected step time against one GPU, best first, with why; and what to change when nothing fits.
 
@@ -26,10 +27,13 @@ import os
 import re
 
 from . import families
+from .comfy_files import NO_FILE, plan_files
 from .errors import InvalidInput
 from .estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, step_bytes, weights_share
 from .families import FamilyAdapter
+from .gguf_files import TENSOR_PARALLEL_REFUSAL
 from .headers import DTYPE_BITS, read_header
+from .spec import BackendSpec
 from .strategy import StrategyPlan, TransformerFacts
 
 GIB = 1 << 30
@@ -71,12 +75,12 @@ class Box:
         )
 
 
-def parse_gpus(text: str) -> Box:
-    """A declared box (``GPUS_SYNTAX``); InvalidInput naming ``--gpus`` and the syntax when it is not one."""
+def parse_gpus(text: str, widget: str = "--gpus") -> Box:
+    """A declared box (``GPUS_SYNTAX``); InvalidInput naming ``widget`` and the syntax when it is not one."""
     parts = [p.strip().lower() for p in text.split(",") if p.strip()]
     head = re.fullmatch(r"(\d+)\s*x\s*(\d+(?:\.\d+)?)\s*gi?b", parts[0]) if parts else None
     if head is None or int(head.group(1)) < 1 or float(head.group(2)) <= 0:
-        raise InvalidInput("--gpus", f"{text!r} does not say the GPUs; write {GPUS_SYNTAX}")
+        raise InvalidInput(widget, f"{text!r} does not say the GPUs; write {GPUS_SYNTAX}")
     links = [p for p in parts[1:] if p in LINK_BANDWIDTH]
     p2p = "no-p2p" not in parts[1:]
     options = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
@@ -84,19 +88,19 @@ def parse_gpus(text: str) -> Box:
     unknown += [key for key in options if key not in ("bw", "tflops")]
     if unknown or len(links) > 1 or (int(head.group(1)) > 1 and not links):
         what = f"does not know {unknown[0]!r}" if unknown else "needs one link, nvlink or pcie"
-        raise InvalidInput("--gpus", f"{text!r} {what}; write {GPUS_SYNTAX}")
+        raise InvalidInput(widget, f"{text!r} {what}; write {GPUS_SYNTAX}")
     link = links[0] if links else "pcie"
     if link == "nvlink" and not p2p:
-        raise InvalidInput("--gpus", "NVLink is peer-to-peer; drop no-p2p, or declare pcie,no-p2p")
+        raise InvalidInput(widget, "NVLink is peer-to-peer; drop no-p2p, or declare pcie,no-p2p")
     try:
         bandwidth = float(options["bw"]) * 1e9 if "bw" in options else None
         tflops = float(options.get("tflops", DEFAULT_TFLOPS))
     except ValueError:
-        raise InvalidInput("--gpus", f"bw= and tflops= take numbers; write {GPUS_SYNTAX}") from None
+        raise InvalidInput(widget, f"bw= and tflops= take numbers; write {GPUS_SYNTAX}") from None
     if bandwidth is None:
         bandwidth = LINK_BANDWIDTH[link] if p2p else NO_P2P_BANDWIDTH
     if bandwidth <= 0 or tflops <= 0:
-        raise InvalidInput("--gpus", "bw= and tflops= must be above 0")
+        raise InvalidInput(widget, "bw= and tflops= must be above 0")
     return Box(int(head.group(1)), int(float(head.group(2)) * GIB), link, p2p, bandwidth, tflops)
 
 
@@ -130,6 +134,7 @@ class ModelSize:
     parameters: dict[str, int]
     stored_bytes: dict[str, int]
     stored_dtypes: dict[str, tuple[str, ...]]
+    gguf: bool = False  # a GGUF transformer: held packed as stored, and never split by tensor parallelism
 
     @property
     def transformer_parameters(self) -> int:
@@ -137,6 +142,8 @@ class ModelSize:
 
     @property
     def transformer_bytes(self) -> int:
+        if self.gguf:
+            return self.stored_bytes["transformer"]  # the file's size: its packed blocks, held as they are
         if any(dtype.startswith("F8") for dtype in self.stored_dtypes.get("transformer", ())):
             return self.stored_bytes["transformer"]  # fp8 held as stored, the rest (norms, biases) in bf16 already
         return self.transformer_parameters * LOADED_BYTES
@@ -150,7 +157,23 @@ class ModelSize:
         return self.parameters.get("vae", 0) * LOADED_BYTES
 
 
-def read_model(model: str) -> ModelSize:
+def backend_box(spec: BackendSpec, widget: str = "gpus") -> Box:
+    """The GPUs a one-machine backend's ranks use, as this process sees them (torch's device properties: nothing
+    loads): the smallest one's memory and whether the first reaches the others directly. The link's rate is not
+    measured here (``comfy-parallel advise`` without ``--gpus`` measures it): PCIe is assumed."""
+    import torch
+
+    visible = torch.cuda.device_count() if spec.device == "cuda" else 0
+    if visible < spec.ranks or spec.nnodes > 1 or spec.gpus is not None:
+        where = "runs on CPU" if spec.device != "cuda" else "uses GPUs this process does not see, or other machines'"
+        raise InvalidInput(widget, f"the backend {where}; declare the GPUs to advise for: {GPUS_SYNTAX}")
+    memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(spec.ranks))
+    p2p = all(torch.cuda.can_device_access_peer(0, i) for i in range(1, spec.ranks))
+    bandwidth = LINK_BANDWIDTH["pcie"] if p2p else NO_P2P_BANDWIDTH
+    return Box(spec.ranks, memory, "pcie (assumed)", p2p, bandwidth)
+
+
+def read_model(model: str, widget: str = "--model") -> ModelSize:
     """A diffusers folder (a path, or a name ComfyUI's model folders list) measured from its safetensors headers."""
     import json
 
@@ -159,10 +182,10 @@ def read_model(model: str) -> ModelSize:
     if os.path.isfile(os.path.join(model, "model_index.json")):
         adapter = families.for_pipeline(model_folders.pipeline_class(model))
         if adapter is None:
-            raise InvalidInput("--model", f"{model} is not a pipeline the pack runs: {families.supported()}")
+            raise InvalidInput(widget, f"{model} is not a pipeline the pack runs: {families.supported()}")
         path, family = model, adapter
     else:
-        ref = model_folders.resolve(model, "--model")
+        ref = model_folders.resolve(model, widget)
         path, family = ref.path, families.family(ref.family)
     sizes: dict[str, int] = {}
     dtypes: dict[str, tuple[str, ...]] = {}
@@ -177,7 +200,7 @@ def read_model(model: str) -> ModelSize:
             try:
                 tensors, _ = read_header(os.path.join(folder, name))
             except (OSError, ValueError) as e:
-                raise InvalidInput("--model", f"{component}/{name} cannot be read: {e}") from None
+                raise InvalidInput(widget, f"{component}/{name} cannot be read: {e}") from None
             for dtype, shape in tensors.values():
                 elements = math.prod(shape)
                 bits += elements * DTYPE_BITS[dtype]
@@ -185,7 +208,7 @@ def read_model(model: str) -> ModelSize:
                 seen.add(dtype)
         sizes[component], dtypes[component], parameters[component] = bits // 8, tuple(sorted(seen)), count
     if "transformer" not in sizes:
-        raise InvalidInput("--model", f"{model} has no transformer/*.safetensors to measure")
+        raise InvalidInput(widget, f"{model} has no transformer/*.safetensors to measure")
     with open(os.path.join(path, "transformer", "config.json")) as f:
         config = json.load(f)
     channels = 128
@@ -193,6 +216,39 @@ def read_model(model: str) -> ModelSize:
         with open(os.path.join(path, "vae", "config.json")) as f:
             channels = family.decoder_channels(json.load(f))
     return ModelSize(os.path.basename(os.path.normpath(model)), family, config, channels, parameters, sizes, dtypes)
+
+
+def read_files(
+    diffusion_model: str, text_encoder: str, text_encoder_2: str, vae: str, diffusion_model_2: str = NO_FILE
+) -> ModelSize:
+    """ComfyUI's single files, the widget values ParallelModelFromComfyFiles takes (names in ComfyUI's model folders),
+    measured from their headers (``comfy_files.plan_files``: nothing is loaded or converted). A safetensors file
+    counts its weights' parameters and stored bytes (ComfyUI's scales and tokenizer data are not weights); a GGUF
+    transformer its shapes' parameters and the file's size."""
+    plan = plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2)
+    family = families.family(plan.family)
+    parameters: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    dtypes: dict[str, tuple[str, ...]] = {}
+    for component in plan.contents.components:
+        file = component.file
+        keys = file.weight_keys
+        parameters[component.name] = sum(math.prod(file.shapes[k]) for k in keys)
+        dtypes[component.name] = tuple(sorted({file.dtypes[k] for k in keys}))
+        if file.is_gguf:
+            stored[component.name] = file.size
+        else:
+            stored[component.name] = sum(math.prod(file.shapes[k]) * DTYPE_BITS[file.dtypes[k]] for k in keys) // 8
+    return ModelSize(
+        plan.transformer.name,
+        family,
+        plan.configs["transformer"],
+        family.decoder_channels(plan.configs["vae"]),
+        parameters,
+        stored,
+        dtypes,
+        gguf=plan.transformer.is_gguf,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +370,9 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
         options.append(Option(name, int(weights), activations, peak, sends, relative, why, peak <= usable))
 
     def plan(strategy: str, **widgets: int) -> StrategyPlan | None:
+        if model.gguf and strategy in ("tensor_parallel", "tp_cp"):
+            refused.append((strategy, TENSOR_PARALLEL_REFUSAL))
+            return None
         try:
             return StrategyPlan.from_widgets(facts, n, strategy=strategy, **widgets)
         except InvalidInput as e:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from .advisor import GPUS_SYNTAX
+from .comfy_files import NO_FILE, WIDGETS
 from .families import REGISTRY
 
 DOCTOR_STEP_S = 60.0
@@ -248,7 +249,20 @@ def main(argv: list[str] | None = None) -> int:
         "per GPU, the bytes it sends per step and its expected step time against one GPU, best first. Without "
         "--gpus it measures this machine's GPUs with doctor's checks.",
     )
-    p.add_argument("--model", required=True, help="a diffusers folder: its path, or its name in ComfyUI's models")
+    p.add_argument("--model", help="a diffusers folder: its path, or its name in ComfyUI's models")
+    # ComfyUI's single files take one option per widget of ParallelModelFromComfyFiles, not a comma list: a file name
+    # may hold a comma, and each error then names the same input the node has.
+    for widget in WIDGETS:
+        p.add_argument(
+            "--" + widget.replace("_", "-"),
+            dest=widget,
+            default=NO_FILE,
+            help=f"instead of --model: ComfyUI's {widget} file, as ParallelModelFromComfyFiles' widget names it",
+        )
+    p.add_argument(
+        "--comfy-models",
+        help="ComfyUI's models directory the files are in (default: COMFY_PARALLEL_COMFY_MODELS, or ComfyUI's own)",
+    )
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--gpus", help="declare the GPUs instead of measuring them: " + GPUS_SYNTAX)
@@ -303,11 +317,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "advise":
-        from .advisor import advise, measured_box, parse_gpus, read_model
+        from .advisor import advise, measured_box, parse_gpus, read_files, read_model
         from .errors import InvalidInput
 
+        if (args.model is None) == (args.diffusion_model == NO_FILE):
+            parser.error("advise takes --model (a diffusers folder) or --diffusion-model with ComfyUI's other files")
+        if args.comfy_models:
+            os.environ["COMFY_PARALLEL_COMFY_MODELS"] = args.comfy_models
         try:
-            model = read_model(args.model)
+            if args.model is None:
+                model = read_files(*(getattr(args, widget) for widget in WIDGETS))
+            else:
+                model = read_model(args.model)
             box = parse_gpus(args.gpus) if args.gpus else measured_box(doctor(0, "cuda"))
             print(advise(model, box, args.width, args.height).text())
         except InvalidInput as e:

@@ -182,6 +182,11 @@ class SourceFile:
     def stripped_prefix(self) -> bool:
         return any(k != v for k, v in self.keys.items())
 
+    @property
+    def weight_keys(self) -> list[str]:
+        """The keys of the model's weights: the file's without ComfyUI's quantization bookkeeping and tokenizer data."""
+        return [k for k in self.shapes if not _skipped(self, k)]
+
     def high_precision_dtype(self) -> str:
         """What fp8 weights become: the dtype most of the file's other floating tensors have (bf16 if none)."""
         scales = set(self.scales.values())
@@ -358,6 +363,8 @@ class FilesPlan:
 NO_FILE = "none"
 # The widgets a family may leave at NO_FILE: a second text encoder, a second transformer (Wan 2.2 A14B's two experts).
 OPTIONAL_WIDGETS = ("text_encoder_2", "diffusion_model_2")
+# ParallelModelFromComfyFiles' file widgets, in ``plan_files``' order (``comfy-parallel advise`` takes the same).
+WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae", "diffusion_model_2")
 
 
 def widget_options(widget: str) -> list[str]:
@@ -730,11 +737,6 @@ def _skipped(file: SourceFile, key: str) -> bool:
     )
 
 
-def _kept_keys(component: Component) -> list[str]:
-    file = component.file
-    return [k for k in file.shapes if not _skipped(file, k)]
-
-
 def _units(component: Component) -> int:
     """The component's steps of progress: one per source tensor it streams, else one."""
     if component.file.is_gguf:
@@ -742,7 +744,7 @@ def _units(component: Component) -> int:
     if component.moves is not None:
         return len(group_moves(component.moves)) + (len(component.file.scales) if _keeps_fp8(component) else 0)
     if component.convert is None and _needs_rewrite(component):
-        return len(_kept_keys(component))
+        return len(component.file.weight_keys)
     return 1
 
 
@@ -759,7 +761,7 @@ def _write_whole(component: Component, folder: str, steps: _Steps) -> None:
     shards = _Shards(folder, component.weights)
     if _needs_rewrite(component):
         keep = _keeps_fp8(component)
-        for key, tensor in _tensors(file, _kept_keys(component), keep_fp8=keep):
+        for key, tensor in _tensors(file, file.weight_keys, keep_fp8=keep):
             shards.add(key, tensor)
             steps(f"converting {component.name}")
         if keep:
@@ -784,7 +786,7 @@ def _write_gguf(component: Component, folder: str) -> None:
     model's (a component kept whole moves each tensor to its own key), sources by the file's own keys."""
     file = component.file
     os.symlink(os.path.realpath(file.path), os.path.join(folder, GGUF_WEIGHTS))
-    moves = component.moves if component.moves is not None else [Move(k, k) for k in _kept_keys(component)]
+    moves = component.moves if component.moves is not None else [Move(k, k) for k in file.weight_keys]
     write_moves((dataclasses.replace(m, source=file.keys[m.source]) for m in moves), folder)
 
 

@@ -291,3 +291,115 @@ def test_a_doctor_report_gives_the_measured_box() -> None:
         with pytest.raises(InvalidInput) as e:
             measured_box(bad)
         assert e.value.widget == "--gpus"
+
+
+# -- ComfyUI's single files ------------------------------------------------------------------------------------------
+def _file_sizes(path: str) -> tuple[int, int]:
+    """A safetensors file's weights, counted here: (parameters, stored bytes), without ComfyUI's fp8 scales."""
+    from safetensors import safe_open
+
+    parameters = stored = 0
+    with safe_open(path, "pt") as f:
+        for key in f.keys():
+            if key.endswith(".scale_weight") or key.endswith(".scale_input") or key == "scaled_fp8":
+                continue
+            tensor = f.get_tensor(key)
+            parameters += tensor.numel()
+            stored += tensor.numel() * tensor.element_size()
+    return parameters, stored
+
+
+@pytest.fixture()
+def comfy_models(comfyui_files_dir, monkeypatch) -> str:
+    monkeypatch.setenv("COMFY_PARALLEL_COMFY_MODELS", str(comfyui_files_dir))
+    return str(comfyui_files_dir)
+
+
+def test_comfyui_files_are_measured_from_their_headers(tiny_comfy_files, comfy_models) -> None:
+    """The tiny FLUX.1's ComfyUI files (bf16, fp8, scaled fp8) measure as their tensors count here, and as the diffusers
+    folder holding the same weights does; the bf16 one gets the same advice as that folder; nothing is converted."""
+    from parallel_runtime.advisor import read_files
+    from parallel_runtime.comfy_files import resolve
+
+    box = parse_gpus("2x24GB,pcie,no-p2p")
+    for fmt, (widgets, reference) in tiny_comfy_files.items():
+        model = read_files(
+            widgets["diffusion_model"], widgets["text_encoder"], widgets["text_encoder_2"], widgets["vae"]
+        )
+        folder = read_model(reference)
+        parameters, stored = _file_sizes(resolve("diffusion_model", widgets["diffusion_model"], "diffusion_model"))
+        assert model.name == widgets["diffusion_model"] and model.family.key == "flux"
+        assert model.parameters["transformer"] == parameters == folder.parameters["transformer"]
+        assert model.stored_bytes["transformer"] == stored
+        for role in ("text_encoder", "text_encoder_2", "vae"):
+            assert model.parameters[role] == _file_sizes(resolve(role, widgets[role], role))[0], role
+        assert model.parameters["vae"] == folder.parameters["vae"]
+        if fmt == "bf16":
+            assert model.transformer_bytes == 2 * parameters
+            assert advise(model, box, 512, 512).options == advise(folder, box, 512, 512).options
+        else:  # fp8 held as stored: one byte a matrix element, the norms and biases as the file has them
+            assert model.transformer_bytes == stored < 2 * parameters
+            assert "F8_E4M3" in model.stored_dtypes["transformer"]
+    assert not os.path.exists(os.path.join(comfy_models, "converted"))
+
+
+def test_a_gguf_file_counts_its_size_and_refuses_tensor_parallel(tiny_comfy_files, comfy_models) -> None:
+    from safetensors.torch import load_file
+
+    from parallel_runtime.advisor import read_files
+    from parallel_runtime.comfy_files import resolve
+    from parallel_runtime.families.tiny import write_gguf
+    from parallel_runtime.gguf_files import TENSOR_PARALLEL_REFUSAL
+
+    widgets, _ = tiny_comfy_files["bf16"]
+    source = resolve("diffusion_model", widgets["diffusion_model"], "diffusion_model")
+    path = os.path.join(comfy_models, "diffusion_models", "advisor-tiny-flux-Q8_0.gguf")
+    write_gguf(load_file(source), path, "flux", "Q8_0")
+    try:
+        model = read_files(os.path.basename(path), widgets["text_encoder"], widgets["text_encoder_2"], widgets["vae"])
+        assert model.gguf and model.transformer_bytes == os.path.getsize(path)
+        assert model.parameters["transformer"] == _file_sizes(source)[0]  # the shapes are the model's, unpacked
+        advice = advise(model, parse_gpus("4x80GB,nvlink"), 512, 512)
+        assert ("tensor_parallel", TENSOR_PARALLEL_REFUSAL) in advice.refused
+        assert ("tp_cp", TENSOR_PARALLEL_REFUSAL) in advice.refused
+        assert not any(o.name.startswith(("tensor_parallel", "tp_cp")) for o in advice.options)
+        assert {"device_map over 4 GPUs", "data_parallel 4"} <= {o.name for o in advice.options}
+        assert "not possible: tensor_parallel: a GGUF transformer" in advice.text()
+    finally:
+        os.remove(path)
+
+
+def test_the_command_on_comfyui_files(tiny_comfy_files, comfy_models, capsys) -> None:
+    """``advise`` with ParallelModelFromComfyFiles' widgets as options (in-process: the command's own entry point)."""
+    from parallel_runtime.cli import main
+
+    widgets, _ = tiny_comfy_files["fp8"]
+    command = ["advise", "--comfy-models", comfy_models, "--width", "512", "--height", "512", "--gpus", "2x24GB,pcie"]
+    files = [f"--{w.replace('_', '-')}={widgets[w]}" for w in ("diffusion_model", "text_encoder", "vae")]
+    assert main([*command, *files, "--text-encoder-2", widgets["text_encoder_2"]]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{widgets['diffusion_model']} (FLUX.1) at 512×512:")
+    assert "F8_E4M3" in out.splitlines()[0]
+    assert main([*command, "--diffusion-model", widgets["vae"]]) == 2
+    assert "diffusion_model" in capsys.readouterr().err  # a VAE picked as the transformer, named by its widget
+    with pytest.raises(SystemExit) as e:
+        main([*command, *files, "--model", "x"])
+    assert e.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+# -- in ComfyUI ------------------------------------------------------------------------------------------------------
+def test_the_advisor_node_in_comfyui(comfyui_server, comfyui_models_dir) -> None:
+    """ParallelAdvisor in a real ComfyUI: the advice of a tiny model on declared GPUs, shown on the node (its UI text)
+    and as its output, the same text as the command's; with no GPUs declared on a CPU backend, the prompt is refused
+    before it queues, naming ``gpus``."""
+    from comfyui_host import PromptRejected
+
+    folder = make_tiny_model("flux", str(comfyui_models_dir / "advisor-tiny-flux"))
+    inputs = {"model": "advisor-tiny-flux", "width": 512, "height": 256, "gpus": "2x24GB,pcie,no-p2p"}
+    prompt_id, _ = comfyui_server.run({"1": {"class_type": "ParallelAdvisor", "inputs": inputs}})
+    shown = comfyui_server.history(prompt_id, timeout=10)["outputs"]["1"]["text"]
+    assert shown == [advise(read_model(folder), parse_gpus(inputs["gpus"]), 512, 256).text()]
+    assert shown[0].startswith("advisor-tiny-flux (FLUX.1) at 512×256:")
+    with pytest.raises(PromptRejected) as e:
+        comfyui_server.post_prompt({"1": {"class_type": "ParallelAdvisor", "inputs": {**inputs, "gpus": ""}}})
+    assert "gpus" in json.dumps(e.value.node_errors["1"]) and "runs on CPU" in json.dumps(e.value.node_errors["1"])

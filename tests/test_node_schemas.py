@@ -43,6 +43,7 @@ CONTRACT_0_1_0 = {
 
 # Nodes added after 0.1.0, with what workflows saved since hold; the same rule: grow only at the end of "optional".
 ADDED_AFTER_0_1_0 = {
+    "ParallelAdvisor": (["model", "width", "height"], ["gpus", "backend"], ["STRING"]),
     "ParallelLoraLoader": (["transformer", "lora_name", "strength"], [], ["PD_TRANSFORMER"]),
     "ParallelModelFromComfyFiles": (["diffusion_model", "text_encoder", "text_encoder_2", "vae"], [], ["COMBO"]),
     "VAEEncodeSingleGPU": (["pixels", "model", "device"], ["dtype", "backend"], ["LATENT"]),

@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from ..wire import OpArgs
 
+TEST_OPS_ENV = "COMFY_PARALLEL_TEST_OPS"  # "1": the backend serves the test ops (a test or a bench sets it)
+
 OpResult = tuple[Any, dict[str, torch.Tensor]]  # (the op's result dataclass or None, output tensors)
 OpFn = Callable[["OpContext", Any, dict[str, torch.Tensor]], OpResult]
 
@@ -81,7 +83,7 @@ def op(args: type[OpArgs], *, spmd: bool, testing: bool = False) -> Callable[[Op
 
 
 def test_ops_enabled() -> bool:
-    return os.environ.get("COMFY_PARALLEL_TEST_OPS") == "1"
+    return os.environ.get(TEST_OPS_ENV) == "1"
 
 
 def get_op(name: str) -> Op:

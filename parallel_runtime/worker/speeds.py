@@ -22,8 +22,9 @@ import torch.distributed as dist
 from ..wire import RANK_SPEEDS_ENV, BatchSplit
 from .ops import OpContext, OpError, test_ops_enabled
 
-# Test-only: "RANK:SECONDS" makes that rank sleep SECONDS at every denoising step, a slower GPU on CPU ranks. Honoured
-# only by a backend that serves the test ops (COMFY_PARALLEL_TEST_OPS=1), never by a production one.
+# Test-only: "RANK:SECONDS" makes that rank sleep SECONDS for each of its images at every denoising step, a slower GPU
+# on CPU ranks (one that takes longer for every image it denoises, so fewer images make it finish sooner). Honoured only
+# by a backend that serves the test ops (COMFY_PARALLEL_TEST_OPS=1), never by a production one.
 SLOW_RANK_ENV = "COMFY_PARALLEL_TEST_SLOW_RANK"
 _SPEED = "dp_speed"  # ctx.state: this rank's image-steps per second in its last data-parallel run
 _NAME_BYTES = 64  # a device name's bytes in the all-gather (gloo gathers fixed shapes)
@@ -115,11 +116,11 @@ def _slowed() -> tuple[int, float] | None:
     return int(rank), float(seconds)
 
 
-def slow_down(ctx: OpContext) -> None:
-    """The test-only slowdown (``SLOW_RANK_ENV``) of one denoising step on this rank."""
+def slow_down(ctx: OpContext, images: int) -> None:
+    """The test-only slowdown (``SLOW_RANK_ENV``) of one denoising step of ``images`` images on this rank."""
     slowed = _slowed()
     if slowed is not None and slowed[0] == ctx.rank:
-        time.sleep(slowed[1])
+        time.sleep(slowed[1] * images)
 
 
 def device_name(ctx: OpContext) -> str:

@@ -159,13 +159,13 @@ def _device_map_budget(
     return memory.default_budget(free, vae, activations, memory_of(torch.device("cpu")).free_bytes)
 
 
-def _on_step(ctx: OpContext, clock: speeds.BusyClock) -> Callable[[int, int], None]:
+def _on_step(ctx: OpContext, clock: speeds.BusyClock, images: int) -> Callable[[int, int], None]:
     def on_step(step_index: int, total: int) -> None:
         if ctx.device.type == "cuda":
             # The step's kernels are queued ahead of the host: wait for them, so that progress (and the watchdog's and
             # the benchmarks' step times) follow the GPU, not the launch queue.
             torch.cuda.synchronize(ctx.device)
-        speeds.slow_down(ctx)
+        speeds.slow_down(ctx, images)
         clock.stop()  # the step's own work ends here; the cancel check below waits for the slowest rank
         ctx.progress(step_index + 1, total)
         ctx.check_cancel(step_index + 1)
@@ -298,7 +298,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             transformer,
             strategies.slice_batch(tensors, batch_size, start, count),
             mine,
-            on_step=_on_step(ctx, clock),
+            on_step=_on_step(ctx, clock, count),
             **{name: _my_images(image, batch_size, start, count) for name, image in images.items()},
             **experts,
         )
