@@ -6,6 +6,10 @@ Every image is compared with diffusers' own one-process pipeline on the same con
 tensor parallel on the scaled-fp8 FLUX.1 and Qwen-Image are test_comfy_files' (the default run); here the other
 strategy classes (device_map, data parallel, cfg_parallel for Qwen-Image), plain fp8, what a rank holds (its
 parameters' bytes: fp8 where the file is), stacked LoRAs on fp8 weights, and ``as dtype`` against ``as stored``.
+
+The large text encoders (FLUX.1's T5, Qwen-Image's Qwen2.5-VL) written as fp8 and scaled fp8 stay fp8 too: their
+folder no larger than the file, and the encode op's embeddings equal transformers' encoder on the weights as they
+mean (a float32 folder of them, loaded by transformers) within 1e-5, with rank 0 holding their Linear weights in fp8.
 """
 
 from __future__ import annotations
