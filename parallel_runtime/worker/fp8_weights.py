@@ -238,10 +238,10 @@ def hold_loaded(
                 continue  # a plain fp8 one was cast up exactly
             module_name, _, name = loaded.rpartition(".")
             try:
-                tensor = getattr(model.get_submodule(module_name), name)
+                module = model.get_submodule(module_name)
+                tensor = getattr(module, name)
             except AttributeError:
                 continue  # a tensor the model has no place for (from_pretrained ignored it too)
-            module = model.get_submodule(module_name)
             if tensor.device.type == "meta":
                 if key in scales:
                     raise OpError(
