@@ -26,9 +26,9 @@ Weights as ComfyUI distributes them: bf16 / fp16 / fp32 are kept. A transformer'
 ``weight_scale`` with ``_quantization_metadata``) keeps its scales beside them as float32 tensors under diffusers'
 names (``<layer>.weight_scale``, ``wire.FP8_SCALE_SUFFIX``, moved with their weights' rows): the folder is no larger
 than the file, and the ranks hold the weights in fp8 or dequantize them as LoadShardedTransformer's ``weights`` says
-(``worker/fp8_weights.py``). A plain-fp8 transformer already in diffusers' keys is linked, not copied. A text encoder's
-fp8 weights are still cast to the file's own high-precision dtype (bf16 when it has none), scaled ones dequantized
-(weight × scale) on the way: transformers loads the folder as it is. A GGUF
+(``worker/fp8_weights.py``). A text encoder's fp8 weights stay fp8 the same way (their scales beside them): the
+ranks hold its Linear layers in fp8 (``worker/stages.py``, always: it runs once per prompt) and transformers' load
+casts the rest up. A plain-fp8 transformer or text encoder already in its library's keys is linked, not copied. A GGUF
 transformer (ComfyUI-GGUF's) is linked as it is, its moves beside it, and stays packed on the ranks (``gguf_files``).
 NF4 (bitsandbytes), nunchaku (SVDQuant),
 GPTQ / AWQ and other integer formats are refused by name.
@@ -86,7 +86,7 @@ FOLDERS = {
 }
 USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
 SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
-CONVERSION_VERSION = 2  # part of every cache key: a change of what the conversion writes makes new folders
+CONVERSION_VERSION = 3  # part of every cache key: a change of what the conversion writes makes new folders
 _FLOAT8 = ("F8_E4M3", "F8_E5M2")
 _FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
 # Every dtype safetensors 0.8 writes, by its bits per element.
@@ -436,9 +436,8 @@ def _out_dtype(file: SourceFile, key: str, keep_fp8: bool) -> str:
 
 
 def _keeps_fp8(component: Component) -> bool:
-    """The transformer's fp8 weights stay fp8 (the ranks hold them so); a text encoder's are cast, as transformers
-    loads its folder."""
-    return component.name == "transformer"
+    """The transformer's and the text encoders' fp8 weights stay fp8 (the ranks hold them so)."""
+    return component.name == "transformer" or component.name.startswith("text_encoder")
 
 
 def _needs_rewrite(component: Component) -> bool:

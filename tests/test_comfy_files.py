@@ -559,10 +559,11 @@ def test_qwenimage_converted_folder_is_the_diffusers_folder(qwen, fmt):
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
-def test_qwenimage_scaled_fp8_text_encoder_is_dequantized(qwen, tiny):
+def test_qwenimage_scaled_fp8_text_encoder_keeps_fp8(qwen, tiny):
     """ComfyUI's qwen_2.5_vl_7b_fp8_scaled layout (fp8 matrices, a ``scale_weight`` each, the ``scaled_fp8`` marker):
-    the converted text encoder is rewritten (not linked) as weight × scale in bf16, in the file's own published
-    layout, without ComfyUI's bookkeeping."""
+    the converted text encoder is rewritten (not linked) in the file's own published layout, its fp8 weights kept
+    fp8 with their scales beside them under diffusers' name, meaning weight × scale, without ComfyUI's
+    bookkeeping."""
     _, models, _ = tiny
     names, _ = qwen["bf16"]
     source = load_file(str(models / "text_encoders" / names["text_encoder"]))
@@ -581,6 +582,8 @@ def test_qwenimage_scaled_fp8_text_encoder_is_dequantized(qwen, tiny):
     written = os.path.join(plan.folder, "text_encoder", "model.safetensors")
     assert not os.path.islink(written)
     ours = load_file(written)
+    assert ours["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    ours = fp8_meaning(ours)
     assert set(ours) == set(expected)
     for key, value in expected.items():
         assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key

@@ -161,10 +161,11 @@ def test_wan_converted_folder_is_the_diffusers_folder(tiny, fmt):
     assert tokenizer.model_max_length == wan_files.MAX_SEQUENCE_LENGTH
 
 
-def test_wan_scaled_fp8_text_encoder_is_dequantized(tiny):
+def test_wan_scaled_fp8_text_encoder_keeps_fp8(tiny):
     """ComfyUI's umt5_xxl_fp8_e4m3fn_scaled layout (fp8 matrices, a ``scale_weight`` each, the ``scaled_fp8`` marker,
-    the SentencePiece model beside them): the converted text encoder is rewritten (not linked) as weight × scale in
-    bf16 without ComfyUI's bookkeeping or the tokenizer data, and the tokenizer is still made from the file."""
+    the SentencePiece model beside them): the converted text encoder is rewritten (not linked), its fp8 weights kept
+    fp8 with their scales beside them (meaning weight × scale), without ComfyUI's bookkeeping or the tokenizer data,
+    and the tokenizer is still made from the file."""
     from parallel_runtime.families.tiny import quantized
 
     base, models, made, _ = tiny
@@ -180,6 +181,8 @@ def test_wan_scaled_fp8_text_encoder_is_dequantized(tiny):
     written = os.path.join(folder, "text_encoder", "model.safetensors")
     assert not os.path.islink(written)
     ours = load_file(written)
+    assert ours["encoder.block.0.layer.0.SelfAttention.q.weight"].dtype == torch.float8_e4m3fn
+    ours = fp8_meaning(ours)
     assert set(ours) == set(expected)
     assert all(ours[k].dtype == v.dtype and torch.equal(ours[k], v) for k, v in expected.items())
     assert os.path.isfile(os.path.join(folder, "tokenizer", "spiece.model"))

@@ -6,15 +6,21 @@ Every image is compared with diffusers' own one-process pipeline on the same con
 tensor parallel on the scaled-fp8 FLUX.1 and Qwen-Image are test_comfy_files' (the default run); here the other
 strategy classes (device_map, data parallel, cfg_parallel for Qwen-Image), plain fp8, what a rank holds (its
 parameters' bytes: fp8 where the file is), stacked LoRAs on fp8 weights, and ``as dtype`` against ``as stored``.
+
+The large text encoders (FLUX.1's T5, Qwen-Image's Qwen2.5-VL) written as fp8 and scaled fp8 stay fp8 too: their
+folder no larger than the file, and the encode op's embeddings equal transformers' encoder on the weights as they
+mean (a float32 folder of them, loaded by transformers) within 1e-5, with rank 0 holding their Linear weights in fp8.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
-from diffusers import FluxPipeline
+from diffusers import FluxPipeline, QwenImagePipeline
 from helpers import (
     PROMPT,
     STEPS,
@@ -26,11 +32,13 @@ from helpers import (
     one_shot_images,
 )
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs, model_folders
-from parallel_runtime.families.tiny import make_tiny_lora, save_diffusers_lora
+from parallel_runtime.families.tiny import make_tiny_lora, save_diffusers_lora, write_text_encoder_formats
 
 TOKENS = 32
+FP8_FORMATS = ("fp8", "fp8_scaled")
 # The converted tiny FLUX.1's layers a LoRA changes (it has one block of each kind): column- and row-sharded ones
 # under tensor parallelism, packed ones (to_q / to_k / to_v of the file's qkv share a scale) and the top.
 LORA_LAYERS = (
@@ -60,8 +68,8 @@ def _folder(name: str) -> str:
     return model_folders.resolve(name).path
 
 
-def _stored(folder: str) -> dict[str, torch.dtype]:
-    sub = os.path.join(folder, "transformer")
+def _stored(folder: str, component: str = "transformer") -> dict[str, str]:
+    sub = os.path.join(folder, component)
     dtypes = {}
     for file in sorted(f for f in os.listdir(sub) if f.endswith(".safetensors")):
         with safe_open(os.path.join(sub, file), framework="pt") as f:
@@ -210,3 +218,106 @@ def test_as_dtype_gives_the_image_of_as_stored(spec, flux, strategy, args):
         assert (image - one_shot(3, 64, 64)).abs().max() <= 1e-4
         if strategy == "context_parallel":
             assert _held_bytes(spec) == [_bytes_if(_folder(name), 4)] * 2
+
+
+# -- the text encoders ---------------------------------------------------------------------------------------------
+# Each family's large text encoder: FLUX.1's T5 (beside CLIP-L, kept fp16), Qwen-Image's Qwen2.5-VL.
+ENCODERS = {"flux": ("text_encoder_2", FluxPipeline), "qwenimage": ("text_encoder", QwenImagePipeline)}
+
+
+@pytest.fixture(scope="module")
+def fp8_encoders(files):
+    """FLUX.1 and Qwen-Image converted with their large text encoder written as fp8 and as scaled fp8 (the bf16
+    transformer, which is linked): ``{(family, fmt): (model name, the text encoder's file)}``."""
+    made = {}
+    for key, (widget, _) in ENCODERS.items():
+        names, _ = files[key]["bf16"]
+        for fmt, file in write_text_encoder_formats(str(files["models"]), names[widget], FP8_FORMATS).items():
+            name, _ = jobs.model_from_comfy_files(**{**names, widget: file})
+            made[key, fmt] = name, files["models"] / "text_encoders" / file
+    return made
+
+
+@pytest.mark.parametrize("family", ENCODERS)
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_the_converted_text_encoder_keeps_fp8_and_is_no_larger_than_its_file(fp8_encoders, family, fmt):
+    """A text encoder's fp8 weights stay fp8 on disk, a scaled file's scales beside them (one per fp8 weight, under
+    diffusers' name): its folder is no larger than the file plus its config and the longer scale names; plain fp8
+    (nothing to rename) is the file itself, linked."""
+    name, file = fp8_encoders[family, fmt]
+    widget, _ = ENCODERS[family]
+    sub = os.path.join(_folder(name), widget)
+    written = sum(os.path.getsize(os.path.join(sub, f)) for f in os.listdir(sub))
+    config = os.path.getsize(os.path.join(sub, "config.json"))
+    print(f"{family} {widget} {fmt}: file {os.path.getsize(file)} B, converted {written} B")
+    assert written <= os.path.getsize(file) + config + (8 << 10)
+    assert os.path.islink(os.path.join(sub, "model.safetensors")) == (fmt == "fp8")
+    dtypes = _stored(_folder(name), widget)
+    fp8 = {k for k, d in dtypes.items() if d == "F8_E4M3"}
+    scales = {k.removesuffix("_scale") for k in dtypes if k.endswith(".weight_scale")}
+    assert fp8 and scales == (fp8 if fmt == "fp8_scaled" else set())
+
+
+def _meaning_encoder(folder: str, widget: str, out) -> torch.nn.Module:
+    """The reference text encoder: the converted folder's weights as they mean — each fp8 tensor cast to float32, times
+    its scale — saved as a float32 folder and loaded by transformers as it loads any, independently of the pack's
+    loader and hook."""
+    import transformers
+
+    sub = os.path.join(folder, widget)
+    tensors = {}
+    for file in sorted(f for f in os.listdir(sub) if f.endswith(".safetensors")):
+        tensors |= load_file(os.path.join(sub, file))
+    meaning = {}
+    for key, value in tensors.items():
+        if key.endswith(".weight_scale"):
+            continue
+        value = value.float()
+        scale = tensors.get(key + "_scale")
+        if scale is not None:
+            value = value * (scale.float() if scale.numel() == 1 else scale.float().reshape(-1, 1))
+        meaning[key] = value
+    os.makedirs(out, exist_ok=True)
+    shutil.copyfile(os.path.join(sub, "config.json"), os.path.join(out, "config.json"))
+    save_file(meaning, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(sub, "config.json")) as f:
+        cls = getattr(transformers, json.load(f)["architectures"][0])
+    return cls.from_pretrained(out, dtype=torch.float32)
+
+
+def _held_fp8_bytes(encoder: torch.nn.Module) -> int:
+    """The parameter bytes of ``encoder`` (float32) with every Linear layer's weight at one byte an element, but for
+    the layers its class keeps in float32 (T5's ``wo``, whose input T5 casts to its weight's dtype): what the rank
+    holds (a weight tied to an embedding stays float32 too)."""
+    kept = set(encoder._keep_in_fp32_modules or ())
+    modules = dict(encoder.named_modules())
+    linear = {
+        id(m.weight) for n, m in modules.items() if isinstance(m, torch.nn.Linear) and not kept & set(n.split("."))
+    }
+    linear -= {id(m.weight) for m in modules.values() if not isinstance(m, torch.nn.Linear) and hasattr(m, "weight")}
+    return sum(p.numel() * (1 if id(p) in linear else 4) for p in encoder.parameters())
+
+
+@pytest.mark.multirank
+def test_fp8_text_encoders_encode_as_they_mean_held_in_fp8(spec, fp8_encoders, tmp_path):
+    """The pack's encode op (rank 0 of the 2 CPU ranks, placed device_map="balanced") on T5 and Qwen2.5-VL in fp8
+    and scaled fp8 equals transformers' encoders on the weights as they mean (cast up × scale, in float32) within
+    1e-5, and rank 0 holds every Linear weight of them in fp8 (its parameters' bytes), the rest in float32."""
+    for (family, fmt), (name, _) in fp8_encoders.items():
+        widget, pipeline = ENCODERS[family]
+        folder = _folder(name)
+        ours = jobs.encode_prompt(spec, model=name, prompt=PROMPT, max_sequence_length=TOKENS).tensors
+        encoder = _meaning_encoder(folder, widget, tmp_path / f"{family}-{fmt}")
+        pipe = pipeline.from_pretrained(folder, transformer=None, vae=None, dtype=torch.float32, **{widget: encoder})
+        theirs = pipe.encode_prompt(PROMPT, max_sequence_length=TOKENS)[0]
+        diff = (ours["prompt_embeds"] - theirs).abs().max().item()
+        print(f"{family} {widget} {fmt}: max |diff| vs transformers on the meaning {diff:.3g}")
+        assert ours["prompt_embeds"].shape == theirs.shape and diff <= 1e-5
+
+        others = [m for n, m in pipe.components.items() if n.startswith("text_encoder") and n != widget]
+        expected = _held_fp8_bytes(encoder) + sum(4 * p.numel() for m in others for p in m.parameters())
+        (rank0, *_) = get_backend(spec).status().ranks
+        held = [m.parameter_bytes for m in rank0.resident if m.component == "text_encoders"]
+        print(f"{family} {fmt}: rank 0 holds {held} B of text encoders; Linear weights in fp8 would be {expected} B")
+        assert held == [expected]
+        assert _held_fp8_bytes(encoder) < sum(4 * p.numel() for p in encoder.parameters())

@@ -259,6 +259,25 @@ def write_formats(
     return made
 
 
+def write_text_encoder_formats(models_dir: str, name: str, formats: tuple[str, ...]) -> dict[str, str]:
+    """The text encoder ``name`` of ``models_dir``'s ``text_encoders`` written again in each of ``formats`` ("fp8",
+    "fp8_scaled"), as ComfyUI distributes the large ones (t5xxl_fp8_e4m3fn, qwen_2.5_vl_7b_fp8_scaled): every matrix in
+    fp8 (a scaled file's with its ``scale_weight`` and the ``scaled_fp8`` marker), the rest bf16, tokenizer data (uint8)
+    as it is. The new files' names, by format."""
+    from safetensors.torch import load_file
+
+    folder = os.path.join(models_dir, "text_encoders")
+    source = load_file(os.path.join(folder, name))
+    floats = {key: value for key, value in source.items() if value.is_floating_point()}
+    written = {}
+    for fmt in formats:
+        file, _ = quantized(floats, fmt, {key: [key] for key in floats}, dict)
+        file |= {key: value for key, value in source.items() if key not in floats}
+        written[fmt] = f"{os.path.splitext(name)[0]}-{fmt}.safetensors"
+        save_file({k: v.contiguous() for k, v in file.items()}, os.path.join(folder, written[fmt]))
+    return written
+
+
 # -- ComfyUI-GGUF's files ---------------------------------------------------------------------------------------------
 GGUF_TYPES = ("Q8_0", "Q4_K")  # the tiny GGUF files' quantizations: a 32-value block type and a 256-value K-quant
 # Q4_K: values a block packs, and its bytes (f16 d, f16 dmin, 12 bytes of scales and mins, 128 of 4-bit values)

@@ -20,6 +20,7 @@ Under tensor parallelism the held weight is this rank's fp8 slice (a DTensor) wi
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -161,31 +162,96 @@ def read_scales(files: list[str]) -> dict[str, torch.Tensor]:
     return scales
 
 
-def hold_loaded(model: torch.nn.Module, files: list[str], dtype: torch.dtype, as_stored: bool) -> None:
+def loaded_names(model: torch.nn.Module, keys: list[str]) -> dict[str, str | None]:
+    """Each file key's name in ``model`` as ``from_pretrained`` loaded it: the same for diffusers; transformers renames
+    some published layouts as it loads them (Qwen2.5-VL's ``model.layers.…`` are its ``model.language_model.layers.…``,
+    by the class's conversion mapping in transformers 5, its ``_checkpoint_conversion_mapping`` before). A key
+    transformers merges into another tensor (a converter's) maps to None; one the model has no place for to itself."""
+    names = set(model.state_dict())
+    renamed: dict[str, str | None] = {key: key for key in keys}
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return renamed
+    if not isinstance(model, PreTrainedModel):
+        return renamed
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4: the class's regular expressions
+        import re
+
+        mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+
+        def rename(key: str) -> str | None:
+            for pattern, replacement in mapping.items():
+                key, n = re.subn(pattern, replacement, key)
+                if n:
+                    break
+            return key
+
+    else:
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        prefix, meta = model.base_model_prefix, dict.fromkeys(names, True)
+
+        def rename(key: str) -> str | None:
+            name, merged = rename_source_key(key, renamings, converters, prefix, meta)
+            return None if merged is not None else name
+
+    for key in keys:
+        if key in names:
+            continue
+        name = rename(key)
+        renamed[key] = name if name is None or name in names else key
+    return renamed
+
+
+def hold_loaded(
+    model: torch.nn.Module,
+    files: list[str],
+    dtype: torch.dtype,
+    as_stored: bool,
+    offloaded_fix: str,
+    layers: tuple[type, ...] = HELD_LAYERS,
+) -> None:
     """A model ``from_pretrained`` loaded from ``files`` in ``dtype`` (its fp8 weights cast up exactly, their scales
-    ignored, as diffusers does): its fp8 weights back to fp8 and hooked (``as_stored``), or multiplied by their scales
-    in place. For device_map's placed model; the other strategies load through ``tp_slices``, which never makes the
-    copy in ``dtype``."""
+    ignored, as diffusers and transformers do): its fp8 weights of ``layers`` back to fp8 and hooked (``as_stored``),
+    the others multiplied by their scales in place (a layer its class keeps in float32 among them, ``can_hold``). For
+    device_map's placed models (the transformer, the text encoders); the other strategies load the transformer
+    through ``tp_slices``, which never makes the copy in ``dtype``. ``offloaded_fix``: what the error for a scaled
+    weight accelerate offloaded tells the user to do."""
     dtypes, scales = folder_dtypes(files), read_scales(files)
-    keep_in_fp32 = type(model)._keep_in_fp32_modules or []
+    # transformers' T5 casts its input to ``wo``'s weight dtype (the class keeps ``wo`` in float32): a module a class
+    # keeps in float32 may read its weight's dtype, so it is never held in fp8.
+    keep_in_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    fp8 = [key for key, kind in dtypes.items() if kind in FLOAT8_NAMES]
     with torch.no_grad():
-        for key, kind in dtypes.items():
-            if kind not in FLOAT8_NAMES:
-                continue
-            module_name, _, name = key.rpartition(".")
-            module = model.get_submodule(module_name)
-            tensor = getattr(module, name)
+        for key, loaded in loaded_names(model, fp8).items():
+            if loaded is None:
+                if key in scales:  # merged into another tensor, which cannot be scaled: refused, never run unscaled
+                    raise OpError(
+                        f"{key} of {os.path.dirname(files[0])} is a scaled fp8 weight that the model's loader merges "
+                        "into another tensor, which the pack cannot scale; use the model's bf16 or plain fp8 file"
+                    )
+                continue  # a plain fp8 one was cast up exactly
+            module_name, _, name = loaded.rpartition(".")
+            try:
+                module = model.get_submodule(module_name)
+                tensor = getattr(module, name)
+            except AttributeError:
+                continue  # a tensor the model has no place for (from_pretrained ignored it too)
             if tensor.device.type == "meta":
                 if key in scales:
                     raise OpError(
                         f"{module_name} is offloaded (device_map put its weights on the CPU or disk), and its scaled "
-                        "fp8 weight cannot be scaled there; raise max_memory so the transformer fits the GPUs, or use "
-                        "context_parallel or tensor_parallel"
+                        f"fp8 weight cannot be scaled there; {offloaded_fix}"
                     )
                 continue
             scale = scales.get(key)
-            stored = FLOAT8_NAMES[kind]
-            if as_stored and can_hold(model, key, keep_in_fp32):
+            stored = FLOAT8_NAMES[dtypes[key]]
+            if as_stored and isinstance(module, layers) and can_hold(model, loaded, keep_in_fp32):
                 module._parameters[name] = torch.nn.Parameter(tensor.to(stored), requires_grad=False)
                 hold(module, None if scale is None else scale.to(tensor.device), dtype)
             elif scale is not None:

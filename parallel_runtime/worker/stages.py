@@ -194,11 +194,29 @@ def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
     ctx.alone()
     adapter = family(args.model.family)
     ctx.progress(0, 2, "loading text encoders")
-    pipe = models.get(key, lambda: adapter.load_text_encoders(args.model.path, dtype, placement))
+    pipe = models.get(key, lambda: _load_text_encoders(adapter, args.model.path, dtype, placement))
     ctx.progress(1, 2, "encoding")
     embeds = adapter.encode(pipe, args.prompts)
     ctx.progress(2, 2, _closing(ctx, "encoded"))
     return EncodeResult({k: tuple(v.shape) for k, v in embeds.items()}), embeds
+
+
+def _load_text_encoders(adapter: FamilyAdapter, model_dir: str, dtype: torch.dtype, placement: Placement) -> object:
+    """The family's text encoders, placed (``device_map="balanced"`` over the GPUs), their fp8 weights held as stored.
+
+    A rule, not a widget as the transformer's ``weights``: the text encoders run once per prompt, not once per step,
+    so computing each Linear layer's weight from fp8 on the way costs next to nothing, and it gives the values the
+    bf16 copy of the old conversion had (plain fp8 exactly; scaled fp8 weight × scale in float32); holding them in
+    fp8 only halves their memory. Only the Linear layers are held (their weights are nearly all of a text encoder);
+    embeddings, norms and convolutions stay in ``dtype``, so transformers' ``model.dtype``, which the pipelines cast
+    the embeddings to, stays the run's."""
+    pipe = adapter.load_text_encoders(model_dir, dtype, placement)
+    for name, component in pipe.components.items():
+        files = fp8_files(model_dir, name) if name.startswith("text_encoder") and component is not None else []
+        if files:
+            fix = "raise max_memory so the text encoders fit the GPUs"
+            fp8_weights.hold_loaded(component, files, dtype, True, fix, layers=(torch.nn.Linear,))
+    return pipe
 
 
 @op(DenoiseArgs, spmd=True)
@@ -343,7 +361,8 @@ def _load_placed(
     transformer = adapter.load_transformer(spec.model.path, dtype, placement, subfolder)
     files = fp8_files(spec.model.path, subfolder)
     if files:
-        fp8_weights.hold_loaded(transformer, files, dtype, spec.weights is Weights.AS_STORED)
+        fix = "raise max_memory so the transformer fits the GPUs, or use context_parallel or tensor_parallel"
+        fp8_weights.hold_loaded(transformer, files, dtype, spec.weights is Weights.AS_STORED, fix)
     return transformer
 
 

@@ -40,21 +40,23 @@ from ..families import TensorParallelPlan, tp_plan
 from . import fp8_weights
 from .ops import OpError, WidgetError
 
+TRANSFORMERS_WEIGHTS_NAME = "model.safetensors"  # a text encoder's (transformers' save_pretrained), beside its index
+
 
 def weight_files(model_dir: str, subfolder: str = "transformer") -> list[str]:
-    """A transformer's safetensors files in ``model_dir`` (its ``subfolder``): the shards its index lists, or its one
-    file."""
-    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+    """A model's safetensors files in ``model_dir`` (its ``subfolder``): the shards its index lists, or its one file,
+    under diffusers' names (a transformer) or transformers' (a text encoder)."""
+    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 
     folder = os.path.join(model_dir, subfolder)
-    index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(folder, shard) for shard in shards]
-    single = os.path.join(folder, SAFETENSORS_WEIGHTS_NAME)
-    if os.path.isfile(single):
-        return [single]
+    for single in (SAFETENSORS_WEIGHTS_NAME, TRANSFORMERS_WEIGHTS_NAME):
+        index = os.path.join(folder, single + ".index.json")  # both libraries name the index so
+        if os.path.isfile(index):
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(folder, shard) for shard in shards]
+        if os.path.isfile(os.path.join(folder, single)):
+            return [os.path.join(folder, single)]
     raise OpError(
         f"{folder} has no {SAFETENSORS_WEIGHTS_NAME} (nor its .index.json): tensor_parallel reads each rank's slice "
         "of a safetensors file; save the model with safe_serialization=True, or pick another strategy"
@@ -141,7 +143,7 @@ def split_heads(model: torch.nn.Module, plan: TensorParallelPlan, mesh: DeviceMe
 
 
 def fp8_files(model_dir: str, subfolder: str = "transformer") -> list[str]:
-    """A transformer's safetensors files when they store fp8 weights (which the pack's reader loads), else []."""
+    """A model's safetensors files (a transformer's, a text encoder's) when they store fp8 weights, else []."""
     try:
         files = weight_files(model_dir, subfolder)
     except OpError:  # no safetensors (a .bin folder): no fp8 either
