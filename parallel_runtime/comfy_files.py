@@ -436,8 +436,9 @@ def _out_dtype(file: SourceFile, key: str, keep_fp8: bool) -> str:
 
 
 def _keeps_fp8(component: Component) -> bool:
-    """The transformer's and the text encoders' fp8 weights stay fp8 (the ranks hold them so)."""
-    return component.name == "transformer" or component.name.startswith("text_encoder")
+    """The transformers' (Wan 2.2's second expert too) and the text encoders' fp8 weights stay fp8 (the ranks hold them
+    so: the fp8 reader takes the expert's subfolder)."""
+    return component.name.startswith(("transformer", "text_encoder"))
 
 
 def _needs_rewrite(component: Component) -> bool:
