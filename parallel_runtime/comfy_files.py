@@ -86,7 +86,7 @@ FOLDERS = {
 }
 USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
 SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
-CONVERSION_VERSION = 3  # part of every cache key: a change of what the conversion writes makes new folders
+CONVERSION_VERSION = 4  # part of every cache key: a change of what the conversion writes makes new folders
 _FLOAT8 = ("F8_E4M3", "F8_E5M2")
 _FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
 # Every dtype safetensors 0.8 writes, by its bits per element.

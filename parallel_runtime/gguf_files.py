@@ -120,24 +120,26 @@ def moved_keys(folder: str) -> set[str]:
     return {move.target for move in _read_moves(folder)}
 
 
-def load_gguf_transformer(cls: type, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """``cls`` from ``model_dir``'s GGUF transformer onto ``device``: the file's tensors read packed by diffusers'
-    GGUF reader, moved to the model's keys by the family's moves (rows of a packed tensor are whole blocks, so a
-    slice along the first dimension stays packed), and the model built by diffusers' own GGUF path
-    (``from_single_file`` with ``GGUFQuantizationConfig``): the weights stay packed; each layer dequantizes to
+def load_gguf_transformer(
+    cls: type, model_dir: str, dtype: torch.dtype, device: str, subfolder: str = "transformer"
+) -> torch.nn.Module:
+    """``cls`` from ``model_dir``'s GGUF transformer (in ``subfolder``) onto ``device``: the file's tensors read
+    packed by diffusers' GGUF reader, moved to the model's keys by the family's moves (rows of a packed tensor are
+    whole blocks, so a slice along the first dimension stays packed), and the model built by diffusers' own GGUF
+    path (``from_single_file`` with ``GGUFQuantizationConfig``): the weights stay packed; each layer dequantizes to
     ``dtype`` when it runs. (diffusers' own FLUX converter assumes FLUX.1's width, 3072; the family's moves read the
     width from the file, as they do for a safetensors file.)"""
     from diffusers import GGUFQuantizationConfig
     from diffusers.models.model_loading_utils import load_gguf_checkpoint
 
-    folder = os.path.join(model_dir, "transformer")
+    folder = os.path.join(model_dir, subfolder)
     packed = load_gguf_checkpoint(gguf_weights(folder))
     by_source = group_moves(_read_moves(folder))
     state_dict = dict(apply_moves(by_source, ((source, packed.pop(source)) for source in list(by_source))))
     return cls.from_single_file(
         state_dict,
         config=model_dir,
-        subfolder="transformer",
+        subfolder=subfolder,
         quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
         torch_dtype=dtype,
         device=device,

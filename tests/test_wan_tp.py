@@ -164,3 +164,15 @@ def test_a_planned_layer_the_config_leaves_out_is_not_split():
     image = {"blocks.*.attn2.add_k_proj", "blocks.*.attn2.add_v_proj"}
     assert set(families.TP_PLANS["WanTransformer3DModel"].layers) - set(tp_layers(t2v)) == image
     assert set(tp_layers(i2v)) == set(families.TP_PLANS["WanTransformer3DModel"].layers)
+
+
+def test_the_slice_reader_puts_the_buffers_on_the_ranks_device_too(folders):
+    """The reader builds the model under accelerate's init_empty_weights, which leaves buffers on the CPU: Wan's rotary
+    tables must follow the weights to the rank's device, or a GPU rank's attention mixes devices (the whole-model read,
+    as fp8 replicas take it; ``meta`` stands for a device other than the CPU)."""
+    from parallel_runtime.worker.tp_slices import load_tensor_parallel
+
+    model = load_tensor_parallel(WanTransformer3DModel, folders["t2v"], torch.float32, torch.device("meta"), None)
+    buffers = dict(model.named_buffers())
+    assert any("rope" in name for name in buffers), sorted(buffers)
+    assert {t.device.type for t in (*model.parameters(), *buffers.values())} == {"meta"}

@@ -99,7 +99,7 @@ def plan_transformer(
         )
     _check_experts(ref, plan, step_cache)
     if plan.shards_weights and gguf_weights(os.path.join(ref.path, "transformer")) is not None:
-        raise InvalidInput("strategy", f"{model!r} is {TENSOR_PARALLEL_REFUSAL.removeprefix('a ')}")
+        raise InvalidInput("strategy", f"{model!r} holds a GGUF transformer: {TENSOR_PARALLEL_REFUSAL}")
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(

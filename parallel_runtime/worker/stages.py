@@ -357,7 +357,7 @@ def _load_placed(
     ``spec.weights`` says. A GGUF transformer is held packed, whole on ``placement``'s first device (diffusers'
     single-file path places a model whole)."""
     if gguf_weights(os.path.join(spec.model.path, subfolder)) is not None:
-        return load_gguf_transformer(adapter.transformer_class(), spec.model.path, dtype, placement.device)
+        return load_gguf_transformer(adapter.transformer_class(), spec.model.path, dtype, placement.device, subfolder)
     transformer = adapter.load_transformer(spec.model.path, dtype, placement, subfolder)
     files = fp8_files(spec.model.path, subfolder)
     if files:

@@ -122,7 +122,7 @@ def load_transformer(
             raise WidgetError("strategy", f"tensor_parallel does not load a second expert ({subfolder}) yet")
         transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], as_stored)
     elif gguf:
-        transformer = load_gguf_transformer(cls, model_dir, dtype, str(device))
+        transformer = load_gguf_transformer(cls, model_dir, dtype, str(device), subfolder)
     elif fp8_files(model_dir, subfolder):
         # from_pretrained would cast every fp8 weight to ``dtype`` (the whole model in it at once) and ignore the
         # scales: the same reader as tensor parallelism's, for the whole model.

@@ -293,11 +293,14 @@ def load_tensor_parallel(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise OpError(
-            f"{os.path.join(model_dir, 'transformer')}'s safetensors files lack {shown}: the folder is incomplete or "
+            f"{os.path.join(model_dir, subfolder)}'s safetensors files lack {shown}: the folder is incomplete or "
             "of another model; download or convert it again"
         )
     model.register_to_config(_name_or_path=model_dir)
     model.eval()
+    # Built under init_empty_weights, the model's buffers (Wan's rotary tables) stayed on the CPU: the rank's device.
+    for module in model.modules():
+        module._buffers.update({name: b.to(device) for name, b in module._buffers.items() if b is not None})
     for key, scale in held.items():
         fp8_weights.hold(model.get_submodule(key.rpartition(".")[0]), scale, dtype)
     if mesh is not None:
