@@ -217,6 +217,9 @@ def test_tensor_parallel_is_refused_with_the_strategy_to_use(files):
         spec = default_spec(ranks=ranks, device="cpu", memory_policy="staged")
         with pytest.raises(InvalidInput, match=r"strategy: .* cannot be sharded by tensor parallelism .* context_par"):
             jobs.plan_transformer(spec, model=name, strategy=strategy, tp_degree=2, **args)
+    # What the strategies that hold it say on the node: the file's packed bytes, not a dtype's copy.
+    handle = jobs.plan_transformer(default_spec(ranks=2, device="cpu"), model=name, strategy="context_parallel")
+    assert handle.held.startswith("weights: ") and "packed as GGUF on a rank" in handle.held, handle.held
 
 
 # -- every strategy on real CPU ranks ----------------------------------------------------------------------------

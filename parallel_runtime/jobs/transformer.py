@@ -114,29 +114,40 @@ def plan_transformer(
             weights=held_as,
         ),
         config=config,
-        held=describe_weights(os.path.join(ref.path, "transformer"), resolved.value, held_as, plan),
+        held=describe_weights(
+            ref.path, families.family(ref.family).transformer_subfolders(ref.path), resolved.value, held_as, plan
+        ),
     )
 
 
-def describe_weights(folder: str, dtype: str, weights: Weights, plan: StrategyPlan) -> str:
-    """What a rank holds of the transformer's weights in ``folder`` (from the safetensors headers): the fp8 ones as
-    ``weights`` says (their float32 scales beside), the rest in ``dtype``; a rank's share under tensor parallelism."""
+def describe_weights(
+    model_dir: str, subfolders: tuple[str, ...], dtype: str, weights: Weights, plan: StrategyPlan
+) -> str:
+    """What a rank holds of the transformers' weights in ``model_dir``'s ``subfolders`` (every expert; from the
+    safetensors headers): the fp8 ones as ``weights`` says (their float32 scales beside), the rest in ``dtype``; a
+    rank's share under tensor parallelism; a GGUF file packed, as stored."""
+    folders = [os.path.join(model_dir, subfolder) for subfolder in subfolders]
+    packed = [path for path in map(gguf_weights, folders) if path is not None]
+    if packed:
+        size = sum(os.path.getsize(path) for path in packed)
+        return f"weights: {_gib(size)} packed as GGUF on a rank, each layer dequantized to {dtype} while it runs"
     fp8 = other = 0
-    for file in sorted(os.listdir(folder)):
-        if not file.endswith(".safetensors"):
-            continue
-        try:
-            header, _ = read_header(os.path.join(folder, file))
-        except (OSError, ValueError):
-            return ""  # the weights' own check (model_folders) says what is wrong with them
-        for key, (kind, shape) in header.items():
-            n = 1
-            for d in shape:
-                n *= d
-            if kind in _FLOAT8:
-                fp8 += n
-            elif not key.endswith(FP8_SCALE_SUFFIX):
-                other += n
+    for folder in folders:
+        for file in sorted(os.listdir(folder)):
+            if not file.endswith(".safetensors"):
+                continue
+            try:
+                header, _ = read_header(os.path.join(folder, file))
+            except (OSError, ValueError):
+                return ""  # the weights' own check (model_folders) says what is wrong with them
+            for key, (kind, shape) in header.items():
+                n = 1
+                for d in shape:
+                    n *= d
+                if kind in _FLOAT8:
+                    fp8 += n
+                elif not key.endswith(FP8_SCALE_SUFFIX):
+                    other += n
     itemsize, share = _ITEMSIZE[dtype], weights_share(plan)
     where = "a rank" if share == 1 else "a rank (its tensor-parallel share)"
     if not fp8:
