@@ -72,7 +72,7 @@ from .model_folders import (
     refused_because,
 )
 from .processes import process_alive
-from .wire import FP8_SCALE_SUFFIX
+from .wire import FLOAT8_DTYPES, FP8_SCALE_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,7 @@ FOLDERS = {
 USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
 SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
 CONVERSION_VERSION = 4  # part of every cache key: a change of what the conversion writes makes new folders
-_FLOAT8 = ("F8_E4M3", "F8_E5M2")
-_FLOATS = ("F32", "F16", "BF16", *_FLOAT8)
+_FLOATS = ("F32", "F16", "BF16", *FLOAT8_DTYPES)
 # Every dtype safetensors 0.8 writes, by its bits per element.
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F64": 8}
 _STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "first_stage_model.", "vae.")
@@ -166,7 +165,7 @@ class SourceFile:
 
     @property
     def has_fp8(self) -> bool:
-        return any(d in _FLOAT8 for d in self.dtypes.values())
+        return any(d in FLOAT8_DTYPES for d in self.dtypes.values())
 
     @property
     def scales(self) -> dict[str, str]:
@@ -432,7 +431,7 @@ def _tensor_bytes(file: SourceFile, key: str, out_dtype: str | None = None) -> i
 
 
 def _out_dtype(file: SourceFile, key: str, keep_fp8: bool) -> str:
-    return file.high_precision_dtype() if file.dtypes[key] in _FLOAT8 and not keep_fp8 else file.dtypes[key]
+    return file.high_precision_dtype() if file.dtypes[key] in FLOAT8_DTYPES and not keep_fp8 else file.dtypes[key]
 
 
 def _keeps_fp8(component: Component) -> bool:

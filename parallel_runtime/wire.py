@@ -129,6 +129,8 @@ class Weights(str, enum.Enum):
 # A scaled-fp8 weight's scale in a converted folder: "<layer>.weight" → "<layer>.weight_scale" (float32, one per
 # tensor or one per output row), what comfy_files writes and the ranks' loader reads.
 FP8_SCALE_SUFFIX = "_scale"
+# safetensors' names of the fp8 dtypes a converted folder keeps (e4m3fn, e5m2), wherever the pack reads a header.
+FLOAT8_DTYPES = ("F8_E4M3", "F8_E5M2")
 
 
 class LoraMode(str, enum.Enum):

@@ -16,6 +16,7 @@ from ..spec import BackendSpec
 from ..strategy import StrategyPlan, TransformerFacts, check_attention
 from ..wire import (
     FIRST_BLOCK_CACHE_THRESHOLD,
+    FLOAT8_DTYPES,
     FP8_SCALE_SUFFIX,
     CacheMode,
     CompileMode,
@@ -26,7 +27,6 @@ from ..wire import (
 )
 from .widgets import check_finite, parse_max_memory, resolve_dtype
 
-_FLOAT8 = ("F8_E4M3", "F8_E5M2")
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -144,7 +144,7 @@ def describe_weights(
                 n = 1
                 for d in shape:
                     n *= d
-                if kind in _FLOAT8:
+                if kind in FLOAT8_DTYPES:
                     fp8 += n
                 elif not key.endswith(FP8_SCALE_SUFFIX):
                     other += n

@@ -24,10 +24,10 @@ import os
 
 import torch
 
-from ..wire import FP8_SCALE_SUFFIX
+from ..wire import FLOAT8_DTYPES, FP8_SCALE_SUFFIX
 from .ops import OpError
 
-FLOAT8_NAMES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # safetensors' names
+FLOAT8_NAMES = dict(zip(FLOAT8_DTYPES, (torch.float8_e4m3fn, torch.float8_e5m2), strict=True))  # by safetensors' names
 # The layers whose forward reads ``self.weight`` as a whole (what the hook swaps): others get their weight cast at load.
 HELD_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 

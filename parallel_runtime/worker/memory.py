@@ -27,7 +27,7 @@ from ..families import FamilyAdapter
 from ..families.base import image_tokens
 from ..gguf_files import gguf_weights
 from ..strategy import StrategyPlan
-from ..wire import FP8_SCALE_SUFFIX, Sampling
+from ..wire import FLOAT8_DTYPES, FP8_SCALE_SUFFIX, Sampling
 from .diagnostics import memory_of
 from .ops import WidgetError
 
@@ -60,7 +60,7 @@ def weight_bytes_in(folder: str, dtype: torch.dtype, fp8_as_stored: bool) -> int
         return os.path.getsize(packed)
     if not fp8_as_stored:
         return sum(n for key, _, n in _tensors_in(folder) if not key.endswith(FP8_SCALE_SUFFIX)) * dtype.itemsize
-    sizes = {"F8_E4M3": 1, "F8_E5M2": 1}
+    sizes = dict.fromkeys(FLOAT8_DTYPES, 1)
     return sum(
         n * (4 if key.endswith(FP8_SCALE_SUFFIX) else sizes.get(kind, dtype.itemsize))
         for key, kind, n in _tensors_in(folder)
