@@ -80,7 +80,7 @@ import torch  # noqa: E402
 # Runnable as a plain script from a checkout: the package is not necessarily installed in the venv.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.strategies import Strategy, _median_ms, load_average, step_intervals  # noqa: E402
+from bench.strategies import Strategy, _median_ms, alternate, load_average, step_intervals  # noqa: E402
 from parallel_runtime import BackendSpec, get_backend, jobs, shutdown_backend  # noqa: E402
 from parallel_runtime.families import Placement, family  # noqa: E402
 from parallel_runtime.families.wan.tiny import make_tiny_model  # noqa: E402
@@ -187,14 +187,7 @@ def bench_row(
         ("strategy", lambda: backend_run(handle, conditioning, args)),
         ("one", lambda: one.run(conditioning, args)),
     ]
-    runs: dict[str, list[list[float]]] = {"strategy": [], "one": []}
-    for r in range(args.repeats):
-        for name, run in sides if r % 2 == 0 else sides[::-1]:
-            runs[name].append(run())
-        log(
-            f"  {strategy.name} run {r + 1}: {_median_ms(runs['strategy'][-1:]):.0f} ms/step, one process "
-            f"{_median_ms(runs['one'][-1:]):.0f}"
-        )
+    runs = alternate(sides, args.repeats, strategy.name, log)
     per_run = [statistics.median(s) / statistics.median(o) for s, o in zip(runs["strategy"], runs["one"])]
     return {
         "name": strategy.name,
