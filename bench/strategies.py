@@ -243,6 +243,22 @@ def _median_ms(runs: list[list[float]], per: int = 1) -> float:
     return statistics.median(s for run in runs for s in run) * 1e3 / per
 
 
+def alternate(
+    sides: list[tuple[str, Callable[[], list[float]]]], repeats: int, label: str, log: Callable[[str], None]
+) -> dict[str, list[list[float]]]:
+    """Each side's step times over ``repeats`` runs, the sides taking turns to go first, so that a noisy moment on a
+    shared machine hits them alike; each repeat's medians are logged."""
+    runs: dict[str, list[list[float]]] = {name: [] for name, _ in sides}
+    for r in range(repeats):
+        for name, run in sides if r % 2 == 0 else sides[::-1]:
+            runs[name].append(run())
+        log(
+            f"  {label}: run {r + 1}/{repeats}: "
+            + ", ".join(f"{name} {_median_ms(runs[name][-1:]):.0f} ms/step" for name in runs)
+        )
+    return runs
+
+
 def bench_strategy(
     strategy: Strategy,
     spec: BackendSpec,
@@ -264,14 +280,7 @@ def bench_strategy(
         ]
         if one is not None:
             sides.append(("one", lambda: one.run(conditioning, args)))
-        runs: dict[str, list[list[float]]] = {name: [] for name, _ in sides}
-        for r in range(args.repeats):
-            for name, run in sides if r % 2 == 0 else sides[::-1]:  # alternate which side goes first
-                runs[name].append(run())
-            log(
-                f"  {strategy.name}: run {r + 1}/{args.repeats}: "
-                + ", ".join(f"{name} {_median_ms(runs[name][-1:]):.0f} ms/step" for name in runs)
-            )
+        runs = alternate(sides, args.repeats, strategy.name, log)
         row["parameter_bytes"] = _transformer_bytes_per_rank(spec)
     except InvalidInput as e:  # the model or the size does not fit this strategy: say why, go on
         row["skipped"] = str(e)
