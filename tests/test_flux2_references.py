@@ -7,10 +7,12 @@ split, before anything loads."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from comfyui_workflows import assert_close_uint8, progress_texts, prompt_window, references_workflow, refusal, saved_png
 from diffusers import Flux2Pipeline
-from helpers import NEW_FAMILIES, PROMPT, STEPS
+from helpers import NEW_FAMILIES, PROMPT, STEPS, with_references
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import family
@@ -22,6 +24,7 @@ SEED, GUIDANCE = 5, 4.0
 # The output: 4×4 tokens. The references: 72×64, center-cropped by the pipeline to 64×64 (16 tokens), and 64×96 (24
 # tokens): a sequence of 56 image tokens, and 48 text tokens, which plain Ulysses and Ring over 2 ranks split.
 WIDTH, HEIGHT = 64, 64
+SAMPLER = {"seed": SEED, "steps": STEPS, "guidance_scale": GUIDANCE, "width": WIDTH, "height": HEIGHT}
 SIZES = ((72, 64), (64, 96))
 
 
@@ -54,13 +57,15 @@ def pipe(flux2_dir):
 
 @pytest.fixture(scope="module")
 def one_shot(pipe):
-    """batch_size -> diffusers' Flux2Pipeline's IMAGE with the two references, image i from SEED + i, made once."""
+    """(batch_size, with the references) -> diffusers' Flux2Pipeline's IMAGE (with the two references unless told
+    otherwise), image i from SEED + i, made once."""
     cache = {}
 
-    def image(batch_size: int) -> torch.Tensor:
-        if batch_size not in cache:
-            cache[batch_size] = pipe(
-                image=[pil_images(pixels)[0] for pixels in REFERENCES.values()],
+    def image(batch_size: int, references: bool = True) -> torch.Tensor:
+        if (batch_size, references) not in cache:
+            images = [pil_images(pixels)[0] for pixels in REFERENCES.values()] if references else None
+            cache[batch_size, references] = pipe(
+                image=images,
                 prompt=PROMPT,
                 num_inference_steps=STEPS,
                 guidance_scale=GUIDANCE,
@@ -71,28 +76,9 @@ def one_shot(pipe):
                 generator=[torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch_size)],
                 output_type="pt",
             ).images.permute(0, 2, 3, 1)
-        return cache[batch_size]
+        return cache[batch_size, references]
 
     return image
-
-
-def with_references(strategy: dict, batch_size: int = 1) -> torch.Tensor:
-    backend = spec()
-    positive = jobs.encode_prompt(backend, model=MODEL, prompt=PROMPT, max_sequence_length=TOKENS)
-    transformer = jobs.plan_transformer(backend, model=MODEL, **strategy)
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=SEED,
-        steps=STEPS,
-        guidance_scale=GUIDANCE,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=batch_size,
-        **REFERENCES,
-    )
-    assert latent.shape == (batch_size, 128, HEIGHT // 16, WIDTH // 16)  # the size asked for, the references cut off
-    return jobs.decode(backend, model=MODEL, samples=latent)
 
 
 STRATEGIES = [
@@ -107,25 +93,18 @@ STRATEGIES = [
 @pytest.mark.multirank
 @pytest.mark.parametrize("strategy, batch_size", STRATEGIES)
 def test_references_equal_flux2_pipeline(one_shot, strategy, batch_size):
-    image = with_references(strategy, batch_size)
+    latent, image = with_references(
+        MODEL, strategy, tokens=TOKENS, sampler=SAMPLER, batch_size=batch_size, **REFERENCES
+    )
+    assert latent.shape == (batch_size, 128, HEIGHT // 16, WIDTH // 16)  # the size asked for, the references cut off
     diff = (image - one_shot(batch_size)).abs().max().item()
     print(f"{strategy}: max |diff| vs Flux2Pipeline(image=[...]) {diff:.3g}")
     assert diff <= 1e-4
 
 
-def test_the_references_change_the_image(one_shot, pipe):
-    """Not a reference that the pipeline ignores: the same run without them is another image."""
-    alone = pipe(
-        prompt=PROMPT,
-        num_inference_steps=STEPS,
-        guidance_scale=GUIDANCE,
-        width=WIDTH,
-        height=HEIGHT,
-        max_sequence_length=TOKENS,
-        generator=[torch.Generator("cpu").manual_seed(SEED)],
-        output_type="pt",
-    ).images.permute(0, 2, 3, 1)
-    assert (alone - one_shot(1)).abs().max() > 1e-3
+def test_the_references_change_the_image(one_shot):
+    """Not references that the pipeline ignores: the same run without them is another image."""
+    assert (one_shot(1, references=False) - one_shot(1)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("size", [(64, 64), (72, 64), (100, 70), (1500, 1000), (1100, 1000), (512, 64)])
@@ -226,3 +205,50 @@ def test_memory_estimate_counts_the_reference_tokens(flux2_dir):
     estimate = step_activations(flux2, folder, transformer.plan, sampling, TOKENS, torch.float32, extra)
     expected = activation_bytes(transformer.plan, hidden_size(transformer.config), 16 + TOKENS + 40, 1, 4)
     assert estimate == expected > step_activations(flux2, folder, transformer.plan, sampling, TOKENS, torch.float32)
+
+
+# -- in a real ComfyUI: LoadImage -> ParallelSampler's image and image_2, and the inputs refused by name (a 400) -------
+KONTEXT = "tiny-flux-kontext"
+
+
+def workflow(model: str, linked: dict[str, str]) -> dict:
+    return references_workflow(model, linked, prompt=PROMPT, tokens=TOKENS, sampler=SAMPLER)
+
+
+@pytest.fixture(scope="module")
+def comfyui_references(comfyui_server, comfyui_models_dir):
+    """The tiny FLUX.2 (and Kontext) in the server's diffusers folder, and the two references in its input/."""
+    for key, name in (("flux2", MODEL), ("flux_kontext", KONTEXT)):
+        if not (comfyui_models_dir / name / "model_index.json").is_file():
+            make_tiny_model(key, str(comfyui_models_dir / name))
+    for name, pixels in REFERENCES.items():
+        pil_images(pixels)[0].save(comfyui_server.input_dir / f"flux2_{name}.png")
+    return comfyui_server
+
+
+@pytest.mark.comfyui
+def test_references_refused_by_name_in_the_host(comfyui_references):
+    for model, linked, hint in (
+        (MODEL, {"image_2": "flux2_image.png"}, "image_2: is linked but image is not"),
+        (
+            KONTEXT,
+            {"image": "flux2_image.png", "image_2": "flux2_image_2.png"},
+            "image_2: is linked, but tiny-flux-kontext (FLUX.1 Kontext) takes 1 reference image (image); unlink",
+        ),
+    ):
+        details = refusal(comfyui_references, workflow(model, linked), "4")
+        assert hint in details, details
+
+
+@pytest.mark.comfyui
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_load_image_to_save_image_in_the_host(comfyui_references, one_shot):
+    linked = {name: f"flux2_{name}.png" for name in REFERENCES}
+    prompt_id, _ = comfyui_references.run(workflow(MODEL, linked), timeout=600)
+    shown = progress_texts(prompt_window(comfyui_references, prompt_id), "4")
+    said = "64×64 from the reference image 72×64, resized to 64×64; the reference image_2 64×96"
+    assert any(said in text for text in shown), shown
+    # ComfyUI's SaveImage quantises as uint8(clip(255 * x)).
+    expected = np.clip(255.0 * one_shot(1)[0].numpy(), 0, 255).astype(np.uint8)
+    assert_close_uint8(saved_png(comfyui_references, prompt_id), expected)
