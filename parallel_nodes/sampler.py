@@ -4,6 +4,7 @@ from comfy_api.latest import io
 
 from parallel_runtime import InvalidInput, jobs
 from parallel_runtime.families import REGISTRY, FamilyAdapter, img2img_steps, names
+from parallel_runtime.families.base import REFERENCE_INPUTS
 from parallel_runtime.samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler, describe
 
 from . import comfy
@@ -105,7 +106,7 @@ def _validate(node: comfy.QueuedNode) -> None:
         prompts=_prompt_count(node),
         latent_linked=node.linked("latent_image"),
         latent_size=size,
-        image_linked=node.linked("image"),
+        references_linked=tuple(name for name in REFERENCE_INPUTS if node.linked(name)),
         **node.widgets(
             "steps",
             "width",
@@ -289,11 +290,26 @@ class ParallelSampler(io.ComfyNode):
                     "image",
                     optional=True,
                     tooltip=(
-                        f"The image an edit model edits as the prompt says ({names(lambda f: f.reference_images > 0)}"
-                        "; required there, refused by the others), e.g. from LoadImage: resized to the model's "
-                        "trained resolution nearest its aspect ratio, as its diffusers pipeline does. width and "
-                        "height set the output's size."
+                        f"The image an edit model edits as the prompt says ({names(lambda f: f.needs_reference)}; "
+                        "required there), or the first reference image of "
+                        f"{names(lambda f: f.reference_images and not f.needs_reference)} (optional there); refused "
+                        "by the others. E.g. from LoadImage; resized as the model's diffusers pipeline does (Kontext: "
+                        "to its trained resolution nearest the aspect ratio; FLUX.2: down to a megapixel), the node "
+                        "shows to what. width and height set the output's size."
                     ),
+                ),
+                *(
+                    io.Image.Input(
+                        name,
+                        optional=True,
+                        tooltip=(
+                            f"Another reference image for {names(lambda f: f.reference_images > 1)}"
+                            f", after image{'' if name == 'image_2' else ' and image_2'} (in the transformer's "
+                            "sequence in that order); one image, the same for the whole batch. Each reference "
+                            "lengthens the sequence the transformer attends over."
+                        ),
+                    )
+                    for name in REFERENCE_INPUTS[1:]
                 ),
             ],
             outputs=[
@@ -329,11 +345,12 @@ class ParallelSampler(io.ComfyNode):
             on_conditioning=said.append,
             **w,
         )
-        if w["image"] is not None:
-            reference = jobs.read_reference_image(handle, w["image"])
+        references = jobs.read_reference_images(handle, {name: w[name] for name in REFERENCE_INPUTS})
+        if references:
             downscale = handle.family.latent.downscale
-            comfy.show_text(
-                cls, f"{samples.shape[-1] * downscale}×{samples.shape[-2] * downscale} from the {reference.describe()}"
+            said.append(
+                f"{samples.shape[-1] * downscale}×{samples.shape[-2] * downscale} from the "
+                + "; the ".join(reference.describe() for reference in references)
             )
         if w["latent_image"] is not None:
             downscale = handle.family.latent.downscale

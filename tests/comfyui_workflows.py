@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import numpy as np
-from comfyui_host import REPO_ROOT, ComfyUIServer
+from comfyui_host import REPO_ROOT, ComfyUIServer, PromptRejected
 
 API_WORKFLOW = REPO_ROOT / "example_workflows" / "api" / "flux1_device_map_api.json"
 MODEL = "tiny-flux-e2e"
@@ -48,6 +48,46 @@ def small_workflow(seed: int, *, model: str = MODEL, steps: int = STEPS, prefix:
     )
     workflow[SAVER]["inputs"]["filename_prefix"] = prefix
     return workflow
+
+
+def references_workflow(model: str, linked: dict[str, str], *, prompt: str, tokens: int, sampler: dict) -> dict:
+    """``model`` under Ulysses over 2 CPU ranks, a LoadImage of each file in ComfyUI's input/ linked into the
+    sampler's input it is keyed by (``image``, ``image_2``, ...), ``sampler``'s widgets (seed, steps, guidance_scale,
+    width, height), decoded and saved: an edit or reference model from LoadImage to SaveImage."""
+
+    def link(node: str) -> list:
+        return [node, 0]
+
+    nodes = {
+        "1": ("ParallelBackend", {"ranks": 2, "device": "cpu", "memory_policy": "staged"}),
+        "2": ("EncodeOnBalancedGPUs", {"model": model, "prompt": prompt, "max_sequence_length": tokens}),
+        "3": (
+            "LoadShardedTransformer",
+            {"model": model, "strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 2},
+        ),
+        "4": ("ParallelSampler", {**sampler, "batch_size": 1}),
+        "5": ("VAEDecodeSingleGPU", {"model": model, "device": "cpu"}),
+        "6": ("SaveImage", {"filename_prefix": model}),
+    }
+    nodes["2"][1]["backend"] = nodes["3"][1]["backend"] = nodes["5"][1]["backend"] = link("1")
+    nodes["4"][1].update(transformer=link("3"), positive=link("2"))
+    nodes["5"][1]["samples"] = link("4")
+    nodes["6"][1]["images"] = link("5")
+    for i, (name, file) in enumerate(linked.items()):
+        nodes[str(7 + i)] = ("LoadImage", {"image": file})
+        nodes["4"][1][name] = link(str(7 + i))
+    return {node_id: {"class_type": kind, "inputs": inputs} for node_id, (kind, inputs) in nodes.items()}
+
+
+def refusal(server: ComfyUIServer, workflow: dict, node: str) -> str:
+    """The details of the one error ``POST /prompt`` answers (a 400) for ``workflow``, on ``node`` alone."""
+    try:
+        server.post_prompt(workflow)
+    except PromptRejected as rejected:
+        assert rejected.status == 400 and list(rejected.node_errors) == [node], rejected.body
+        (error,) = rejected.node_errors[node]["errors"]
+        return error["details"]
+    raise AssertionError("the prompt was queued")
 
 
 def backend_run_dirs(server: ComfyUIServer) -> list[str]:

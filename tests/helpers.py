@@ -14,7 +14,7 @@ import torch
 from diffusers import Flux2Pipeline, QwenImagePipeline
 from safetensors.torch import load_file
 
-from parallel_runtime import jobs, model_folders
+from parallel_runtime import default_spec, jobs, model_folders
 
 # -- the strategies' images through the nodes' steps (test_strategies and the modules that hold other paths to it) --
 MODEL = "tiny-flux"
@@ -72,6 +72,19 @@ def generate(
         batch_size=batch_size,
     )
     return jobs.decode(spec, model=model, samples=latent)
+
+
+def with_references(
+    model: str, strategy: dict, *, tokens: int, sampler: dict, batch_size: int = 1, **images: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LATENT, IMAGE) of an edit or reference model under ``strategy`` on 2 CPU ranks through the pack's steps, the
+    reference ``images`` by the sampler's inputs (``image``, ``image_2``, ...), ``sampler``'s widgets (seed, steps,
+    guidance_scale, width, height)."""
+    spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
+    positive = jobs.encode_prompt(spec, model=model, prompt=PROMPT, max_sequence_length=tokens)
+    transformer = jobs.plan_transformer(spec, model=model, **strategy)
+    latent = jobs.sample(transformer, positive, batch_size=batch_size, **sampler, **images)
+    return latent, jobs.decode(spec, model=model, samples=latent)
 
 
 def family_reference(

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, OpFailed, default_spec, get_backend, jobs
 from parallel_runtime.families import family
+from parallel_runtime.families.base import pil_images
 from parallel_runtime.families.flux.tiny import save_xlabs_flux_lora
 from parallel_runtime.families.lora import LoraError, read_lora
 from parallel_runtime.families.qwenimage.tiny import save_qwenimage_lora
@@ -32,6 +33,9 @@ from parallel_runtime.wire import LoraMode
 
 PROMPT = "a photo of a horse in the city"
 STEPS = 2
+# FLUX.1 Kontext's reference image: a random IMAGE as LoadImage makes it (8-bit pixels / 255), square, so that the
+# pipeline runs it at 1024² (4096 tokens beside the output's 16).
+KONTEXT_IMAGE = torch.randint(0, 256, (1, 64, 64, 3), generator=torch.Generator().manual_seed(12)).float() / 255
 FAMILIES = {
     "flux": {
         "model": "tiny-flux",
@@ -44,6 +48,18 @@ FAMILIES = {
         "encode": {"max_sequence_length": 48},
         "sample": {"guidance_scale": 4.0},
         "reference": {"max_sequence_length": 48, "guidance_scale": 4.0},
+    },
+    # Kontext's tiny transformer is FLUX.1's, weights included: FLUX.1's LoRAs fit it.
+    "flux_kontext": {
+        "model": "tiny-flux-kontext",
+        "encode": {"max_sequence_length": 32},
+        "sample": {"guidance_scale": 3.5, "image": KONTEXT_IMAGE},
+        "reference": {
+            "max_sequence_length": 32,
+            "guidance_scale": 3.5,
+            "image": pil_images(KONTEXT_IMAGE)[0],
+            "max_area": 64 * 64,
+        },
     },
     "qwenimage": {
         "model": "tiny-qwenimage",
@@ -348,6 +364,9 @@ CASES = [
         ODD,
         marks=SLOW,
     ),
+    # An edit model: the stacked LoRAs on its transformer, the reference image's 4096 tokens in its sequence (slow:
+    # that sequence and the 1024² reference's VAE encode, on the ranks and in the one-shot pipeline).
+    case("kontext_ulysses", "flux_kontext", "context_parallel", ULYSSES, marks=SLOW),
     case("flux2_data_parallel", "flux2", "data_parallel", stack=only("flux2"), **DP, marks=SLOW),
     case("qwenimage_data_parallel", "qwenimage", "data_parallel", stack=only("qwenimage"), **DP, marks=SLOW),
     case("ulysses_xlabs", "flux", "context_parallel", ULYSSES, stack=only("flux", "xlabs"), marks=SLOW),

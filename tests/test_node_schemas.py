@@ -61,6 +61,8 @@ GROWN_AFTER_0_1_0 = {
         "length",
         "guidance_scale_2",
         "image",
+        "image_2",  # FLUX.2's further reference images
+        "image_3",
     ],
     # step caching; compiled blocks; fp8 held as stored
     "LoadShardedTransformer": ["cache", "cache_threshold", "compile", "weights"],

@@ -26,10 +26,13 @@ from ..wire import Prompts, Sampling
 
 log = logging.getLogger(__name__)
 
+# ParallelSampler's reference IMAGE inputs, in the order their images enter the transformer's sequence: a family takes
+# the first ``reference_images`` of them.
+REFERENCE_INPUTS = ("image", "image_2", "image_3")
 # The denoise stage's image inputs, by the names they travel under beside the embeddings (and the keyword arguments
 # of ``FamilyAdapter.denoise``): a LATENT of the family, a mask of where to repaint (img2img and inpainting), and the
-# reference IMAGE of an edit model (only the families with ``reference_images`` take it).
-IMAGE_INPUTS = ("latent_image", "noise_mask", "image")
+# reference images (only the families with ``reference_images`` take them).
+IMAGE_INPUTS = ("latent_image", "noise_mask", *REFERENCE_INPUTS)
 
 OnStep = Callable[[int, int], None]  # (step index from 0, total steps); raising stops the loop (how a cancel works)
 
@@ -137,9 +140,14 @@ class FamilyAdapter(abc.ABC):
         pooled_text: the transformer also takes a pooled text embedding (``pooled_prompt_embeds``; ComfyUI's
             CONDITIONING carries it as ``pooled_output``).
         text_mask: the embeddings travel with their mask (``prompt_embeds_mask``; ComfyUI's ``attention_mask``).
-        reference_images: how many reference images the sampler's ``image`` input takes (an edit model's, which
-            its transformer reads in its sequence), and must be given; 0: none. Such a family's ``reference_size``
-            gives the size the pipeline resizes each to, and its ``denoise`` takes them as ``image``.
+        reference_images: how many reference images the sampler takes (its first ``reference_images`` of
+            ``REFERENCE_INPUTS``), which the transformer reads in its sequence after the image's own tokens; 0: none.
+            Such a family's ``reference_size`` gives the size the pipeline runs each at, and its ``denoise`` takes
+            them by their inputs' names.
+        needs_reference: the first reference (``image``) must be given: the model edits it (Kontext); otherwise the
+            references are optional and the model also makes images from text alone (FLUX.2).
+        reference_per_image: a reference input may hold one image per image made (Kontext's pipeline pairs them);
+            otherwise each holds one image, the same reference for the whole batch (FLUX.2's pipeline repeats it).
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
@@ -163,6 +171,8 @@ class FamilyAdapter(abc.ABC):
     pooled_text: ClassVar[bool] = False
     text_mask: ClassVar[bool] = False
     reference_images: ClassVar[int] = 0
+    needs_reference: ClassVar[bool] = False
+    reference_per_image: ClassVar[bool] = False
     block_lists: ClassVar[dict[str, str]] = {
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",
@@ -177,7 +187,8 @@ class FamilyAdapter(abc.ABC):
         return f"{loader} (type {clip_type}) into {prompt_nodes}"
 
     def reference_size(self, width: int, height: int) -> tuple[int, int]:
-        """The (width, height) a reference image of this size runs at (families with ``reference_images``)."""
+        """The (width, height) a reference image of this size runs at (families with ``reference_images``): the
+        pipeline's own resizing. ValueError, with the reason and the fix, for a size the pipeline refuses."""
         raise NotImplementedError(f"{self.name} takes no reference image")
 
     # -- stages (on the ranks) --------------------------------------------------------------------------------
@@ -356,6 +367,22 @@ def image_tokens(family: FamilyAdapter, width: int, height: int, frames: int = 1
     """The transformer's image tokens for one clip (an image: one frame): LATENT frames × tokens per frame."""
     per_frame = (width // family.pixels_per_token) * (height // family.pixels_per_token)
     return family.latent.frames(frames) * per_frame
+
+
+def reference_tokens(family: FamilyAdapter, width: int, height: int) -> int:
+    """The transformer's tokens of a reference image given at ``width`` × ``height``: those of the size the family's
+    pipeline runs it at (``FamilyAdapter.reference_size``)."""
+    return image_tokens(family, *family.reference_size(width, height))
+
+
+def pil_images(image: torch.Tensor) -> list[Any]:
+    """An IMAGE [B, H, W, 3 or 4] in 0..1 as the 8-bit RGB PIL images it was loaded from (LoadImage divides by 255,
+    so rounding gives the file's pixels back): what the edit pipelines take, so that they resize it as they do any
+    loaded image."""
+    from PIL import Image
+
+    pixels = (image[..., :3].clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+    return [Image.fromarray(row, mode="RGB") for row in pixels]
 
 
 def latent_statistics(vae_config: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from .comfy_files import model_from_comfy_files, validate_comfy_files
 from .decode import decode, decode_device, decode_device_choices, validate_decode
 from .encode import MAX_SEQUENCE_LENGTH, Conditioning, count_prompts, encode_prompt, validate_encode
 from .lora import MAX_STRENGTH, LoraCheck, add_lora, validate_lora
-from .sample import LatentImage, ReferenceImage, read_latent_image, read_reference_image, sample, validate_sample
+from .sample import LatentImage, ReferenceImage, read_latent_image, read_reference_images, sample, validate_sample
 from .transformer import TransformerHandle, plan_transformer
 from .vae_encode import Encoded, crop_pixels, vae_encode
 from .widgets import DTYPE_OPTIONS, MAX_PROMPT_BYTES, MAX_PROMPTS
@@ -39,7 +39,7 @@ __all__ = [
     "model_from_comfy_files",
     "plan_transformer",
     "read_latent_image",
-    "read_reference_image",
+    "read_reference_images",
     "sample",
     "vae_encode",
     "validate_comfy_files",

@@ -14,7 +14,7 @@ from .. import families
 from ..client import ProgressFn, get_backend
 from ..errors import InvalidInput
 from ..families import FamilyAdapter, img2img_steps, names
-from ..families.base import image_tokens
+from ..families.base import REFERENCE_INPUTS, image_tokens
 from ..samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler
 from ..wire import CacheReport, DenoiseArgs, DenoiseResult, Sampling
 from .conditioning import read_positive, with_negative
@@ -135,16 +135,21 @@ def _read_mask(mask: Any, latent_width: int, latent_height: int) -> torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceImage:
-    """The IMAGE an edit model edits (ParallelSampler's ``image``), checked against the transformer's family.
+    """A reference image of an edit or reference model (ParallelSampler's ``image``, ``image_2``, ``image_3``),
+    checked against the transformer's family.
 
     Args:
-        pixels: ComfyUI's IMAGE [1 or one per image, H, W, 3 or 4] in 0..1, float32.
+        input: the sampler's input it came from.
+        pixels: ComfyUI's IMAGE [1 (or one per image, where the family pairs them), H, W, 3 or 4] in 0..1, float32.
         width, height: the size it runs at, resized by the family's pipeline (``FamilyAdapter.reference_size``).
+        tokens: the transformer's tokens of it at that size.
     """
 
+    input: str
     pixels: torch.Tensor
     width: int
     height: int
+    tokens: int
 
     @property
     def batch(self) -> int:
@@ -154,33 +159,42 @@ class ReferenceImage:
         """What the node shows of it: the size it was given and the size it ran at."""
         given = f"{self.pixels.shape[2]}×{self.pixels.shape[1]}"
         ran = f"{self.width}×{self.height}"
-        return f"reference image {given}" + (f", resized to {ran}" if ran != given else "")
+        return f"reference {self.input} {given}" + (f", resized to {ran}" if ran != given else "")
 
 
-def read_reference_image(handle: TransformerHandle, image: Any) -> ReferenceImage | None:
-    """ParallelSampler's ``image`` (None: not linked) checked against the transformer's family: given exactly when
-    the family edits one, an IMAGE of whole tokens, finite."""
+def read_reference_images(handle: TransformerHandle, images: dict[str, Any]) -> tuple[ReferenceImage, ...]:
+    """ParallelSampler's reference inputs (by name, None: not linked) checked against the transformer's family: as
+    many as it takes, in order, the first where it edits one; each an IMAGE of a size its pipeline takes, finite."""
     family = handle.family
-    _check_image_linked(handle, image is not None)
-    if image is None:
-        return None
-    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
-        raise InvalidInput("image", "is not an IMAGE [batch, height, width, channels]; link an IMAGE (LoadImage)")
-    height, width = image.shape[1:3]
-    multiple = family.pixels_per_token
-    if width < multiple or height < multiple:
-        raise InvalidInput(
-            "image", f"is {width}×{height}, smaller than one {multiple}-pixel token; scale it up (ImageScale)"
-        )
-    if not torch.isfinite(image).all():
-        raise InvalidInput("image", "holds NaN or infinite values; load it again (LoadImage)")
-    return ReferenceImage(image.float(), *family.reference_size(width, height))
+    _check_references_linked(handle, tuple(name for name in REFERENCE_INPUTS if images.get(name) is not None))
+    references = []
+    for name in REFERENCE_INPUTS:
+        image = images.get(name)
+        if image is None:
+            continue
+        if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
+            raise InvalidInput(name, "is not an IMAGE [batch, height, width, channels]; link an IMAGE (LoadImage)")
+        height, width = image.shape[1:3]
+        multiple = family.pixels_per_token
+        if width < multiple or height < multiple:
+            raise InvalidInput(
+                name, f"is {width}×{height}, smaller than one {multiple}-pixel token; scale it up (ImageScale)"
+            )
+        if not torch.isfinite(image).all():
+            raise InvalidInput(name, "holds NaN or infinite values; load it again (LoadImage)")
+        try:
+            size = family.reference_size(width, height)
+        except ValueError as e:
+            raise InvalidInput(name, str(e)) from None
+        references.append(ReferenceImage(name, image.float(), *size, image_tokens(family, *size)))
+    return tuple(references)
 
 
-def _check_image_linked(handle: TransformerHandle, linked: bool) -> None:
-    """An edit model needs its ``image``; a model that reads none is refused one (it would be ignored)."""
+def _check_references_linked(handle: TransformerHandle, linked: tuple[str, ...]) -> None:
+    """The reference inputs linked (``linked``, by name): an edit model needs its ``image``; a model that reads none
+    is refused one (it would be ignored), and one that reads fewer the inputs beyond them; they fill in order."""
     family, model = handle.family, handle.spec.model.name
-    if family.reference_images and not linked:
+    if family.needs_reference and "image" not in linked:
         raise InvalidInput(
             "image",
             f"is not linked, and {model} ({family.name}) edits an image; link the image to edit (LoadImage) to "
@@ -189,10 +203,25 @@ def _check_image_linked(handle: TransformerHandle, linked: bool) -> None:
     if linked and not family.reference_images:
         editors = names(lambda f: f.reference_images > 0, last="or")
         raise InvalidInput(
-            "image",
-            f"is linked, but {model} ({family.name}) reads no reference image; unlink it, or load an edit model "
-            f"({editors}) on LoadShardedTransformer",
+            linked[0],
+            f"is linked, but {model} ({family.name}) reads no reference image; unlink it, or load a model that "
+            f"does ({editors}) on LoadShardedTransformer",
         )
+    taken = REFERENCE_INPUTS[: family.reference_images]
+    for name in linked:
+        if name not in taken:
+            count = f"{len(taken)} reference image{'s' if len(taken) > 1 else ''}"
+            raise InvalidInput(
+                name, f"is linked, but {model} ({family.name}) takes {count} ({', '.join(taken)}); unlink {name}"
+            )
+    free = next((name for name in taken if name not in linked), None)
+    for name in linked:
+        if free is not None and REFERENCE_INPUTS.index(name) > REFERENCE_INPUTS.index(free):
+            raise InvalidInput(
+                name,
+                f"is linked but {free} is not; the reference images fill the inputs in order ({', '.join(taken)}): "
+                f"link this one to {free}",
+            )
 
 
 def _read_sampler(handle: TransformerHandle, sampler: str, scheduler: str) -> tuple[Sampler, Scheduler]:
@@ -305,22 +334,26 @@ def validate_sample(
     scheduler: str = Scheduler.SIMPLE.value,
     length: int = 1,
     guidance_scale_2: float = 0.0,
-    image: ReferenceImage | None = None,
-    image_linked: bool = False,
+    references: tuple[ReferenceImage, ...] = (),
+    references_linked: tuple[str, ...] = (),
 ) -> None:
     """Every check ParallelSampler can make before it runs. Without a ``conditioning`` (at validation), ``prompts``
     says how many prompts it will hold; None skips the checks that need to know. ``latent_linked``: a latent_image
     is linked whose contents only execution knows; ``latent_size`` its (width, height) in latent pixels where the
-    graph says it (the size checks wait for execution otherwise). ``image``: an edit model's reference image;
-    ``image_linked``: one is linked whose size only execution knows."""
+    graph says it (the size checks wait for execution otherwise). ``references``: the reference images
+    (``read_reference_images``); ``references_linked``: the reference inputs linked whose sizes only execution
+    knows."""
     family, plan = handle.family, handle.plan
     _read_sampler(handle, sampler, scheduler)
-    _check_image_linked(handle, image is not None or image_linked)
-    if family.reference_images and (latent_image is not None or latent_linked):
+    linked = references_linked or tuple(reference.input for reference in references)
+    _check_references_linked(handle, linked)
+    if linked and (latent_image is not None or latent_linked):
+        what = "edits its image input" if family.needs_reference else f"takes {' and '.join(linked)}"
         raise InvalidInput(
             "latent_image",
-            f"is linked, but {family.name} edits its image input and starts from noise (no img2img); unlink "
-            "latent_image and set the output's size with width and height",
+            f"is linked, but {family.name} {what} and starts from noise then (no img2img); unlink "
+            "latent_image and set the output's size with width and height"
+            + ("" if family.needs_reference else ", or unlink the reference images"),
         )
     if steps < family.min_steps:
         raise InvalidInput("steps", f"{steps} steps {family.min_steps_reason}; use at least {family.min_steps}")
@@ -392,11 +425,19 @@ def validate_sample(
             f"{true_cfg_scale} turns true CFG off, so cfg_parallel's second half of the ranks has no pass to run; "
             "raise true_cfg_scale above 1, or use context_parallel on LoadShardedTransformer",
         )
+    for reference in references:
+        if reference.batch > 1 and not family.reference_per_image:
+            raise InvalidInput(
+                reference.input,
+                f"holds {reference.batch} images, but {family.name} takes one image per reference input, the same "
+                f"for every image made; pick one (ImageFromBatch), one for each of "
+                f"{', '.join(REFERENCE_INPUTS[: family.reference_images])}",
+            )
     world = plan.ranks
     prompts = conditioning.count if conditioning is not None else prompts
     if prompts is not None:
         images = batch_size * prompts
-        counts = (("image", image.batch),) if image is not None else ()
+        counts = tuple((reference.input, reference.batch) for reference in references)
         if latent_image is not None:
             counts += (("latent_image", latent_image.batch), ("noise_mask", _mask_batch(latent_image)))
         for what, count in counts:
@@ -421,7 +462,7 @@ def validate_sample(
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         tokens = image_tokens(family, width, height, length)
-        if tokens % degree and not family.reference_images:  # an edit model's whole sequence is checked below
+        if tokens % degree and not linked:  # with reference images the whole sequence is checked below
             clip = f" × {length} frames" if length > 1 else ""
             raise InvalidInput(
                 "latent_image" if latent_linked or latent_image is not None else "width",
@@ -429,15 +470,15 @@ def validate_sample(
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
             )
-        if image is not None:  # the reference's tokens follow the image's in one sequence, split as a whole
-            reference_tokens = (image.width // family.pixels_per_token) * (image.height // family.pixels_per_token)
-            if (tokens + reference_tokens) % degree:
+        if references:  # the references' tokens follow the image's in one sequence, split as a whole
+            sequence = tokens + sum(reference.tokens for reference in references)
+            if sequence % degree:
+                theirs = ", ".join(f"{r.input} {r.tokens} ({r.width}×{r.height})" for r in references)
                 raise InvalidInput(
-                    "image",
-                    f"the output's {tokens} tokens ({width}×{height}) and the reference image's "
-                    f"{reference_tokens} ({image.width}×{image.height}) make a sequence of "
-                    f"{tokens + reference_tokens}, which does not split over {degree} ranks; turn on anything "
-                    "on LoadShardedTransformer, or change width or height by 16",
+                    references[-1].input,
+                    f"the output's {tokens} tokens ({width}×{height}) and the reference images' ({theirs}) make a "
+                    f"sequence of {sequence}, which does not split over {degree} ranks; turn on anything on "
+                    f"LoadShardedTransformer, or change width or height by {family.pixels_per_token}",
                 )
         # Wan's _cp_plan leaves the text whole (splits_text): only the video tokens must divide.
         split_text = conditioning is not None and family.splits_text
@@ -488,6 +529,8 @@ def sample(
     length: int = 1,
     guidance_scale_2: float = 0.0,
     image: torch.Tensor | None = None,
+    image_2: torch.Tensor | None = None,
+    image_3: torch.Tensor | None = None,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_cache_report: Callable[[CacheReport], None] | None = None,
@@ -513,7 +556,8 @@ def sample(
     turns it into the family's inputs); ``negative`` is true CFG's negative prompt, over the encoder's. A guidance
     that came with the conditioning (FluxGuidance) replaces ``guidance_scale``. ``on_conditioning`` gets where the
     conditioning came from, in words. An edit model (FLUX.1 Kontext) edits ``image`` (ComfyUI's IMAGE, batch 1 or one
-    per image), resized as its pipeline does (``read_reference_image``)."""
+    per image); FLUX.2 takes up to three reference images (``image``, ``image_2``, ``image_3``, one each); each is
+    resized as the family's pipeline does (``read_reference_images``)."""
     conditioning, negative_said = with_negative(handle, read_positive(handle, positive), negative)
     if conditioning.guidance is not None:
         guidance_scale = conditioning.guidance
@@ -522,7 +566,7 @@ def sample(
         if conditioning.guidance is not None and not handle.family.true_cfg:
             said += " (its guidance replaces guidance_scale)"
         on_conditioning("; ".join(filter(None, (said, negative_said))))
-    reference = read_reference_image(handle, image)
+    references = read_reference_images(handle, {"image": image, "image_2": image_2, "image_3": image_3})
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
@@ -539,12 +583,11 @@ def sample(
         scheduler=scheduler,
         length=length,
         guidance_scale_2=guidance_scale_2,
-        image=reference,
+        references=references,
     )
     chosen, schedule = _read_sampler(handle, sampler, scheduler)
     tensors = dict(conditioning.tensors)
-    if reference is not None:
-        tensors["image"] = reference.pixels
+    tensors.update({reference.input: reference.pixels for reference in references})
     if image is not None:
         width, height = image.width, image.height
         tensors["latent_image"] = image.samples

@@ -130,12 +130,19 @@ def _free(device: torch.device, local_ranks: int) -> tuple[int, int]:
 
 
 def step_activations(
-    family: FamilyAdapter, model_dir: str, plan: StrategyPlan, sampling: Sampling, text_tokens: int, dtype: torch.dtype
+    family: FamilyAdapter,
+    model_dir: str,
+    plan: StrategyPlan,
+    sampling: Sampling,
+    text_tokens: int,
+    dtype: torch.dtype,
+    reference_tokens: int = 0,
 ) -> int:
-    """Bytes of activations one denoising step holds on a rank at its peak (``estimates.activation_bytes``)."""
+    """Bytes of activations one denoising step holds on a rank at its peak (``estimates.activation_bytes``), over
+    the image's tokens, the text's and the reference images' (``families.base.reference_tokens``)."""
     with open(os.path.join(model_dir, "transformer", "config.json")) as f:
         config = json.load(f)
-    tokens = image_tokens(family, sampling.width, sampling.height, sampling.frames) + text_tokens
+    tokens = image_tokens(family, sampling.width, sampling.height, sampling.frames) + text_tokens + reference_tokens
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     return activation_bytes(plan, hidden_size(config), tokens, images, dtype.itemsize)
 
@@ -153,10 +160,12 @@ def check_denoise(
     loads_weights: bool,
     freed_by_load: int,
     fp8_as_stored: bool = False,
+    reference_tokens: int = 0,
 ) -> Estimate:
     """What the denoise needs on this rank; WidgetError (``width``) when it cannot fit this rank's device. Weights
-    stored in fp8 count 1 byte each when the rank holds them so (``fp8_as_stored``)."""
-    activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
+    stored in fp8 count 1 byte each when the rank holds them so (``fp8_as_stored``). ``reference_tokens``: the
+    reference images' tokens in the sequence."""
+    activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype, reference_tokens)
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     weights = 0
     if loads_weights:

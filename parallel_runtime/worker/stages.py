@@ -21,6 +21,7 @@ import torch
 
 from ..arena import TORCH_DTYPES
 from ..families import IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
+from ..families.base import REFERENCE_INPUTS, reference_tokens
 from ..gguf_files import gguf_weights, load_gguf_transformer
 from ..wire import (
     CacheMode,
@@ -261,11 +262,18 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     tensors = {name: tensor for name, tensor in tensors.items() if name not in IMAGE_INPUTS}
     steps = img2img_steps(sampling.steps, sampling.denoise) if images else sampling.steps
     text_tokens = max(tensors[name].shape[1] for name in ("prompt_embeds", "negative_prompt_embeds") if name in tensors)
+    # A reference image's tokens ride in the sequence: those of the size the family's pipeline runs it at.
+    references = sum(
+        reference_tokens(adapter, images[name].shape[2], images[name].shape[1])
+        for name in REFERENCE_INPUTS
+        if name in images
+    )
 
     refused, estimate = None, None
     try:
         strategies.check_attention(plan, ctx.device)
         estimate = memory.check_denoise(adapter, spec.model.path, plan, sampling, text_tokens, dtype, ctx.device,
+                                        reference_tokens=references,
                                         local_ranks=ctx.local_world_size, loads_weights=not models.resident(key),
                                         freed_by_load=models.freed_by_loading(key),
                                         # device_map places the weights in the dtype before holding them in fp8

@@ -9,12 +9,17 @@ Between the stages travel ComfyUI's types:
   channels, 16x downscale, no scale / shift, because ComfyUI's FLUX.2 VAE patchifies and applies the batch-norm
   itself), and it is also the pipeline's own latent space, so nothing is converted on the way out of the denoiser;
 - IMAGE: [B, H, W, 3] float32 in 0..1, on the CPU.
+
+FLUX.2-dev also takes reference images (``Flux2Pipeline(image=[...])``): each VAE-encoded, its tokens after the
+image's in the transformer's sequence, reference i at the ids' time coordinate T = 10 + 10·i; the output is cut back
+to the image's tokens. They are optional: without them FLUX.2 makes images from text alone.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -31,6 +36,7 @@ from ..base import (
     generators,
     img2img_steps,
     load_placed,
+    pil_images,
     scheduler_for,
     step_callback,
     vae_pixels,
@@ -46,6 +52,30 @@ class Flux2(FamilyAdapter):
     pads_text = True
     latent = LatentLayout(ndims=(4,), vae_channels_key="latent_channels", channels_per_vae_channel=4, downscale=16)
     comfy_text_encoder = ("CLIPLoader", "flux2", "CLIPTextEncode")
+    # diffusers takes any number; three inputs on the sampler cover the usual subject, style and scene, and each
+    # reference of up to a megapixel adds up to 4096 tokens (a 1024² output's count): three already make a 1024²
+    # image's sequence four times as long, its attention about sixteen times the work.
+    reference_images: ClassVar[int] = 3
+
+    def reference_size(self, width: int, height: int) -> tuple[int, int]:
+        """What ``Flux2Pipeline`` makes of a reference image: refused under 64 pixels a side or beyond 8:1
+        (``Flux2ImageProcessor.check_image_input``), scaled down to a megapixel when larger (its sides truncated),
+        then center-cropped to whole 16-pixel tokens."""
+        if min(width, height) < _REFERENCE_MIN_SIDE:
+            raise ValueError(
+                f"is {width}×{height}; {self.name}'s pipeline takes reference images of at least "
+                f"{_REFERENCE_MIN_SIDE} pixels a side: scale it up (ImageScale)"
+            )
+        if max(width, height) > _REFERENCE_MAX_ASPECT * min(width, height):
+            raise ValueError(
+                f"is {width}×{height}, more than {_REFERENCE_MAX_ASPECT}:1, which {self.name}'s pipeline refuses; "
+                "crop it (ImageCrop)"
+            )
+        if width * height > _REFERENCE_MAX_AREA:
+            scale = math.sqrt(_REFERENCE_MAX_AREA / (width * height))
+            width, height = int(width * scale), int(height * scale)
+        multiple = self.pixels_per_token
+        return width // multiple * multiple, height // multiple * multiple
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
         from diffusers import Flux2Pipeline
@@ -82,15 +112,28 @@ class Flux2(FamilyAdapter):
         *,
         latent_image: torch.Tensor | None = None,
         noise_mask: torch.Tensor | None = None,
+        image: torch.Tensor | None = None,
+        image_2: torch.Tensor | None = None,
+        image_3: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """LATENT samples [batch_size, 4 x VAE channels, height/16, width/16]. ``guidance_scale`` is FLUX.2-dev's
         distilled guidance (an embedding, not CFG). diffusers has no FLUX.2-dev img2img pipeline: given a latent
-        image, ``Flux2Pipeline`` runs the tail of its schedule from the noised image (``_from_image``)."""
+        image, ``Flux2Pipeline`` runs the tail of its schedule from the noised image (``_from_image``).
+
+        ``image``, ``image_2``, ``image_3``: reference IMAGEs [1, H, W, 3] in 0..1, the same for every image made,
+        handed to ``Flux2Pipeline`` in that order as the PIL images ComfyUI's LoadImage read, so that it resizes
+        them as it does any loaded image (``reference_size``)."""
         from diffusers import Flux2Pipeline
 
         check_size(self, sampling)
+        references = [pil_images(pixels)[0] for pixels in (image, image_2, image_3) if pixels is not None]
+        if references and latent_image is not None:
+            raise ValueError(f"{self.name} starts from noise beside reference images (no img2img with them).")
         scheduler = scheduler_for(model_dir, sampling)
-        pipe = Flux2Pipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=transformer)
+        # The pipeline encodes the references itself (the posterior's argmax); the VAE is small and loads here, in
+        # the transformer's dtype, which is the one the pipeline hands it the pixels in.
+        vae = self.load_vae(model_dir, transformer.dtype, str(transformer.device)) if references else None
+        pipe = Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
         pipe.set_progress_bar_config(disable=True)
         device = pipe._execution_device
         # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself), and their dtype
@@ -112,6 +155,7 @@ class Flux2(FamilyAdapter):
             generator=generators(sampling.seed, sampling.batch_size),
             output_type="latent",
             callback_on_step_end=on_step_end,
+            **({"image": references} if references else {}),
             **schedule,
         ).images
         # Undo `Flux2Pipeline._pack_latents` ([B, C, h, w] -> [B, h*w, C], tokens in raster order; the pipeline's
@@ -167,6 +211,11 @@ class Flux2(FamilyAdapter):
             latents.device, latents.dtype
         )
         return ((latents - bn_mean) / bn_std).cpu()
+
+
+# Flux2Pipeline's limits on a reference image: Flux2ImageProcessor.check_image_input's defaults, and the area
+# __call__ scales a larger one down to.
+_REFERENCE_MIN_SIDE, _REFERENCE_MAX_ASPECT, _REFERENCE_MAX_AREA = 64, 8, 1024 * 1024
 
 
 def _from_image(

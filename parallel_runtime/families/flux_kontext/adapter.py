@@ -11,12 +11,12 @@ later issue: an explicit choice of the variant on Model from ComfyUI Files).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ...wire import Sampling
-from ..base import OnStep, check_size
+from ..base import OnStep, check_size, pil_images
 from ..flux.adapter import Flux1
 
 
@@ -25,6 +25,8 @@ class FluxKontext(Flux1):
     name = "FLUX.1 Kontext"
     pipeline = "FluxKontextPipeline"
     reference_images: ClassVar[int] = 1
+    needs_reference: ClassVar[bool] = True
+    reference_per_image: ClassVar[bool] = True
 
     def reference_size(self, width: int, height: int) -> tuple[int, int]:
         """The size a ``width`` × ``height`` reference image is resized to before its VAE encode: the pipeline's
@@ -75,12 +77,3 @@ class FluxKontext(Flux1):
             image=pil_images(image),
             max_area=sampling.width * sampling.height,
         )
-
-
-def pil_images(image: torch.Tensor) -> list[Any]:
-    """An IMAGE [B, H, W, 3 or 4] in 0..1 as the 8-bit RGB PIL images it was loaded from (LoadImage divides by 255,
-    so rounding gives the file's pixels back)."""
-    from PIL import Image
-
-    pixels = (image[..., :3].clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
-    return [Image.fromarray(row, mode="RGB") for row in pixels]
