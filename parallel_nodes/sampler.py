@@ -289,10 +289,12 @@ class ParallelSampler(io.ComfyNode):
                     "image",
                     optional=True,
                     tooltip=(
-                        f"The image an edit model edits as the prompt says ({names(lambda f: f.reference_images > 0)}"
-                        "; required there, refused by the others), e.g. from LoadImage: resized to the model's "
-                        "trained resolution nearest its aspect ratio, as its diffusers pipeline does. width and "
-                        "height set the output's size."
+                        "The image an edit model edits as the prompt says "
+                        f"({names(lambda f: f.reference_images > 0 and not f.first_frame)}), e.g. from LoadImage: "
+                        "resized to the model's trained resolution nearest its aspect ratio, as its diffusers "
+                        "pipeline does; width and height set the output's size. "
+                        f"{names(lambda f: f.first_frame)}: the first frame of the clip, resized to width × height. "
+                        "Required by these models, refused by the others."
                     ),
                 ),
             ],
@@ -330,7 +332,7 @@ class ParallelSampler(io.ComfyNode):
             **w,
         )
         if w["image"] is not None:
-            reference = jobs.read_reference_image(handle, w["image"])
+            reference = jobs.read_reference_image(handle, w["image"], (w["width"], w["height"]))
             downscale = handle.family.latent.downscale
             comfy.show_text(
                 cls, f"{samples.shape[-1] * downscale}×{samples.shape[-2] * downscale} from the {reference.describe()}"

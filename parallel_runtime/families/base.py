@@ -140,6 +140,9 @@ class FamilyAdapter(abc.ABC):
         reference_images: how many reference images the sampler's ``image`` input takes (an edit model's, which
             its transformer reads in its sequence), and must be given; 0: none. Such a family's ``reference_size``
             gives the size the pipeline resizes each to, and its ``denoise`` takes them as ``image``.
+        first_frame: the ``image`` is the clip's first frame (Wan I2V), not a reference in the transformer's
+            sequence: one image starts every clip, resized to the output's width × height, and it adds no tokens
+            (it enters through the transformer's input channels).
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
@@ -163,6 +166,7 @@ class FamilyAdapter(abc.ABC):
     pooled_text: ClassVar[bool] = False
     text_mask: ClassVar[bool] = False
     reference_images: ClassVar[int] = 0
+    first_frame: ClassVar[bool] = False
     block_lists: ClassVar[dict[str, str]] = {
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",

@@ -135,16 +135,20 @@ def _read_mask(mask: Any, latent_width: int, latent_height: int) -> torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceImage:
-    """The IMAGE an edit model edits (ParallelSampler's ``image``), checked against the transformer's family.
+    """The IMAGE an edit model edits (ParallelSampler's ``image``), or a clip's first frame (Wan I2V), checked against
+    the transformer's family.
 
     Args:
-        pixels: ComfyUI's IMAGE [1 or one per image, H, W, 3 or 4] in 0..1, float32.
-        width, height: the size it runs at, resized by the family's pipeline (``FamilyAdapter.reference_size``).
+        pixels: ComfyUI's IMAGE [1 or one per image, H, W, 3 or 4] in 0..1, float32 (a first frame: 1).
+        width, height: the size it runs at, resized by the family's pipeline (``FamilyAdapter.reference_size``; a
+            first frame: the output's size).
+        first_frame: it is the clip's first frame (``FamilyAdapter.first_frame``).
     """
 
     pixels: torch.Tensor
     width: int
     height: int
+    first_frame: bool = False
 
     @property
     def batch(self) -> int:
@@ -154,12 +158,16 @@ class ReferenceImage:
         """What the node shows of it: the size it was given and the size it ran at."""
         given = f"{self.pixels.shape[2]}×{self.pixels.shape[1]}"
         ran = f"{self.width}×{self.height}"
-        return f"reference image {given}" + (f", resized to {ran}" if ran != given else "")
+        what = "start image" if self.first_frame else "reference image"
+        return f"{what} {given}" + (f", resized to {ran}" if ran != given else "")
 
 
-def read_reference_image(handle: TransformerHandle, image: Any) -> ReferenceImage | None:
+def read_reference_image(
+    handle: TransformerHandle, image: Any, output: tuple[int, int] | None = None
+) -> ReferenceImage | None:
     """ParallelSampler's ``image`` (None: not linked) checked against the transformer's family: given exactly when
-    the family edits one, an IMAGE of whole tokens, finite."""
+    the family reads one, an IMAGE of whole tokens, finite; a first frame (Wan I2V) is one image, resized to
+    ``output``, the (width, height) of the clip (its own size where None)."""
     family = handle.family
     _check_image_linked(handle, image is not None)
     if image is None:
@@ -174,24 +182,35 @@ def read_reference_image(handle: TransformerHandle, image: Any) -> ReferenceImag
         )
     if not torch.isfinite(image).all():
         raise InvalidInput("image", "holds NaN or infinite values; load it again (LoadImage)")
+    if family.first_frame:
+        if image.shape[0] != 1:
+            raise InvalidInput(
+                "image",
+                f"holds {image.shape[0]} images, but {family.name} starts every clip from one; pick one "
+                "(ImageFromBatch)",
+            )
+        return ReferenceImage(image.float(), *(output or (width, height)), first_frame=True)
     return ReferenceImage(image.float(), *family.reference_size(width, height))
 
 
 def _check_image_linked(handle: TransformerHandle, linked: bool) -> None:
-    """An edit model needs its ``image``; a model that reads none is refused one (it would be ignored)."""
+    """An edit model (or an image-to-video one) needs its ``image``; a model that reads none is refused one (it would
+    be ignored)."""
     family, model = handle.family, handle.spec.model.name
     if family.reference_images and not linked:
+        does = "starts its clip from an image" if family.first_frame else "edits an image"
+        what = "the clip's first frame" if family.first_frame else "the image to edit"
         raise InvalidInput(
             "image",
-            f"is not linked, and {model} ({family.name}) edits an image; link the image to edit (LoadImage) to "
-            "ParallelSampler's image input",
+            f"is not linked, and {model} ({family.name}) {does}; link {what} (LoadImage) to ParallelSampler's image "
+            "input",
         )
     if linked and not family.reference_images:
-        editors = names(lambda f: f.reference_images > 0, last="or")
+        readers = names(lambda f: f.reference_images > 0, last="or")
         raise InvalidInput(
             "image",
-            f"is linked, but {model} ({family.name}) reads no reference image; unlink it, or load an edit model "
-            f"({editors}) on LoadShardedTransformer",
+            f"is linked, but {model} ({family.name}) reads no reference image; unlink it, or load a model that "
+            f"reads one ({readers}) on LoadShardedTransformer",
         )
 
 
@@ -421,7 +440,9 @@ def validate_sample(
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         tokens = image_tokens(family, width, height, length)
-        if tokens % degree and not family.reference_images:  # an edit model's whole sequence is checked below
+        # An edit model's references ride in the sequence; a clip's first frame adds no tokens.
+        in_sequence = family.reference_images and not family.first_frame
+        if tokens % degree and not in_sequence:  # an edit model's whole sequence is checked below
             clip = f" × {length} frames" if length > 1 else ""
             raise InvalidInput(
                 "latent_image" if latent_linked or latent_image is not None else "width",
@@ -429,7 +450,7 @@ def validate_sample(
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
             )
-        if image is not None:  # the reference's tokens follow the image's in one sequence, split as a whole
+        if image is not None and in_sequence:  # the reference's tokens follow the image's, split as a whole
             reference_tokens = (image.width // family.pixels_per_token) * (image.height // family.pixels_per_token)
             if (tokens + reference_tokens) % degree:
                 raise InvalidInput(
@@ -458,6 +479,7 @@ def validate_sample(
             )
     if conditioning is None:
         return
+    _check_image_context(handle, conditioning, true_cfg_scale)
     embeds = conditioning.tensors["prompt_embeds"]
     text_width = handle.config.get("joint_attention_dim")
     if text_width and embeds.shape[-1] != text_width:
@@ -467,6 +489,25 @@ def validate_sample(
             f"embeddings) but {handle.spec.model.name}'s transformer expects {text_width}; "
             "encode with the same model as the transformer",
         )
+
+
+def _check_image_context(handle: TransformerHandle, conditioning: Conditioning, true_cfg_scale: float) -> None:
+    """A transformer with an image embedding (Wan 2.1 I2V) takes its cross-attention's context as the CLIP image
+    tokens followed by exactly ``max_sequence_length`` text tokens, split by that count: text of another length would
+    run, and be silently wrong."""
+    family = handle.family
+    if not handle.config.get("image_dim"):
+        return
+    for source, embeds in _text_streams(family, conditioning, true_cfg_scale).items():
+        tokens = embeds.shape[1]
+        if tokens != family.max_sequence_length:
+            raise InvalidInput(
+                "positive",
+                f"the {source} is {tokens} text tokens, but {handle.spec.model.name}'s transformer reads its image "
+                f"tokens as what precedes the last {family.max_sequence_length}; encode with max_sequence_length "
+                f"{family.max_sequence_length} (EncodeOnBalancedGPUs), or a prompt of at most "
+                f"{family.max_sequence_length} tokens",
+            )
 
 
 def sample(
@@ -513,7 +554,8 @@ def sample(
     turns it into the family's inputs); ``negative`` is true CFG's negative prompt, over the encoder's. A guidance
     that came with the conditioning (FluxGuidance) replaces ``guidance_scale``. ``on_conditioning`` gets where the
     conditioning came from, in words. An edit model (FLUX.1 Kontext) edits ``image`` (ComfyUI's IMAGE, batch 1 or one
-    per image), resized as its pipeline does (``read_reference_image``)."""
+    per image), resized as its pipeline does (``read_reference_image``); an image-to-video model (Wan I2V) starts
+    every clip from it, its first frame, resized to width × height."""
     conditioning, negative_said = with_negative(handle, read_positive(handle, positive), negative)
     if conditioning.guidance is not None:
         guidance_scale = conditioning.guidance
@@ -522,7 +564,7 @@ def sample(
         if conditioning.guidance is not None and not handle.family.true_cfg:
             said += " (its guidance replaces guidance_scale)"
         on_conditioning("; ".join(filter(None, (said, negative_said))))
-    reference = read_reference_image(handle, image)
+    reference = read_reference_image(handle, image, (width, height))
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,
