@@ -1,7 +1,7 @@
 """Wan in a real ComfyUI server (2 CPU ranks, tiny Wan 2.1, Ulysses 2): a 5-frame clip from ParallelSampler's
 ``length`` decoded by VAEDecodeSingleGPU into an IMAGE batch that ComfyUI's own SaveAnimatedWEBP saves, frame for
-frame WanPipeline's; and a length that is not 4k + 1 answered by POST /prompt with a 400 naming the widget, before
-anything loads."""
+frame WanPipeline's; and a length that is not 4k + 1, or an image-to-video model without its start image, answered by
+POST /prompt with a 400 naming the input, before anything loads."""
 
 from __future__ import annotations
 
@@ -89,3 +89,21 @@ def test_a_length_that_is_not_4k_plus_1_is_a_400_naming_it(comfyui_server, comfy
     assert rejected.value.status == 400 and list(rejected.value.node_errors) == ["4"], rejected.value.node_errors
     (error,) = rejected.value.node_errors["4"]["errors"]
     assert "length: 6 frames is not 4k + 1" in error["details"] and "use 5 or 9" in error["details"], error
+
+
+def test_an_i2v_model_without_its_start_image_is_a_400_naming_image(comfyui_server, comfyui_models_dir):
+    """Wan I2V (a WanImageToVideoPipeline folder) with nothing linked into ParallelSampler's image: refused by POST
+    /prompt, naming the input and the fix, before anything loads."""
+    from parallel_runtime.families.wan_i2v.tiny import make_tiny_model
+
+    model = "tiny-wan-i2v"
+    if not (Path(comfyui_models_dir) / model / "model_index.json").is_file():
+        make_tiny_model(str(Path(comfyui_models_dir) / model))
+    prompt = workflow()
+    for node_id in ("2", "3", "5"):
+        prompt[node_id]["inputs"]["model"] = model
+    with pytest.raises(PromptRejected) as rejected:
+        comfyui_server.post_prompt(prompt)
+    assert rejected.value.status == 400 and list(rejected.value.node_errors) == ["4"], rejected.value.node_errors
+    (error,) = rejected.value.node_errors["4"]["errors"]
+    assert "image: is not linked" in error["details"] and "link the clip's first frame" in error["details"], error

@@ -62,8 +62,10 @@ def one_shot(folder, batch_size: int = 1, image: torch.Tensor = IMAGE) -> torch.
     second = {"guidance_scale_2": CFG_2} if pipe.config.boundary_ratio is not None else {}
     latents = pipe(
         image=Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy()),
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
+        # One prompt per clip: with num_videos_per_prompt > 1 the pipeline repeats Wan 2.1 I2V's image tokens per
+        # prompt, not per clip, and its transformer fails on the mismatch (diffusers 0.42.1).
+        prompt=[PROMPT] * batch_size,
+        negative_prompt=[NEGATIVE] * batch_size,
         height=HEIGHT,
         width=WIDTH,
         num_frames=FRAMES,
@@ -71,7 +73,6 @@ def one_shot(folder, batch_size: int = 1, image: torch.Tensor = IMAGE) -> torch.
         guidance_scale=CFG,
         **second,
         max_sequence_length=TOKENS,
-        num_videos_per_prompt=batch_size,
         generator=[torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch_size)],
         output_type="latent",
     ).frames
