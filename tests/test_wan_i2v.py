@@ -114,35 +114,21 @@ def backend(ranks: int = 2):
     return default_spec(ranks=ranks, device="cpu", memory_policy="staged")
 
 
-def _validate(name: str, **widgets) -> None:
+def _validate(name: str, conditioning=None, **widgets) -> None:
     transformer = jobs.plan_transformer(backend(), model=MODELS[name], strategy="context_parallel")
     args = {"steps": STEPS, "width": WIDTH, "height": HEIGHT, "batch_size": 1, "true_cfg_scale": CFG}
-    jobs.validate_sample(transformer, None, **{**args, "sampler": "uni_pc", "length": FRAMES, **widgets})
+    jobs.validate_sample(transformer, conditioning, **{**args, "sampler": "uni_pc", "length": FRAMES, **widgets})
 
 
-def _read(name: str, image) -> None:
+def _read(name: str, image) -> jobs.ReferenceImage:
     transformer = jobs.plan_transformer(backend(), model=MODELS[name], strategy="context_parallel")
-    jobs.read_reference_image(transformer, image, (WIDTH, HEIGHT))
+    return jobs.read_reference_image(transformer, image, (WIDTH, HEIGHT))
 
 
 def _short_text() -> None:
-    transformer = jobs.plan_transformer(backend(), model=MODELS["wan21"], strategy="context_parallel")
     embeds = torch.zeros(1, 64, 32)
-    conditioning = jobs.Conditioning(
-        None, (PROMPT,), {"prompt_embeds": embeds, "negative_prompt_embeds": embeds}, source="a test"
-    )
-    jobs.validate_sample(
-        transformer,
-        conditioning,
-        steps=STEPS,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=1,
-        true_cfg_scale=CFG,
-        sampler="uni_pc",
-        length=FRAMES,
-        image_linked=True,
-    )
+    tensors = {"prompt_embeds": embeds, "negative_prompt_embeds": embeds}
+    _validate("wan21", jobs.Conditioning(None, (PROMPT,), tensors, source="a test"), image_linked=True)
 
 
 @pytest.mark.parametrize(
@@ -162,22 +148,10 @@ def test_start_image_and_text_refused_before_anything_runs(wan_dir, call, hint):
 
 
 def test_the_start_image_runs_at_the_clips_size(wan_dir):
-    transformer = jobs.plan_transformer(backend(), model=MODELS["wan22"], strategy="context_parallel")
-    # Its 56×40 adds no tokens: 48×32 × 5 frames split over 2 ranks, with a start image of any size.
-    jobs.validate_sample(
-        transformer,
-        None,
-        steps=STEPS,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=1,
-        true_cfg_scale=CFG,
-        sampler="uni_pc",
-        length=FRAMES,
-        image=jobs.read_reference_image(transformer, IMAGE, (WIDTH, HEIGHT)),
-    )
-    reference = jobs.read_reference_image(transformer, IMAGE, (WIDTH, HEIGHT))
+    reference = _read("wan22", IMAGE)
     assert reference.describe() == "start image 56×40, resized to 48×32"
+    # Its 56×40 adds no tokens: 48×32 × 5 frames split over 2 ranks, with a start image of any size.
+    _validate("wan22", image=reference)
 
 
 # -- the strategies on real ranks -----------------------------------------------------------------------------
