@@ -290,12 +290,14 @@ class ParallelSampler(io.ComfyNode):
                     "image",
                     optional=True,
                     tooltip=(
-                        f"The image an edit model edits as the prompt says ({names(lambda f: f.needs_reference)}; "
-                        "required there), or the first reference image of "
-                        f"{names(lambda f: f.reference_images and not f.needs_reference)} (optional there); refused "
-                        "by the others. E.g. from LoadImage; resized as the model's diffusers pipeline does (Kontext: "
-                        "to its trained resolution nearest the aspect ratio; FLUX.2: down to a megapixel), the node "
-                        "shows to what. width and height set the output's size."
+                        "The image an edit model edits as the prompt says "
+                        f"({names(lambda f: f.needs_reference and not f.first_frame)}; required there), or the "
+                        "first reference image of "
+                        f"{names(lambda f: f.reference_images and not f.needs_reference)} (optional there); "
+                        f"{names(lambda f: f.first_frame)}: the clip's first frame, resized to width × height "
+                        "(required there); refused by the others. E.g. from LoadImage; resized as the model's "
+                        "diffusers pipeline does (Kontext: to its trained resolution nearest the aspect ratio; FLUX.2: "
+                        "down to a megapixel), the node shows to what. width and height set the output's size."
                     ),
                 ),
                 *(
@@ -345,7 +347,9 @@ class ParallelSampler(io.ComfyNode):
             on_conditioning=said.append,
             **w,
         )
-        references = jobs.read_reference_images(handle, {name: w[name] for name in REFERENCE_INPUTS})
+        references = jobs.read_reference_images(
+            handle, {name: w[name] for name in REFERENCE_INPUTS}, (w["width"], w["height"])
+        )
         if references:
             downscale = handle.family.latent.downscale
             said.append(

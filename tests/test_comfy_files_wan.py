@@ -17,7 +17,7 @@ import torch
 from helpers import apply_fp8_scales, fp8_meaning
 from safetensors.torch import load_file, save_file
 
-from parallel_runtime import InvalidInput, comfy_files, jobs
+from parallel_runtime import InvalidInput, jobs
 from parallel_runtime.comfy_files import apply_moves, group_moves
 from parallel_runtime.families.wan import files as wan_files
 
@@ -333,23 +333,20 @@ def test_wan_refusals_name_the_input(tiny):
 @pytest.mark.slow  # a second pipeline of two experts; Wan 2.2 A14B T2V's runs by default
 def test_wan22_i2v_experts_convert_and_run_as_the_diffusers_folder(tiny):
     """Wan 2.2 A14B I2V from its two files: WanImageToVideoPipeline without an image encoder (the start image enters
-    through its latents), both experts bit for bit, its boundary, and the video from a start image equal to the
-    diffusers folder's."""
+    through its latents), which the pack's Wan I2V runs, both experts bit for bit, its boundary, and the video from a
+    start image equal to the diffusers folder's."""
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
 
+    from parallel_runtime import model_folders
     from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files
 
     base, models, _, _ = tiny
     made = make_tiny_wan_files(str(models), str(base / "reference"), seed=2, formats=("bf16",), experts=True, i2v=True)
     names, reference = made["bf16"]
-    # No node of the pack runs image-to-video yet: the node refuses the files before converting them ...
-    with pytest.raises(InvalidInput, match=r"diffusion_model.*WanImageToVideoPipeline folder, which no node"):
-        jobs.validate_comfy_files(**names)
-    # ... while the conversion itself is already right.
-    plan = comfy_files.plan_files(**names)
+    name, plan = jobs.model_from_comfy_files(**names)
     assert plan.variant == "Wan 2.2 A14B I2V"
-    name = comfy_files.convert(plan)
+    assert model_folders.resolve(name).family == "wan_i2v"
     folder = os.path.join(base, "converted", name)
     _same_experts(folder, reference)
     with open(os.path.join(folder, "model_index.json")) as f:

@@ -10,8 +10,10 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     QwenImagePipeline,
+    WanImageToVideoPipeline,
     WanPipeline,
 )
+from PIL import Image
 
 from parallel_runtime.families import REGISTRY, family
 from parallel_runtime.families.tiny import family_tiny
@@ -22,6 +24,7 @@ PIPELINE_CLASSES = {
     "flux2": Flux2Pipeline,
     "qwenimage": QwenImagePipeline,
     "wan": WanPipeline,
+    "wan_i2v": WanImageToVideoPipeline,
 }
 TINY_MODELS = {adapter.key: family_tiny(adapter.key).make_tiny_model for adapter in REGISTRY}
 
@@ -66,7 +69,9 @@ def test_loads_and_generates(built):
     pipe = DiffusionPipeline.from_pretrained(model_dir)
     assert type(pipe) is PIPELINE_CLASSES[name]
     pipe.set_progress_bar_config(disable=True)
-    video = {"num_frames": 5} if name == "wan" else {}  # a clip of 5 frames: 2 latent frames
+    video = {"num_frames": 5} if name.startswith("wan") else {}  # a clip of 5 frames: 2 latent frames
+    # Wan 2.1 I2V: a start image, and the text at 512 tokens (the image tokens are what precedes the last 512).
+    start = {"image": Image.new("RGB", (48, 32), "red")} if name == "wan_i2v" else {}
     # FluxKontextPipeline scales any size to its max_area (a megapixel by default).
     area = {"max_area": 48 * 32} if name == "flux_kontext" else {}
     output = pipe(
@@ -76,10 +81,11 @@ def test_loads_and_generates(built):
         **area,
         # Not 1: Qwen-Image's `shift_terminal` stretch divides by zero on a single-step schedule (NaN image).
         num_inference_steps=2,
-        max_sequence_length=64,
+        max_sequence_length=512 if start else 64,
         generator=torch.Generator("cpu").manual_seed(0),
         output_type="pt",
         **video,
+        **start,
     )
     image = output.frames[:, 0] if video else output.images
     assert image.shape == (1, 3, 32, 48)

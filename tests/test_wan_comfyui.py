@@ -1,7 +1,8 @@
 """Wan in a real ComfyUI server (2 CPU ranks, tiny Wan 2.1, Ulysses 2): a 5-frame clip from ParallelSampler's
 ``length`` decoded by VAEDecodeSingleGPU into an IMAGE batch that ComfyUI's own SaveAnimatedWEBP saves, frame for
-frame WanPipeline's; and a length that is not 4k + 1 answered by POST /prompt with a 400 naming the widget, before
-anything loads."""
+frame WanPipeline's, and one of tiny Wan 2.2 A14B I2V from a LoadImage'd start picture, frame for frame
+WanImageToVideoPipeline's; and a length that is not 4k + 1, or an image-to-video model without its start image,
+answered by POST /prompt with a 400 naming the input, before anything loads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from comfyui_host import PromptRejected
+from comfyui_workflows import progress_texts, prompt_window
 from helpers import WAN_CLIP, wan_one_shot
 from PIL import Image
 
@@ -30,7 +33,8 @@ def tiny_wan(models_dir) -> Path:
     return path
 
 
-def workflow(length: int = FRAMES) -> dict:
+def workflow(length: int = FRAMES, model: str = MODEL, image: str | None = None) -> dict:
+    """The clip's graph; ``image``: a picture in ComfyUI's input folder, LoadImage'd into ParallelSampler's image."""
     nodes = {
         "1": ("ParallelBackend", {"ranks": 2, "device": "cpu", "memory_policy": "staged"}),
         "2": (
@@ -61,6 +65,11 @@ def workflow(length: int = FRAMES) -> dict:
             },
         ),
     }
+    for node_id in ("2", "3", "5"):
+        nodes[node_id][1]["model"] = model
+    if image is not None:
+        nodes["7"] = ("LoadImage", {"image": image})
+        nodes["4"][1]["image"] = ["7", 0]
     return {node_id: {"class_type": kind, "inputs": inputs} for node_id, (kind, inputs) in nodes.items()}
 
 
@@ -89,3 +98,60 @@ def test_a_length_that_is_not_4k_plus_1_is_a_400_naming_it(comfyui_server, comfy
     assert rejected.value.status == 400 and list(rejected.value.node_errors) == ["4"], rejected.value.node_errors
     (error,) = rejected.value.node_errors["4"]["errors"]
     assert "length: 6 frames is not 4k + 1" in error["details"] and "use 5 or 9" in error["details"], error
+
+
+I2V_MODEL = "tiny-wan22-i2v"  # Wan 2.2 A14B I2V: two experts, no image encoder, so any text length
+
+
+@pytest.fixture(scope="module")
+def wan_i2v(comfyui_server, comfyui_models_dir):
+    """A tiny Wan 2.2 A14B I2V in the server's diffusers folder, and its 56×40 start picture in its input/."""
+    from parallel_runtime.families.wan_i2v.tiny import make_tiny_model
+
+    path = Path(comfyui_models_dir) / I2V_MODEL
+    if not (path / "model_index.json").is_file():
+        make_tiny_model(str(path), two_experts=True)
+    picture = Image.fromarray(((np.arange(40 * 56 * 3) * 7) % 251).reshape(40, 56, 3).astype(np.uint8))
+    picture.save(comfyui_server.input_dir / "wan_start.png")
+    return path, picture
+
+
+def test_an_i2v_model_without_its_start_image_is_a_400_naming_image(comfyui_server, wan_i2v):
+    """Wan I2V (a WanImageToVideoPipeline folder) with nothing linked into ParallelSampler's image: refused by POST
+    /prompt, naming the input and the fix, before anything loads."""
+    with pytest.raises(PromptRejected) as rejected:
+        comfyui_server.post_prompt(workflow(model=I2V_MODEL))
+    assert rejected.value.status == 400 and list(rejected.value.node_errors) == ["4"], rejected.value.node_errors
+    (error,) = rejected.value.node_errors["4"]["errors"]
+    assert "image: is not linked" in error["details"] and "link the clip's first frame" in error["details"], error
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_clip_from_a_loaded_start_image_reaches_save_animated_webp(comfyui_server, wan_i2v):
+    """LoadImage → ParallelSampler's image (Ulysses 2, both experts) → SaveAnimatedWEBP: frame for frame
+    WanImageToVideoPipeline's from the same picture, and the node says the size the picture ran at."""
+    from diffusers import WanImageToVideoPipeline
+
+    folder, picture = wan_i2v
+    prompt = workflow(model=I2V_MODEL, image="wan_start.png")
+    prompt["6"]["inputs"]["filename_prefix"] = "wan_i2v_clip"
+    prompt_id, _ = comfyui_server.run(prompt, timeout=600)
+    shown = progress_texts(prompt_window(comfyui_server, prompt_id), "4")
+    assert "48×32 from the start image 56×40, resized to 48×32" in shown, shown
+    (path,) = comfyui_server.output_dir.glob("wan_i2v_clip_*.webp")
+    with Image.open(path) as webp:
+        frames = []
+        for index in range(webp.n_frames):
+            webp.seek(index)
+            frames.append(np.asarray(webp.convert("RGB")))
+    pipe = WanImageToVideoPipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    reference = pipe(
+        image=picture,
+        **WAN_CLIP,
+        generator=[torch.Generator("cpu").manual_seed(SEED)],
+        output_type="np",
+    ).frames[0]
+    expected = np.clip(reference * 255.0, 0, 255).astype(np.uint8)
+    assert np.abs(np.stack(frames).astype(int) - expected.astype(int)).max() <= 1

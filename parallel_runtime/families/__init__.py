@@ -19,6 +19,7 @@ from .qwenimage import QwenImage, QwenImageFiles
 from .wan import Wan
 from .wan.files import WanFiles
 from .wan.tp_plan import WAN_TP_PLAN
+from .wan_i2v import WanI2V
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
@@ -26,6 +27,7 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux2(),
     QwenImage(),
     Wan(),
+    WanI2V(),
 )
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.

@@ -144,10 +144,14 @@ class FamilyAdapter(abc.ABC):
             ``REFERENCE_INPUTS``), which the transformer reads in its sequence after the image's own tokens; 0: none.
             Such a family's ``reference_size`` gives the size the pipeline runs each at, and its ``denoise`` takes
             them by their inputs' names.
-        needs_reference: the first reference (``image``) must be given: the model edits it (Kontext); otherwise the
-            references are optional and the model also makes images from text alone (FLUX.2).
+        needs_reference: the first reference (``image``) must be given: the model edits it (Kontext) or starts its
+            clip from it (Wan I2V); otherwise the references are optional and the model also makes images from text
+            alone (FLUX.2).
         reference_per_image: a reference input may hold one image per image made (Kontext's pipeline pairs them);
             otherwise each holds one image, the same reference for the whole batch (FLUX.2's pipeline repeats it).
+        first_frame: the ``image`` is the clip's first frame (Wan I2V), not a reference in the transformer's
+            sequence: one image starts every clip, resized to the output's width × height, and it adds no tokens
+            (it enters through the transformer's input channels).
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
@@ -173,6 +177,7 @@ class FamilyAdapter(abc.ABC):
     reference_images: ClassVar[int] = 0
     needs_reference: ClassVar[bool] = False
     reference_per_image: ClassVar[bool] = False
+    first_frame: ClassVar[bool] = False
     block_lists: ClassVar[dict[str, str]] = {
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",
@@ -371,7 +376,10 @@ def image_tokens(family: FamilyAdapter, width: int, height: int, frames: int = 1
 
 def reference_tokens(family: FamilyAdapter, width: int, height: int) -> int:
     """The transformer's tokens of a reference image given at ``width`` × ``height``: those of the size the family's
-    pipeline runs it at (``FamilyAdapter.reference_size``)."""
+    pipeline runs it at (``FamilyAdapter.reference_size``); none for a clip's first frame, which enters through the
+    transformer's input channels."""
+    if family.first_frame:
+        return 0
     return image_tokens(family, *family.reference_size(width, height))
 
 

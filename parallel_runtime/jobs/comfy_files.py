@@ -19,8 +19,8 @@ def validate_comfy_files(
     diffusion_model_2: str = comfy_files.NO_FILE,
 ) -> comfy_files.FilesPlan:
     """The checks the node makes before it runs (also its validate_inputs): headers only, nothing converted; files
-    that would convert into a pipeline no node of the pack runs yet (Wan 2.2 A14B image-to-video) are refused here,
-    before a conversion of tens of gigabytes that the next node would refuse."""
+    that would convert into a pipeline no family of the pack runs (``families.REGISTRY``) are refused here, before a
+    conversion of tens of gigabytes that the next node would refuse."""
     plan = comfy_files.plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2)
     pipeline = plan.contents.model_index["_class_name"]
     if families.for_pipeline(pipeline) is None:

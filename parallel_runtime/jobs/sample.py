@@ -135,14 +135,16 @@ def _read_mask(mask: Any, latent_width: int, latent_height: int) -> torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceImage:
-    """A reference image of an edit or reference model (ParallelSampler's ``image``, ``image_2``, ``image_3``),
-    checked against the transformer's family.
+    """A reference image of an edit or reference model (ParallelSampler's ``image``, ``image_2``, ``image_3``), or a
+    clip's first frame (Wan I2V's ``image``), checked against the transformer's family.
 
     Args:
         input: the sampler's input it came from.
         pixels: ComfyUI's IMAGE [1 (or one per image, where the family pairs them), H, W, 3 or 4] in 0..1, float32.
-        width, height: the size it runs at, resized by the family's pipeline (``FamilyAdapter.reference_size``).
-        tokens: the transformer's tokens of it at that size.
+        width, height: the size it runs at, resized by the family's pipeline (``FamilyAdapter.reference_size``; a
+            first frame: the output's size).
+        tokens: the transformer's tokens of it at that size (a first frame: none, it is not in the sequence).
+        first_frame: it is the clip's first frame (``FamilyAdapter.first_frame``).
     """
 
     input: str
@@ -150,6 +152,7 @@ class ReferenceImage:
     width: int
     height: int
     tokens: int
+    first_frame: bool = False
 
     @property
     def batch(self) -> int:
@@ -159,12 +162,17 @@ class ReferenceImage:
         """What the node shows of it: the size it was given and the size it ran at."""
         given = f"{self.pixels.shape[2]}×{self.pixels.shape[1]}"
         ran = f"{self.width}×{self.height}"
-        return f"reference {self.input} {given}" + (f", resized to {ran}" if ran != given else "")
+        what = "start image" if self.first_frame else f"reference {self.input}"
+        return f"{what} {given}" + (f", resized to {ran}" if ran != given else "")
 
 
-def read_reference_images(handle: TransformerHandle, images: dict[str, Any]) -> tuple[ReferenceImage, ...]:
+def read_reference_images(
+    handle: TransformerHandle, images: dict[str, Any], output: tuple[int, int] | None = None
+) -> tuple[ReferenceImage, ...]:
     """ParallelSampler's reference inputs (by name, None: not linked) checked against the transformer's family: as
-    many as it takes, in order, the first where it edits one; each an IMAGE of a size its pipeline takes, finite."""
+    many as it takes, in order, the first where it edits one; each an IMAGE of a size its pipeline takes, finite. A
+    clip's first frame (Wan I2V) is one image, resized to ``output``, the (width, height) of the clip (its own size
+    where None)."""
     family = handle.family
     _check_references_linked(handle, tuple(name for name in REFERENCE_INPUTS if images.get(name) is not None))
     references = []
@@ -182,6 +190,15 @@ def read_reference_images(handle: TransformerHandle, images: dict[str, Any]) -> 
             )
         if not torch.isfinite(image).all():
             raise InvalidInput(name, "holds NaN or infinite values; load it again (LoadImage)")
+        if family.first_frame:
+            if image.shape[0] != 1:
+                raise InvalidInput(
+                    name,
+                    f"holds {image.shape[0]} images, but {family.name} starts every clip from one; pick one "
+                    "(ImageFromBatch)",
+                )
+            references.append(ReferenceImage(name, image.float(), *(output or (width, height)), 0, first_frame=True))
+            continue
         try:
             size = family.reference_size(width, height)
         except ValueError as e:
@@ -191,21 +208,24 @@ def read_reference_images(handle: TransformerHandle, images: dict[str, Any]) -> 
 
 
 def _check_references_linked(handle: TransformerHandle, linked: tuple[str, ...]) -> None:
-    """The reference inputs linked (``linked``, by name): an edit model needs its ``image``; a model that reads none
-    is refused one (it would be ignored), and one that reads fewer the inputs beyond them; they fill in order."""
+    """The reference inputs linked (``linked``, by name): an edit model (or an image-to-video one) needs its
+    ``image``; a model that reads none is refused one (it would be ignored), and one that reads fewer the inputs
+    beyond them; they fill in order."""
     family, model = handle.family, handle.spec.model.name
     if family.needs_reference and "image" not in linked:
+        does = "starts its clip from an image" if family.first_frame else "edits an image"
+        what = "the clip's first frame" if family.first_frame else "the image to edit"
         raise InvalidInput(
             "image",
-            f"is not linked, and {model} ({family.name}) edits an image; link the image to edit (LoadImage) to "
-            "ParallelSampler's image input",
+            f"is not linked, and {model} ({family.name}) {does}; link {what} (LoadImage) to ParallelSampler's image "
+            "input",
         )
     if linked and not family.reference_images:
-        editors = names(lambda f: f.reference_images > 0, last="or")
+        readers = names(lambda f: f.reference_images > 0, last="or")
         raise InvalidInput(
             linked[0],
             f"is linked, but {model} ({family.name}) reads no reference image; unlink it, or load a model that "
-            f"does ({editors}) on LoadShardedTransformer",
+            f"reads one ({readers}) on LoadShardedTransformer",
         )
     taken = REFERENCE_INPUTS[: family.reference_images]
     for name in linked:
@@ -462,7 +482,9 @@ def validate_sample(
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         tokens = image_tokens(family, width, height, length)
-        if tokens % degree and not linked:  # with reference images the whole sequence is checked below
+        # A clip's first frame adds no tokens; other reference images ride in the sequence, checked as a whole below.
+        in_sequence = tuple(reference for reference in references if not reference.first_frame)
+        if tokens % degree and not (linked and not family.first_frame):
             clip = f" × {length} frames" if length > 1 else ""
             raise InvalidInput(
                 "latent_image" if latent_linked or latent_image is not None else "width",
@@ -470,7 +492,7 @@ def validate_sample(
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
             )
-        if references:  # the references' tokens follow the image's in one sequence, split as a whole
+        if in_sequence:  # the references' tokens follow the image's in one sequence, split as a whole
             sequence = tokens + sum(reference.tokens for reference in references)
             if sequence % degree:
                 theirs = ", ".join(f"{r.input} {r.tokens} ({r.width}×{r.height})" for r in references)
@@ -499,6 +521,7 @@ def validate_sample(
             )
     if conditioning is None:
         return
+    _check_image_context(handle, conditioning, true_cfg_scale)
     embeds = conditioning.tensors["prompt_embeds"]
     text_width = handle.config.get("joint_attention_dim")
     if text_width and embeds.shape[-1] != text_width:
@@ -508,6 +531,25 @@ def validate_sample(
             f"embeddings) but {handle.spec.model.name}'s transformer expects {text_width}; "
             "encode with the same model as the transformer",
         )
+
+
+def _check_image_context(handle: TransformerHandle, conditioning: Conditioning, true_cfg_scale: float) -> None:
+    """A transformer with an image embedding (Wan 2.1 I2V) takes its cross-attention's context as the CLIP image
+    tokens followed by exactly ``max_sequence_length`` text tokens, split by that count: text of another length would
+    run, and be silently wrong."""
+    family = handle.family
+    if not handle.config.get("image_dim"):
+        return
+    for source, embeds in _text_streams(family, conditioning, true_cfg_scale).items():
+        tokens = embeds.shape[1]
+        if tokens != family.max_sequence_length:
+            raise InvalidInput(
+                "positive",
+                f"the {source} is {tokens} text tokens, but {handle.spec.model.name}'s transformer reads its image "
+                f"tokens as what precedes the last {family.max_sequence_length}; encode with max_sequence_length "
+                f"{family.max_sequence_length} (EncodeOnBalancedGPUs), or a prompt of at most "
+                f"{family.max_sequence_length} tokens",
+            )
 
 
 def sample(
@@ -557,7 +599,8 @@ def sample(
     that came with the conditioning (FluxGuidance) replaces ``guidance_scale``. ``on_conditioning`` gets where the
     conditioning came from, in words. An edit model (FLUX.1 Kontext) edits ``image`` (ComfyUI's IMAGE, batch 1 or one
     per image); FLUX.2 takes up to three reference images (``image``, ``image_2``, ``image_3``, one each); each is
-    resized as the family's pipeline does (``read_reference_images``)."""
+    resized as the family's pipeline does (``read_reference_images``). An image-to-video model (Wan I2V) starts every
+    clip from ``image``, its first frame, resized to width × height."""
     conditioning, negative_said = with_negative(handle, read_positive(handle, positive), negative)
     if conditioning.guidance is not None:
         guidance_scale = conditioning.guidance
@@ -566,7 +609,9 @@ def sample(
         if conditioning.guidance is not None and not handle.family.true_cfg:
             said += " (its guidance replaces guidance_scale)"
         on_conditioning("; ".join(filter(None, (said, negative_said))))
-    references = read_reference_images(handle, {"image": image, "image_2": image_2, "image_3": image_3})
+    references = read_reference_images(
+        handle, {"image": image, "image_2": image_2, "image_3": image_3}, (width, height)
+    )
     image = read_latent_image(handle, latent_image) if latent_image is not None else None
     validate_sample(
         handle,

@@ -11,6 +11,8 @@ Between the stages travel ComfyUI's types:
   ComfyUI's ``latent_formats.Wan21`` normalises inside the model, not in the LATENT;
 - IMAGE: a clip's frames, [B·frames, H, W, 3] float32 in 0..1 (clip by clip), which ComfyUI's video nodes take.
 
+Image-to-video (``WanImageToVideoPipeline``) is this adapter with the start image's denoise: ``families/wan_i2v``.
+
 Wan's CFG is real classifier-free guidance (two transformer passes per step against the negative prompt): the pack's
 true CFG, so ParallelSampler's ``true_cfg_scale`` is the pipeline's ``guidance_scale`` and ``cfg_parallel`` splits its
 passes; Wan 2.2's ``guidance_scale_2`` guides the second expert.
@@ -69,19 +71,23 @@ class Wan(FamilyAdapter):
     # flow_shift as their shift.
     samplers = (Sampler.UNI_PC, Sampler.EULER, Sampler.LCM)
     block_lists: ClassVar[dict[str, str]] = {"num_layers": "blocks"}
+    # The pipeline's components that the text stage leaves out (Wan I2V's pipeline adds its image encoder's).
+    not_text: ClassVar[tuple[str, ...]] = ("transformer", "transformer_2", "vae")
+
+    def pipeline_class(self) -> type:
+        """The family's diffusers pipeline class (``pipeline``)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline)
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
-        from diffusers import WanPipeline
-
         return load_placed(
-            WanPipeline,
+            self.pipeline_class(),
             model_dir,
             dtype,
             placement,
-            "Wan text encoder",
-            transformer=None,
-            transformer_2=None,
-            vae=None,
+            f"{self.name} text encoder",
+            **dict.fromkeys(self.not_text),
         )
 
     @torch.no_grad()
@@ -127,15 +133,17 @@ class Wan(FamilyAdapter):
         latent_image: torch.Tensor | None = None,
         noise_mask: torch.Tensor | None = None,
         transformer_2: torch.nn.Module | None = None,
+        image: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """LATENT samples [batch_size, 16, (frames - 1) / 4 + 1, height/8, width/8]. CFG runs when
         ``true_cfg_scale`` > 1 and the embeddings hold negative ones: two passes per step, at ``true_cfg_scale`` for
         the first expert and ``guidance_scale_2`` (default: the same) for Wan 2.2's second, ``transformer_2``, which
-        a Wan 2.2 A14B folder needs. ``guidance_scale`` (FLUX's distilled guidance) is not Wan's."""
-        from diffusers import AutoencoderKLWan, WanPipeline
+        a Wan 2.2 A14B folder needs. ``guidance_scale`` (FLUX's distilled guidance) is not Wan's. ``image``: the
+        clip's first frame, for Wan I2V only (``start_image``)."""
+        from diffusers import AutoencoderKLWan
 
         if latent_image is not None or noise_mask is not None:
-            raise ValueError("Wan runs text-to-video only; it takes no latent_image.")
+            raise ValueError(f"{self.name} takes no latent_image (no video-to-video).")
         check_size(self, sampling)
         config = pipeline_config(model_dir)
         if config.get("expand_timesteps"):
@@ -145,14 +153,15 @@ class Wan(FamilyAdapter):
             raise ValueError(f"{model_dir} is Wan 2.2 A14B, whose second expert ({SECOND_EXPERT}) was not loaded.")
         cfg_scale = sampling.true_cfg_scale or 1.0
         do_cfg = cfg_scale > 1 and "negative_prompt_embeds" in embeds
-        pipe = WanPipeline(
+        components, image_arguments = self.start_image(model_dir, transformer, image)
+        pipe = self.pipeline_class()(
             tokenizer=None,
             text_encoder=None,
-            vae=None,
             scheduler=scheduler_for(model_dir, sampling),
             transformer=transformer,
             transformer_2=transformer_2,
             boundary_ratio=boundary_ratio,
+            **components,
         )
         pipe.set_progress_bar_config(disable=True)
         device = pipe._execution_device
@@ -164,6 +173,7 @@ class Wan(FamilyAdapter):
             second["guidance_scale_2"] = sampling.guidance_scale_2 if do_cfg else None
         latents = pipe(
             **conditioning,
+            **image_arguments,
             # CFG off is the pipeline's guidance_scale 1 (> 1 would make it encode a negative prompt itself).
             guidance_scale=cfg_scale if do_cfg else 1.0,
             **second,
@@ -180,6 +190,15 @@ class Wan(FamilyAdapter):
         # in float32 (ComfyUI's LATENT dtype) even for a bf16 transformer.
         mean, inverse_std = latent_statistics(AutoencoderKLWan.load_config(model_dir, subfolder="vae"))
         return latents.float().cpu() / inverse_std + mean
+
+    def start_image(
+        self, model_dir: str, transformer: torch.nn.Module, image: torch.Tensor | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The pipeline's components and call arguments for the clip's start image: text-to-video has none (and no
+        VAE in the denoise)."""
+        if image is not None:
+            raise ValueError(f"{self.name} makes clips from text; it takes no start image.")
+        return {"vae": None}, {}
 
     def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         from diffusers import AutoencoderKLWan

@@ -1,5 +1,7 @@
 """Wan's tiny builders: a random-weight ``WanPipeline`` folder (``make_tiny_model``) of Wan 2.1 (one transformer) or,
-with ``two_experts``, of Wan 2.2 A14B (a second expert ``transformer_2`` and the pipeline's ``boundary_ratio``).
+with ``two_experts``, of Wan 2.2 A14B (a second expert ``transformer_2`` and the pipeline's ``boundary_ratio``); with
+``image_to_video``, their ``WanImageToVideoPipeline`` (``wan_i2v/tiny.py``): transformers of 36 input channels, and
+Wan 2.1 I2V's CLIP vision encoder (17 image tokens of a 32-pixel image, read by the transformer's image embedding).
 
 The tiny pipeline: a UMT5 encoder with the shared tiny T5 tokenizer (UMT5 reads T5's vocabulary format), transformers
 with 4 heads of 8 (so context parallelism splits heads and tokens over 2 or 4 ranks), Wan 2.1's video VAE with its real
@@ -12,8 +14,20 @@ from __future__ import annotations
 import os
 
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-from transformers import UMT5Config, UMT5EncoderModel
+from diffusers import (
+    AutoencoderKLWan,
+    UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    CLIPVisionModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 from ..tiny import t5_tokenizer
 
@@ -30,27 +44,50 @@ SCHEDULER = {
     "final_sigmas_type": "zero",
 }
 BOUNDARY_RATIO = 0.875  # Wan 2.2 A14B T2V's: the high-noise expert runs while t >= 875
+I2V_BOUNDARY_RATIO = 0.9  # Wan 2.2 A14B I2V's
 TEXT_WIDTH = 32
+IMAGE_WIDTH = 32  # the tiny CLIP vision encoder's hidden width: the transformer's image_dim
+IMAGE_SIZE = 32  # its input's side, in 8-pixel patches: 16 patches and the class token
 
 
-def _transformer() -> WanTransformer3DModel:
+def _transformer(image_to_video: bool = False, image_dim: int | None = None) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=4,
         attention_head_dim=8,  # rope: 4 temporal, 2 height, 2 width
-        in_channels=16,
+        # I2V: the noise, then the start frame's 4-channel mask and 16 latent channels
+        in_channels=36 if image_to_video else 16,
         out_channels=16,
         text_dim=TEXT_WIDTH,
         freq_dim=32,
         ffn_dim=64,
         num_layers=2,
+        image_dim=image_dim,
+        added_kv_proj_dim=32 if image_dim is not None else None,  # the inner width: 4 heads of 8
         rope_max_seq_len=64,
     )
 
 
-def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False) -> str:
+def _image_encoder() -> tuple[CLIPVisionModel, CLIPImageProcessor]:
+    """A tiny CLIP vision encoder (Wan 2.1 I2V's is CLIP ViT-H/14's: 257 tokens of a 224-pixel image) and the image
+    processor that resizes and crops an image to its input, as Wan-AI's ``image_processor``."""
+    config = CLIPVisionConfig(
+        hidden_size=IMAGE_WIDTH,
+        intermediate_size=64,
+        num_hidden_layers=2,  # the pipeline reads the second-to-last hidden states
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=8,
+    )
+    processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=IMAGE_SIZE)
+    return CLIPVisionModel(config), processor
+
+
+def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False, image_to_video: bool = False) -> str:
     """Build a tiny Wan 2.1 ``WanPipeline`` in ``out_dir``; with ``two_experts``, Wan 2.2 A14B's layout (a second,
-    differently initialised expert in ``transformer_2`` and ``boundary_ratio`` in model_index.json)."""
+    differently initialised expert in ``transformer_2`` and ``boundary_ratio`` in model_index.json); with
+    ``image_to_video`` their ``WanImageToVideoPipeline`` (Wan 2.1 I2V with a CLIP image encoder, Wan 2.2 A14B I2V
+    without one)."""
     tokenizer = t5_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -69,8 +106,11 @@ def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False) -
                 decoder_start_token_id=tokenizer.pad_token_id,
             )
         )
-        transformer = _transformer()
-        transformer_2 = _transformer() if two_experts else None
+        # Wan 2.2 A14B I2V reads the start image through its latents only.
+        image_parts = _image_encoder() if image_to_video and not two_experts else None
+        image_dim = IMAGE_WIDTH if image_parts is not None else None
+        transformer = _transformer(image_to_video, image_dim)
+        transformer_2 = _transformer(image_to_video, image_dim) if two_experts else None
         # The real per-channel latents_mean / latents_std (the defaults): a normalisation a wrong LATENT shows.
         vae = AutoencoderKLWan(
             base_dim=4,
@@ -79,14 +119,19 @@ def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False) -
             num_res_blocks=1,
             temperal_downsample=[False, True, True],  # 4x in time, 8x in space
         )
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=vae,
-        scheduler=UniPCMultistepScheduler(**SCHEDULER),
-        transformer=transformer,
-        transformer_2=transformer_2,
-        boundary_ratio=BOUNDARY_RATIO if two_experts else None,
-    )
+    parts = {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": UniPCMultistepScheduler(**SCHEDULER),
+        "transformer": transformer,
+        "transformer_2": transformer_2,
+        "boundary_ratio": (I2V_BOUNDARY_RATIO if image_to_video else BOUNDARY_RATIO) if two_experts else None,
+    }
+    if image_to_video:
+        image_encoder, image_processor = image_parts if image_parts is not None else (None, None)
+        pipe = WanImageToVideoPipeline(**parts, image_encoder=image_encoder, image_processor=image_processor)
+    else:
+        pipe = WanPipeline(**parts)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return os.fspath(out_dir)

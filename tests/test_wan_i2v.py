@@ -1,0 +1,219 @@
+"""Wan image-to-video (``families/wan_i2v``): Wan 2.1 I2V (a CLIP image encoder) and Wan 2.2 A14B I2V (two experts,
+no image encoder) from a start image on ParallelSampler's ``image``, against diffusers' one-shot
+``WanImageToVideoPipeline`` (fp32, ≤ 1e-4) in one process and on real CPU ranks; the start image and the text
+length refused by name before anything loads. Tiny models: 4 heads, 5 frames (2 latent frames) of 48×32 from a
+56×40 start image (the pipeline resizes it to the clip's size), the text at Wan's 512 tokens (Wan 2.1 I2V reads its
+image tokens as what precedes the last 512)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import WAN_CLIP
+from PIL import Image
+
+from parallel_runtime import InvalidInput, default_spec, jobs
+from parallel_runtime.families import Placement
+from parallel_runtime.families import family as family_adapter
+from parallel_runtime.families.base import latent_statistics
+from parallel_runtime.families.wan.tiny import make_tiny_model as make_tiny_t2v
+from parallel_runtime.families.wan_i2v.tiny import make_tiny_model
+from parallel_runtime.samplers import Sampler
+from parallel_runtime.wire import Prompts, Sampling
+
+wan_i2v = family_adapter("wan_i2v")
+PROMPT, NEGATIVE, CFG = WAN_CLIP["prompt"], WAN_CLIP["negative_prompt"], WAN_CLIP["guidance_scale"]
+WIDTH, HEIGHT, FRAMES, STEPS = WAN_CLIP["width"], WAN_CLIP["height"], WAN_CLIP["num_frames"], 2
+TOKENS = 512
+CFG_2, SEED = 3.0, 3
+MODELS = {"wan21": "tiny-wan21-i2v", "wan22": "tiny-wan22-i2v", "t2v": "tiny-wan21-t2v"}
+
+
+def start_image(shift: int = 0) -> torch.Tensor:
+    """A 56×40 IMAGE [1, H, W, 3] of 8-bit values, as LoadImage gives."""
+    pixels = (torch.arange(40 * 56 * 3) * 7 + shift) % 251
+    return (pixels.reshape(1, 40, 56, 3).float() / 255.0).contiguous()
+
+
+IMAGE = start_image()
+
+
+@pytest.fixture(scope="module")
+def wan_dir(models_root):
+    """The module's model folder: tiny Wan 2.1 I2V, Wan 2.2 A14B I2V and (for the refusal) Wan 2.1 T2V."""
+    make_tiny_model(str(models_root / MODELS["wan21"]), 0)
+    make_tiny_model(str(models_root / MODELS["wan22"]), 0, two_experts=True)
+    make_tiny_t2v(str(models_root / MODELS["t2v"]), 0)
+    return models_root
+
+
+_PIPELINES: dict[str, object] = {}
+
+
+def one_shot(folder, batch_size: int = 1, image: torch.Tensor = IMAGE) -> torch.Tensor:
+    """WanImageToVideoPipeline's latents in one call, as ComfyUI's LATENT (un-normalised): clip i from seed + i, the
+    start image as the PIL image it was loaded from."""
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
+
+    if str(folder) not in _PIPELINES:
+        _PIPELINES[str(folder)] = WanImageToVideoPipeline.from_pretrained(folder, dtype=torch.float32)
+        _PIPELINES[str(folder)].set_progress_bar_config(disable=True)
+    pipe = _PIPELINES[str(folder)]
+    second = {"guidance_scale_2": CFG_2} if pipe.config.boundary_ratio is not None else {}
+    latents = pipe(
+        image=Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy()),
+        # One prompt per clip: with num_videos_per_prompt > 1 the pipeline repeats Wan 2.1 I2V's image tokens per
+        # prompt, not per clip, and its transformer fails on the mismatch (diffusers 0.42.1).
+        prompt=[PROMPT] * batch_size,
+        negative_prompt=[NEGATIVE] * batch_size,
+        height=HEIGHT,
+        width=WIDTH,
+        num_frames=FRAMES,
+        num_inference_steps=STEPS,
+        guidance_scale=CFG,
+        **second,
+        max_sequence_length=TOKENS,
+        generator=[torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch_size)],
+        output_type="latent",
+    ).frames
+    mean, inverse_std = latent_statistics(AutoencoderKLWan.load_config(folder, subfolder="vae"))
+    return latents / inverse_std + mean
+
+
+# -- the adapter in one process ---------------------------------------------------------------------------------
+def test_staged_equals_one_shot_and_reads_the_start_image(wan_dir):
+    """Wan 2.1 I2V's staged clip is the pipeline's (the start image through the VAE and the CLIP encoder); another
+    start image makes another clip."""
+    folder = str(wan_dir / MODELS["wan21"])
+    cpu = Placement("cpu")
+    text = wan_i2v.load_text_encoders(folder, torch.float32, cpu)
+    embeds = wan_i2v.encode(text, Prompts((PROMPT,), negative_prompts=(NEGATIVE,), max_sequence_length=TOKENS))
+    transformer = wan_i2v.load_transformer(folder, torch.float32, cpu)
+    assert transformer.config.image_dim is not None and transformer.config.in_channels == 36
+    sampling = Sampling(
+        seed=SEED,
+        steps=STEPS,
+        guidance_scale=1.0,
+        width=WIDTH,
+        height=HEIGHT,
+        true_cfg_scale=CFG,
+        sampler=Sampler.UNI_PC,
+        frames=FRAMES,
+    )
+    latent = wan_i2v.denoise(folder, transformer, embeds, sampling, image=IMAGE)
+    assert latent.shape == (1, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
+    assert (latent - one_shot(folder)).abs().max().item() <= 1e-5
+    other = wan_i2v.denoise(folder, transformer, embeds, sampling, image=start_image(shift=100))
+    assert (other - latent).abs().max().item() > 1e-3
+    with pytest.raises(ValueError, match="one image"):
+        wan_i2v.denoise(folder, transformer, embeds, sampling)
+
+
+# -- the widgets, before anything loads ------------------------------------------------------------------------
+def backend(ranks: int = 2):
+    return default_spec(ranks=ranks, device="cpu", memory_policy="staged")
+
+
+def _validate(name: str, conditioning=None, **widgets) -> None:
+    transformer = jobs.plan_transformer(backend(), model=MODELS[name], strategy="context_parallel")
+    args = {"steps": STEPS, "width": WIDTH, "height": HEIGHT, "batch_size": 1, "true_cfg_scale": CFG}
+    jobs.validate_sample(transformer, conditioning, **{**args, "sampler": "uni_pc", "length": FRAMES, **widgets})
+
+
+def _read(name: str, image) -> jobs.ReferenceImage:
+    transformer = jobs.plan_transformer(backend(), model=MODELS[name], strategy="context_parallel")
+    (reference,) = jobs.read_reference_images(transformer, {"image": image}, (WIDTH, HEIGHT))
+    return reference
+
+
+def _short_text() -> None:
+    embeds = torch.zeros(1, 64, 32)
+    tensors = {"prompt_embeds": embeds, "negative_prompt_embeds": embeds}
+    _validate("wan21", jobs.Conditioning(None, (PROMPT,), tensors, source="a test"), references_linked=("image",))
+
+
+@pytest.mark.parametrize(
+    "call, hint",
+    [
+        (lambda: _validate("wan21"), "starts its clip from an image; link the clip's first frame"),
+        (lambda: _validate("t2v", references_linked=("image",)), r"reads no reference image; unlink it.*Wan I2V"),
+        (lambda: _read("wan22", torch.cat([IMAGE, IMAGE])), "starts every clip from one"),
+        (_short_text, "64 text tokens.*max_sequence_length 512"),
+    ],
+    ids=["no-start-image", "t2v-given-one", "two-start-images", "text-not-512"],
+)
+def test_start_image_and_text_refused_before_anything_runs(wan_dir, call, hint):
+    with pytest.raises(InvalidInput, match=hint) as info:
+        call()
+    assert info.value.widget in ("image", "positive")
+
+
+def test_the_start_image_runs_at_the_clips_size(wan_dir):
+    reference = _read("wan22", IMAGE)
+    assert reference.describe() == "start image 56×40, resized to 48×32"
+    # Its 56×40 adds no tokens: 48×32 × 5 frames split over 2 ranks, with a start image of any size.
+    _validate("wan22", references=(reference,))
+
+
+# -- the strategies on real ranks -----------------------------------------------------------------------------
+def check(wan_dir, name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, tolerance: float = 1e-4, **args):
+    """The clips' LATENT of ``name`` under ``strategy`` through the nodes' steps, against the one-shot pipeline's."""
+    spec = backend(ranks)
+    model = MODELS[name]
+    positive = jobs.encode_prompt(
+        spec, model=model, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
+    )
+    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **args)
+    latent = jobs.sample(
+        transformer,
+        positive,
+        seed=SEED,
+        steps=STEPS,
+        guidance_scale=1.0,
+        true_cfg_scale=CFG,
+        width=WIDTH,
+        height=HEIGHT,
+        batch_size=batch_size,
+        sampler="uni_pc",
+        length=FRAMES,
+        guidance_scale_2=CFG_2 if name == "wan22" else 0.0,
+        image=IMAGE,
+    )
+    reference = one_shot(wan_dir / model, batch_size)
+    assert latent.shape == reference.shape == (batch_size, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
+    diff = (latent - reference).abs().max().item()
+    print(f"{name} {strategy} {args} on {ranks} ranks: max |diff| vs one-shot {diff:.3g}")
+    assert diff <= tolerance
+
+
+CASES = [
+    # (id, model, strategy, widgets)
+    ("ulysses_wan21", "wan21", "context_parallel", {"ulysses_degree": 2}),
+    ("cfg_parallel_wan22_two_experts", "wan22", "cfg_parallel", {}),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name, strategy, args", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_strategy_matches_one_shot(wan_dir, name, strategy, args):
+    check(wan_dir, name, strategy, **args)
+
+
+SLOW_CASES = [
+    # (id, model, strategy, widgets, batch_size)
+    ("device_map_wan22_two_experts", "wan22", "device_map", {}, 1),
+    ("data_parallel_wan21", "wan21", "data_parallel", {}, 2),
+    # The pack's plan splits Wan 2.1 I2V's image projections too (families/wan/tp_plan.py).
+    ("tensor_parallel_wan21", "wan21", "tensor_parallel", {}, 1),
+    ("ring_wan21", "wan21", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 1),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, strategy, args, batch_size", [c[1:] for c in SLOW_CASES], ids=[c[0] for c in SLOW_CASES]
+)
+def test_more_strategies_match_one_shot(wan_dir, name, strategy, args, batch_size):
+    # Data parallel is not bit-exact: CPU GEMM kernels block differently for another batch size.
+    check(wan_dir, name, strategy, batch_size=batch_size, **args)
