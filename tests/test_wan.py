@@ -1,7 +1,8 @@
 """The Wan family (text-to-video, Wan 2.1 and Wan 2.2 A14B's two experts): the adapter's staged path against
 diffusers' one-shot ``WanPipeline`` in one process, its LATENT against ComfyUI's Wan 2.1 convention, the sampler's
-video widgets refused by name before anything loads, and the strategies on real CPU ranks against the one-shot
-pipeline (fp32, ≤ 1e-4). Tiny models: 4 heads, 5 frames (2 latent frames) of 48×32."""
+video widgets refused by name before anything loads, the strategies on real CPU ranks against the one-shot
+pipeline (fp32, ≤ 1e-4), and the decode over the ranks against diffusers' tiled decode (≤ 1e-5). Tiny models: 4
+heads, 5 frames (2 latent frames) of 48×32."""
 
 from __future__ import annotations
 

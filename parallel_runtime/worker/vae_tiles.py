@@ -15,6 +15,7 @@ one chunk's decode at a time, never the clip (rank 0 holds the joined clip in ho
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,14 @@ def _decode_with(vae: torch.nn.Module, decode: Callable[[], torch.Tensor], stand
 
 def reset_peak(device: torch.device) -> int:
     """Start counting a decode's peak memory afresh (``diagnostics.reset_peak``); what the rank holds now, which
-    ``peak_above`` subtracts: torch's allocated GPU memory, or on the CPU the rank's resident set."""
+    ``peak_above`` subtracts: torch's allocated GPU memory, or on the CPU the rank's resident set. On the CPU the heap
+    is trimmed first: a CPU rank's glibc keeps freed pages resident (launcher.py raises its trim threshold), and a
+    decode that reused them would take memory without the resident set growing."""
+    if device.type == "cpu":
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: its resident set has no kept pages to give back
+            pass
     diagnostics.reset_peak(device)
     return _held(diagnostics.memory_of(device))
 
