@@ -21,7 +21,8 @@ an N-rank backend; then, on that backend, through the nodes' steps (``jobs``):
   the deviations say what the mechanism costs here, not what a trained model loses.
 * ``vae``: a ``--decode-size``² decode (default 2048) of a random latent, on one device (VAEDecodeSingleGPU's plain
   decode) and with ``decode_over_ranks`` (diffusers' tiled decode, tiles over the ranks): time ratio, tiles per
-  rank and, on CUDA, peak device memory per rank (``torch.cuda.max_memory_allocated``) against the single decode's.
+  rank and peak memory per rank above its VAE's weights (torch's allocated memory on CUDA, the resident set on the
+  CPU) against the single decode's.
 
 Step times are the intervals between the backend's progress events (the first step, which carries the lazy set-up
 after a load, is dropped); each row runs once (``--steps`` steps). The numbers are from one machine in one run: on 2

@@ -19,10 +19,14 @@ callback in-process and the backend's progress events otherwise). Each row's run
 (which one goes first alternates too), so the shared machine's noise hits both; the ratio is against those adjacent
 runs, ``paired`` the median of the per-run ratios, and every run is printed so the spread shows.
 
-The decode: the clip's one-rank decode (VAEDecodeSingleGPU's plain decode, the Wan adapter's ``decode``) in this
-process, its peak resident memory above what the process held before it (``VmHWM`` after a reset of the peak through
-``/proc/self/clear_refs``). The row over the ranks waits for the decode over the ranks of clips, which
-VAEDecodeSingleGPU refuses today (``decode_over_ranks``); it is printed as such, not measured.
+The decode: a clip of the same frames at ``--decode-size`` (default 320²: 2 × 2 of the Wan VAE's 256-pixel tiles)
+through VAEDecodeSingleGPU's step on the same backend, side by side in one run: ``one rank`` (the plain decode on
+rank 0) and ``over 2 ranks`` (``decode_over_ranks``: diffusers' tiled decode, the tiles shared over the ranks),
+``--decode-repeats`` runs each, alternating. Each rank reports its peak memory during the decode above what it held
+before it (the VAE's weights not counted; on the CPU its resident set: ``VmHWM`` after a reset through
+``/proc/self/clear_refs``, above ``VmRSS`` once ``malloc_trim`` has handed back what glibc kept); printed as ratios to
+the one-rank decode's peak, with the time ratio. On the CPU a rank's resident set also holds diffusers' join of the
+tiles, which a GPU rank keeps in host memory (``worker/vae_tiles.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ def _parse_args() -> argparse.Namespace:
         help="the decode's VAE: the tiny builder's (base width 4) or Wan 2.1's own config (96, 2 residual blocks), "
         "random weights (default tiny)",
     )
+    parser.add_argument(
+        "--decode-size", type=int, default=320, help="the decode's width and height, a multiple of 16 (default 320)"
+    )
+    parser.add_argument("--decode-repeats", type=int, default=2, help="runs of each decode row (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
@@ -55,8 +63,10 @@ def _parse_args() -> argparse.Namespace:
         parser.error("--steps must be at least 3 (two timed steps), --repeats, --layers and --threads at least 1")
     if args.frames < 1 or args.frames % 4 != 1:
         parser.error("--frames must be 4k + 1 (Wan's VAE compresses time 4×, keeping the first frame)")
-    if args.size < 16 or args.size % 16:
-        parser.error("--size must be a multiple of 16")
+    if args.size < 16 or args.size % 16 or args.decode_size < 16 or args.decode_size % 16:
+        parser.error("--size and --decode-size must be multiples of 16")
+    if args.decode_repeats < 1:
+        parser.error("--decode-repeats must be at least 1")
     if args.cfg <= 1:
         parser.error("--cfg must be above 1: cfg_parallel splits the two CFG passes")
     return args
@@ -146,13 +156,12 @@ class OneProcess:
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         self.transformer = wan.load_transformer(model_dir, torch.float32, Placement("cpu"))
-        self.latent: torch.Tensor | None = None  # the last run's clip: what the decode measure decodes
 
     def run(self, conditioning: jobs.Conditioning, args: argparse.Namespace) -> list[float]:
         marks: list[float] = []
         widgets = sampling(args)
         widgets["sampler"] = Sampler(widgets["sampler"])
-        self.latent = wan.denoise(
+        wan.denoise(
             self.model_dir,
             self.transformer,
             conditioning.tensors,
@@ -202,27 +211,48 @@ def bench_row(
     }
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+DECODE_ROWS = (("one rank", False), ("over 2 ranks", True))
 
 
-def decode_peak(model_dir: str, latent: torch.Tensor) -> dict:
-    """The clip's one-rank decode in this process: seconds and peak resident memory above the resident before it."""
-    vae = wan.load_vae(model_dir, torch.float32, "cpu")
-    wan.decode(vae, latent[:, :, :1])  # first-call set-up outside the measure
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (the peak resident set) to the current resident set
-    before = _status_kib("VmRSS")
-    start = time.perf_counter()
-    frames = wan.decode(vae, latent)
-    seconds = time.perf_counter() - start
+def decode_rows(spec: BackendSpec, args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    """A random clip latent of ``--frames`` at ``--decode-size`` decoded by VAEDecodeSingleGPU's step, plainly on one
+    rank and over the ranks, alternating: seconds, tiles and each rank's peak memory above its VAE's weights."""
+    side = args.decode_size // 8
+    latent_frames = (args.frames - 1) // 4 + 1
+    samples = torch.randn(1, 16, latent_frames, side, side, generator=torch.Generator().manual_seed(args.seed))
+    results: dict[str, list] = {name: [] for name, _ in DECODE_ROWS}
+
+    def timed(name: str, over: bool) -> Callable[[], list[float]]:
+        def run() -> list[float]:
+            start = time.perf_counter()
+            jobs.decode(spec, model=MODEL, samples=samples, decode_over_ranks=over, on_result=results[name].append)
+            return [time.perf_counter() - start]
+
+        return run
+
+    for _, over in DECODE_ROWS:  # every rank loads its VAE outside the measure
+        jobs.decode(spec, model=MODEL, samples=samples[:, :, :1, :8, :8], decode_over_ranks=over)
+    runs = alternate([(name, timed(name, over)) for name, over in DECODE_ROWS], args.decode_repeats, "decode", log)
+    rows = []
+    for name, _ in DECODE_ROWS:
+        peaks = [max(ranks) for ranks in zip(*(r.peak_bytes_per_rank for r in results[name]))]
+        rows.append(
+            {
+                "name": name,
+                "seconds": statistics.median(s for run in runs[name] for s in run),
+                "tiles_per_rank": list(results[name][0].tiles_per_rank),
+                "peak_bytes_per_rank": peaks,
+            }
+        )
+    one_s, one_peak = rows[0]["seconds"], rows[0]["peak_bytes_per_rank"][0]
+    for row in rows:
+        row["time_ratio"] = row["seconds"] / one_s
+        row["peak_ratios"] = [p / one_peak for p in row["peak_bytes_per_rank"]]
     return {
-        "frames": frames.shape[0],
-        "seconds": seconds,
-        "resident_before_bytes": before * 1024,
-        "peak_above_bytes": (_status_kib("VmHWM") - before) * 1024,
-        "image_bytes": frames.numel() * frames.element_size(),
+        "frames": args.frames,
+        "size": args.decode_size,
+        "image_bytes": args.frames * args.decode_size**2 * 3 * 4,
+        "rows": rows,
     }
 
 
@@ -244,6 +274,7 @@ def run(args: argparse.Namespace, scratch: str, log: Callable[[str], None]) -> d
         "threads": args.threads,
         "cfg": args.cfg,
         "vae": args.vae,
+        "decode_repeats": args.decode_repeats,
         "transformer": {k: config[k] for k in ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")},
         "cpus": os.cpu_count(),
         "rows": [],
@@ -259,11 +290,9 @@ def run(args: argparse.Namespace, scratch: str, log: Callable[[str], None]) -> d
         one = OneProcess(model_dir)
         for strategy in ROWS:
             report["rows"].append(bench_row(strategy, spec, conditioning, one, args, log))
+        report["decode"] = decode_rows(spec, args, log)
     finally:
         shutdown_backend()
-    latent = one.latent
-    del one  # its transformer's memory goes back before the decode is measured
-    report["decode"] = decode_peak(model_dir, latent)
     report["loadavg"] = load_average()
     return report
 
@@ -294,12 +323,16 @@ def print_report(report: dict) -> None:
     )
     d = report["decode"]
     print()
-    print(f"decode of the clip ({report['vae']} VAE, {d['frames']} frames, IMAGE {d['image_bytes'] / 2**20:.1f} MiB):")
     print(
-        f"  one rank: {d['seconds']:.2f} s, peak resident {d['peak_above_bytes'] / 2**20:.0f} MiB above the "
-        f"{d['resident_before_bytes'] / 2**20:.0f} MiB held before it"
+        f"decode of a {d['frames']}-frame clip at {d['size']}² ({report['vae']} VAE, IMAGE "
+        f"{d['image_bytes'] / 2**20:.1f} MiB), {report['decode_repeats']} run(s) each, alternating:"
     )
-    print("  over the ranks: waits for VAEDecodeSingleGPU's decode_over_ranks of clips (refused for clips today)")
+    print(f"  {'decode':>14} {'seconds':>8} {'vs one':>7} {'tiles per rank':>15}  peak MiB per rank (vs one rank)")
+    for r in d["rows"]:
+        peaks = "  ".join(f"{p / 2**20:.0f} ({x:.2f})" for p, x in zip(r["peak_bytes_per_rank"], r["peak_ratios"]))
+        tiles = " ".join(map(str, r["tiles_per_rank"])) or "whole"
+        print(f"  {r['name']:>14} {r['seconds']:>8.2f} {r['time_ratio']:>6.2f}× {tiles:>15}  {peaks}")
+    print("  peak: the most each rank held during the decode above what it held before (its VAE's weights not counted)")
 
 
 def main() -> int:

@@ -38,8 +38,9 @@ class VAEDecodeSingleGPU(io.ComfyNode):
                     optional=True,
                     tooltip=(
                         "Decode with diffusers' tiled decode (enable_tiling(): overlapping tiles, blended), the tiles "
-                        "shared over the backend's ranks, each on its own GPU, joined on the first: for images whose "
-                        "decode does not fit one GPU. Needs device auto. Off: one plain decode on one device."
+                        "shared over the backend's ranks, each on its own GPU, joined on the first: for images and "
+                        "video clips whose decode does not fit one GPU (a GPU holds one tile's decode at a time). "
+                        "Needs device auto. Off: one plain decode on one device."
                     ),
                 ),
             ],
@@ -72,10 +73,7 @@ class VAEDecodeSingleGPU(io.ComfyNode):
         samples = w.pop("samples")["samples"]
 
         def show_tiles(result: DecodeResult) -> None:
-            tiles = result.tiles_per_rank
-            if tiles:
-                comfy.show_text(
-                    cls, f"decoded {sum(tiles)} tiles over the ranks ({', '.join(map(str, tiles))} per rank)"
-                )
+            if result.tiles_per_rank:
+                comfy.show_text(cls, jobs.over_ranks_text(result))
 
         return io.NodeOutput(comfy.run(cls, jobs.decode, spec, samples=samples, on_result=show_tiles, **w))

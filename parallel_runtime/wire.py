@@ -372,7 +372,9 @@ class DenoiseArgs(OpArgs):
 class DecodeResult:
     shape: tuple[int, ...]
     tiles_per_rank: tuple[int, ...] = ()  # decode_over_ranks: diffusers' tiles each rank decoded
-    peak_bytes_per_rank: tuple[int, ...] = ()  # CUDA: each decoding rank's peak device memory during the decode
+    # Each decoding rank's peak memory during the decode above what it held before it (its VAE's weights not counted):
+    # torch's allocated memory on a GPU, the rank's resident set on the CPU.
+    peak_bytes_per_rank: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The Wan family (text-to-video, Wan 2.1 and Wan 2.2 A14B's two experts): the adapter's staged path against
 diffusers' one-shot ``WanPipeline`` in one process, its LATENT against ComfyUI's Wan 2.1 convention, the sampler's
-video widgets refused by name before anything loads, and the strategies on real CPU ranks against the one-shot
-pipeline (fp32, ≤ 1e-4). Tiny models: 4 heads, 5 frames (2 latent frames) of 48×32."""
+video widgets refused by name before anything loads, the strategies on real CPU ranks against the one-shot
+pipeline (fp32, ≤ 1e-4), and the decode over the ranks against diffusers' tiled decode (≤ 1e-5). Tiny models: 4
+heads, 5 frames (2 latent frames) of 48×32."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from parallel_runtime.families import Placement
 from parallel_runtime.families import family as family_adapter
 from parallel_runtime.families.wan.tiny import make_tiny_model
 from parallel_runtime.samplers import Sampler
-from parallel_runtime.wire import Prompts, Sampling
+from parallel_runtime.wire import DecodeResult, Prompts, Sampling
 
 wan = family_adapter("wan")
 PROMPT, NEGATIVE, CFG = WAN_CLIP["prompt"], WAN_CLIP["negative_prompt"], WAN_CLIP["guidance_scale"]
@@ -149,12 +150,6 @@ def test_video_widgets_fail_before_anything_runs(wan_dir, widget, call, hint):
     assert info.value.widget == widget
 
 
-def test_a_clip_is_not_decoded_over_the_ranks_yet(wan_dir):
-    with pytest.raises(InvalidInput, match="latent frames does not decode over the ranks") as info:
-        jobs.decode(backend(), model=MODELS["wan21"], samples=torch.zeros(1, 16, 2, 4, 6), decode_over_ranks=True)
-    assert info.value.widget == "decode_over_ranks"
-
-
 def test_a_wan22_folder_without_its_second_expert_is_refused(wan_dir, tmp_path):
     """model_index.json names transformer_2, its folder is gone: LoadShardedTransformer refuses the model."""
     import shutil
@@ -237,3 +232,87 @@ SLOW_CASES = [
 @pytest.mark.parametrize("name, strategy, args, ranks", [c[1:] for c in SLOW_CASES], ids=[c[0] for c in SLOW_CASES])
 def test_more_strategies_match_one_shot(wan_dir, name, strategy, args, ranks):
     check(wan_dir, name, strategy, ranks=ranks, **args)
+
+
+# -- the decode over the ranks --------------------------------------------------------------------------------------
+def decode_over_ranks(folder, samples: torch.Tensor, ranks: int, tiles: tuple[int, ...]) -> None:
+    """VAEDecodeSingleGPU's ``decode_over_ranks`` of a clip equals diffusers' own tiled decode in one process
+    (``enable_tiling()``: 256-px tiles 192 px apart, each decoded latent frame by latent frame through its causal
+    cache, blended): the same arithmetic, so within float32 rounding. The tiles per rank show it tiled."""
+    shown = []
+    frames = jobs.decode(
+        backend(ranks), model=folder.name, samples=samples, decode_over_ranks=True, on_result=shown.append
+    )
+    vae = wan.load_vae(str(folder), torch.float32, "cpu")
+    vae.enable_tiling()
+    tiled = wan.decode(vae, samples)
+    diff = (frames - tiled).abs().max().item()
+    print(f"{folder.name} on {ranks} ranks: tiles per rank {shown[0].tiles_per_rank}; max |diff| {diff:.3g}")
+    assert frames.shape == tiled.shape == (samples.shape[2] * 4 - 3, *tiled.shape[1:])
+    assert [r.tiles_per_rank for r in shown] == [tiles]
+    assert len(shown[0].peak_bytes_per_rank) == ranks
+    assert diff <= 1e-5
+
+
+@pytest.mark.multirank
+def test_a_clip_decodes_over_the_ranks_as_diffusers_tiles_it(wan_dir):
+    """5 frames (2 latent frames) at 320×320: 2 × 2 tiles, 2 per rank."""
+    samples = torch.randn(1, 16, 2, 40, 40, generator=torch.Generator().manual_seed(0))
+    decode_over_ranks(wan_dir / MODELS["wan21"], samples, 2, (2, 2))
+    # A clip within one tile (48×32): diffusers decodes it whole, so the first rank does, and the text says why.
+    small, shown = torch.randn(1, 16, 2, 4, 6, generator=torch.Generator().manual_seed(1)), []
+    frames = jobs.decode(
+        backend(), model=MODELS["wan21"], samples=small, decode_over_ranks=True, on_result=shown.append
+    )
+    assert shown[0].tiles_per_rank == (1, 0) and "some ranks had none" in jobs.over_ranks_text(shown[0])
+    plain = wan.decode(wan.load_vae(str(wan_dir / MODELS["wan21"]), torch.float32, "cpu"), small)
+    assert (frames - plain).abs().max().item() <= 1e-5
+
+
+def test_the_decode_text_gives_tiles_and_memory_per_rank():
+    result = DecodeResult((5, 320, 320, 3), tiles_per_rank=(2, 2), peak_bytes_per_rank=(3 << 29, 1 << 29))
+    assert jobs.over_ranks_text(result) == (
+        "decoded 4 tiles over the ranks (2, 2 per rank); peak memory per rank above the VAE's weights: 1.50, 0.50 GiB"
+    )
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_longer_clip_decodes_over_four_ranks(wan_dir):
+    """9 frames (3 latent frames) at 400×400: 3 × 3 tiles over 4 ranks, one more on the first."""
+    samples = torch.randn(1, 16, 3, 50, 50, generator=torch.Generator().manual_seed(1))
+    decode_over_ranks(wan_dir / MODELS["wan21"], samples, 4, (3, 2, 2, 2))
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_wan22_vae_clip_decodes_over_the_ranks(wan_dir):
+    """Wan 2.2 TI2V-5B's VAE layout (48 latent channels, 16× spatially: 8× in the decoder, then 2 × 2 patches
+    unpatchified after the blend), tiny: its tiles are blended in the patches' grid, which the ranks' decoded shapes
+    must follow. 5 frames at 320×320: 2 × 2 tiles."""
+    import shutil
+
+    from diffusers import AutoencoderKLWan
+
+    folder = wan_dir / "tiny-wan22-vae"
+    if not folder.exists():
+        shutil.copytree(wan_dir / MODELS["wan21"], folder)
+        shutil.rmtree(folder / "vae")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            AutoencoderKLWan(
+                base_dim=4,
+                z_dim=48,
+                dim_mult=[1, 2, 4, 4],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+                is_residual=True,
+                in_channels=12,
+                out_channels=12,
+                patch_size=2,
+                scale_factor_spatial=16,
+                latents_mean=[0.0] * 48,
+                latents_std=[1.0] * 48,
+            ).save_pretrained(folder / "vae")
+    samples = torch.randn(1, 48, 2, 20, 20, generator=torch.Generator().manual_seed(2))
+    decode_over_ranks(folder, samples, 2, (2, 2))

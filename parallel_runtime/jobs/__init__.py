@@ -9,7 +9,7 @@ wrappers over these functions; the demo calls them directly.
 """
 
 from .comfy_files import model_from_comfy_files, validate_comfy_files
-from .decode import decode, decode_device, decode_device_choices, validate_decode
+from .decode import decode, decode_device, decode_device_choices, over_ranks_text, validate_decode
 from .encode import MAX_SEQUENCE_LENGTH, Conditioning, count_prompts, encode_prompt, validate_encode
 from .lora import MAX_STRENGTH, LoraCheck, add_lora, validate_lora
 from .sample import LatentImage, ReferenceImage, read_latent_image, read_reference_images, sample, validate_sample
@@ -37,6 +37,7 @@ __all__ = [
     "decode_device_choices",
     "encode_prompt",
     "model_from_comfy_files",
+    "over_ranks_text",
     "plan_transformer",
     "read_latent_image",
     "read_reference_images",

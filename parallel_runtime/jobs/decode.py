@@ -72,13 +72,6 @@ def decode(
             f"({family.name}: {expected}, {channels} channels{'' if video else ', one frame'}); decode it with "
             "the VAE of the model that made it",
         )
-    if decode_over_ranks and frames > 1:
-        # Wan's VAE decodes a clip latent frame by latent frame, each 4 frames from the second on, which the tiles'
-        # shared decode (worker/vae_tiles.py) does not follow yet.
-        raise InvalidInput(
-            "decode_over_ranks",
-            f"a clip of {frames} latent frames does not decode over the ranks yet; turn decode_over_ranks off",
-        )
     args = DecodeArgs(model=ref, device=device, dtype=resolve_dtype(dtype, spec), over_ranks=bool(decode_over_ranks))
     result = get_backend(spec).call(
         args, {"samples": samples.float()}, on_progress=on_progress, should_cancel=should_cancel
@@ -86,3 +79,18 @@ def decode(
     if on_result is not None:
         on_result(result.result)
     return result.tensors["images"]
+
+
+def over_ranks_text(result: DecodeResult) -> str:
+    """What VAEDecodeSingleGPU shows after a decode over the ranks: the tiles each rank decoded and the memory each
+    took above its VAE's weights, and why a rank had no tile."""
+    tiles, peaks = result.tiles_per_rank, result.peak_bytes_per_rank
+    text = f"decoded {sum(tiles)} tiles over the ranks ({', '.join(map(str, tiles))} per rank)"
+    if peaks:
+        text += f"; peak memory per rank above the VAE's weights: {', '.join(f'{p / 2**30:.2f}' for p in peaks)} GiB"
+    if 0 in tiles:
+        text += (
+            "; the image or clip has fewer of the VAE's tiles than the backend has ranks, so some ranks had none "
+            "(a plain decode, decode_over_ranks off, takes as long)"
+        )
+    return text

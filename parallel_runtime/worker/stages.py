@@ -452,10 +452,10 @@ def decode(ctx: OpContext, args: DecodeArgs, tensors: dict) -> OpResult:
     ctx.progress(0, 1, "loading VAE")
     vae = models.get(key, lambda: adapter.load_vae(args.model.path, dtype, args.device))
     ctx.progress(0, 1, "decoding")
-    vae_tiles.reset_peak(vae.device)
+    held = vae_tiles.reset_peak(vae.device)
     images = adapter.decode(vae, tensors["samples"])
     ctx.progress(1, 1, _closing(ctx, "decoded"))
-    peaks = (vae_tiles.peak_bytes(vae.device),) if vae.device.type == "cuda" else ()
+    peaks = (vae_tiles.peak_above(vae.device, held),)
     return DecodeResult(tuple(images.shape), peak_bytes_per_rank=peaks), {"images": images}
 
 
