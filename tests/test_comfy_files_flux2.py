@@ -206,7 +206,6 @@ def test_flux2_refusals_name_the_input(tiny):
     vae = load_file(os.path.join(models, "vae", names["vae"]))
     _write(str(models / "vae" / "no-bn.safetensors"), {k: v for k, v in vae.items() if not k.startswith("bn.")})
     cases = [
-        ("diffusion_model", "klein.safetensors", r"FLUX.2 \[klein\]'s transformer .* pick FLUX.2-dev's"),
         ("text_encoder", "qwen3.safetensors", r"Qwen3 text encoder .* mistral_3_small_flux2_bf16"),
         ("text_encoder", "short.safetensors", r"has 20 layers, but FLUX.2 reads the hidden state after layer 30"),
         ("text_encoder", "untokenized.safetensors", r"does not carry its tokenizer"),
@@ -219,6 +218,10 @@ def test_flux2_refusals_name_the_input(tiny):
         with pytest.raises(InvalidInput, match=message) as e:
             jobs.validate_comfy_files(**{**names, widget: value})
         assert e.value.widget == widget and str(e.value).startswith(f"{widget}: "), (widget, value, e.value)
+    # A transformer without the guidance embedding is FLUX.2 [klein]'s (flux2_klein/files.py), which takes Qwen3.
+    with pytest.raises(InvalidInput, match=r"is not Qwen3's language model; FLUX.2 \[klein\] takes qwen_3_4b") as e:
+        jobs.validate_comfy_files(**{**names, "diffusion_model": "klein.safetensors"})
+    assert e.value.widget == "text_encoder"
     # A tokenizer that cannot be read shows at conversion, naming the text encoder; nothing is left behind.
     plan = jobs.validate_comfy_files(**{**names, "text_encoder": "bad_tekken.safetensors"})
     with pytest.raises(InvalidInput, match=r"text_encoder: .* carries no readable tokenizer in 'tekken_model'"):

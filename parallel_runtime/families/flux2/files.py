@@ -26,8 +26,7 @@ zeros — a layer whose output projections are zero adds nothing to its input �
 unnormalised one, exactly as the whole model's (its 31st, normalised, is never read). That layer costs 1/31 of the
 text encoder's memory; ComfyUI gets the same by switching its final norm off.
 
-FLUX.2 [klein] (a Qwen3 text encoder, ``Flux2KleinPipeline``) is recognised and refused: this pack runs
-Flux2Pipeline.
+FLUX.2 [klein]'s files (no guidance embedding, a Qwen3 text encoder) are its own layout: ``flux2_klein/files.py``.
 """
 
 from __future__ import annotations
@@ -314,7 +313,9 @@ def vae_config(shapes: Shapes) -> dict:
     }
 
 
-def _vae(config: dict) -> Callable[[dict], dict]:
+def vae_converter(config: dict) -> Callable[[dict], dict]:
+    """FLUX.2's VAE file (BFL's LDM layout, batch-norm statistics) → ``AutoencoderKLFlux2``'s state dict."""
+
     def convert(checkpoint: dict) -> dict:
         from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
@@ -354,15 +355,9 @@ class Flux2Files(FilesLayout):
     def variant(self, shapes: Shapes) -> str | None:
         if not is_transformer(shapes):
             return None
-        # FLUX.2-dev is guidance-distilled (an embedding of the guidance scale); [klein] has no guidance embedding.
-        if "guidance_in.in_layer.weight" not in shapes:
-            raise InvalidInput(
-                "diffusion_model",
-                "the file is FLUX.2 [klein]'s transformer (a Qwen3 text encoder, Flux2KleinPipeline), which this "
-                "pack does not run; pick FLUX.2-dev's (flux2_dev_bf16.safetensors, or an fp8 one), or use a "
-                "diffusers folder",
-            )
-        return "FLUX.2-dev"
+        # FLUX.2-dev is guidance-distilled (an embedding of the guidance scale); [klein] has no guidance embedding
+        # (flux2_klein/files.py takes it).
+        return "FLUX.2-dev" if "guidance_in.in_layer.weight" in shapes else None
 
     def contents(
         self, variant: str, transformer: SourceHeader, text_encoders: list[SourceHeader], vae: SourceHeader
@@ -440,7 +435,7 @@ class Flux2Files(FilesLayout):
                     filled=mistral_filled(text_encoder.shapes, configs["text_encoder"]),
                 ),
                 Component("transformer", transformer, configs["transformer"], moves=tuple(moves)),
-                Component("vae", vae, configs["vae"], convert=_vae(configs["vae"])),
+                Component("vae", vae, configs["vae"], convert=vae_converter(configs["vae"])),
             ),
             text_encoders=(text_encoder,),
             tokenizers_from_files=(TokenizerFromFile("tokenizer", text_encoder, TEKKEN_KEY, write_tokenizer),),

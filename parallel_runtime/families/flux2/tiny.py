@@ -91,6 +91,42 @@ def _mistral_processor() -> PixtralProcessor:
     )
 
 
+def tiny_transformer(guidance_embeds: bool) -> Flux2Transformer2DModel:
+    """The tiny pipelines' Flux2 transformer (random weights from torch's generator): 4 heads, text 48 wide (3 stacked
+    hidden states of a 16-wide text encoder); FLUX.2-dev embeds its guidance, [klein] does not."""
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=128,  # 32 latent channels x 2x2 patchification
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=48,  # 3 stacked hidden states x 16
+        timestep_guidance_channels=32,
+        mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4),  # must sum to attention_head_dim
+        guidance_embeds=guidance_embeds,
+    )
+
+
+def tiny_vae(
+    block_out_channels: tuple[int, ...] = (8, 8, 16, 16), norm_num_groups: int = 4, sample_size: int = 64
+) -> AutoencoderKLFlux2:
+    """The tiny pipelines' 32-channel VAE (4 levels: a pipeline without its VAE assumes 8x), with random batch-norm
+    statistics: FLUX.2 normalises latents with them (`vae.bn.running_mean / running_var`), and a fresh BatchNorm's
+    mean 0 / var 1 would hide a forgotten normalisation."""
+    vae = AutoencoderKLFlux2(
+        block_out_channels=block_out_channels,
+        layers_per_block=1,
+        latent_channels=32,
+        norm_num_groups=norm_num_groups,
+        sample_size=sample_size,
+    )
+    vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
+    vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+    return vae
+
+
 def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     """Build a tiny FLUX.2 pipeline (Mistral3 + Flux2 transformer + 32-channel VAE with batch-norm) in `out_dir`."""
     processor = _mistral_processor()
@@ -128,30 +164,8 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
                 spatial_merge_size=2,
             )
         )
-        transformer = Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=128,  # 32 latent channels x 2x2 patchification
-            num_layers=1,
-            num_single_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=4,
-            joint_attention_dim=48,  # 3 stacked Mistral hidden states x 16
-            timestep_guidance_channels=32,
-            mlp_ratio=3.0,
-            axes_dims_rope=(4, 4, 4, 4),  # must sum to attention_head_dim
-            guidance_embeds=True,
-        )
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=32,
-            norm_num_groups=4,
-            sample_size=64,
-        )
-        # FLUX.2 normalises latents with the VAE's batch-norm statistics (`vae.bn.running_mean / running_var`); a
-        # fresh BatchNorm has mean 0 / var 1, which would hide a forgotten normalisation.
-        vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
-        vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+        transformer = tiny_transformer(guidance_embeds=True)
+        vae = tiny_vae()
 
     pipe = Flux2Pipeline(
         # Flux2Pipeline computes the shift `mu` itself (`compute_empirical_mu`); the scheduler only needs dynamic
