@@ -140,6 +140,15 @@ def apply_fp8_scales(transformer: torch.nn.Module, folder) -> None:
                     weight.copy_((weight.float() * scale).to(weight.dtype))
 
 
+def component_tensors(folder, component: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a diffusers folder's ``component``, from all its safetensors files."""
+    sub = os.path.join(folder, component)
+    out = {}
+    for f in sorted(f for f in os.listdir(sub) if f.endswith(".safetensors")):
+        out |= load_file(os.path.join(sub, f))
+    return out
+
+
 def fp8_meaning(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A converted transformer's tensors as they mean (what the reference folder holds): each fp8 weight cast to
     float32, times its ``.weight_scale`` when it has one, in bf16 (the tiny files' other dtype); the scales gone.

@@ -151,7 +151,7 @@ class Flux2KleinFiles(FilesLayout):
             raise InvalidInput(
                 text_encoder.widget,
                 f"{text_encoder.name!r} has {layers} layers, but {self.name} reads the hidden state after layer "
-                f"{HIDDEN_STATES_LAYERS[-1]} of more; pick the whole Qwen3 file (36 layers)",
+                f"{HIDDEN_STATES_LAYERS[-1]}, before the last layer's; pick the whole Qwen3 file (36 layers)",
             )
         if not is_vae(vae.shapes) or "bn.running_mean" not in vae.shapes:
             raise InvalidInput(
