@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -138,6 +139,23 @@ def apply_fp8_scales(transformer: torch.nn.Module, folder) -> None:
                     weight = transformer.get_submodule(key.rsplit(".", 1)[0]).weight
                     scale = scale.float() if scale.numel() == 1 else scale.float().reshape(-1, 1)
                     weight.copy_((weight.float() * scale).to(weight.dtype))
+
+
+@contextlib.contextmanager
+def comfy_files_listed(models, converted) -> Iterator[None]:
+    """ComfyUI's model folder ``models`` listed for Model from ComfyUI Files (COMFY_PARALLEL_COMFY_MODELS) and its
+    conversions written below ``converted`` (COMFY_PARALLEL_CONVERTED) for the block, the environment restored after."""
+    names = ("COMFY_PARALLEL_COMFY_MODELS", "COMFY_PARALLEL_CONVERTED")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(zip(names, (str(models), str(converted)), strict=True))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def component_tensors(folder, component: str) -> dict[str, torch.Tensor]:

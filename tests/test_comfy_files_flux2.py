@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from helpers import component_tensors, converted_and_one_shot, fp8_meaning, generate
+from helpers import comfy_files_listed, component_tensors, converted_and_one_shot, fp8_meaning, generate
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs
@@ -34,15 +34,8 @@ def tiny(tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy-files-flux2")
     models = base / "models"
     made = make_tiny_flux2_files(str(models), str(base / "reference"))
-    saved = {k: os.environ.get(k) for k in ("COMFY_PARALLEL_COMFY_MODELS", "COMFY_PARALLEL_CONVERTED")}
-    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = str(models)
-    os.environ["COMFY_PARALLEL_CONVERTED"] = str(base / "converted")
-    yield base, models, made
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with comfy_files_listed(models, base / "converted"):
+        yield base, models, made
 
 
 def _bfl_at_flux2_width(inner: int = 6144, guidance: bool = True) -> dict[str, torch.Tensor]:

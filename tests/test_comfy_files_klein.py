@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import PROMPT, STEPS, apply_fp8_scales, component_tensors, fp8_meaning, one_shot_images
+from helpers import PROMPT, STEPS, apply_fp8_scales, comfy_files_listed, component_tensors, fp8_meaning, one_shot_images
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs, model_folders, shutdown_backend
@@ -37,15 +37,8 @@ def tiny(tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy-files-klein")
     models = base / "models"
     made = make_tiny_klein_files(str(models), str(base / "reference"), comfy_dir, formats=("bf16", "fp8_scaled"))
-    saved = {k: os.environ.get(k) for k in ("COMFY_PARALLEL_COMFY_MODELS", "COMFY_PARALLEL_CONVERTED")}
-    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = str(models)
-    os.environ["COMFY_PARALLEL_CONVERTED"] = str(base / "converted")
-    yield base, models, made
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with comfy_files_listed(models, base / "converted"):
+        yield base, models, made
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_scaled"])
@@ -120,7 +113,11 @@ def test_klein_refusals_name_the_input(tiny):
     _write(str(models / "vae" / "no-bn.safetensors"), {k: v for k, v in vae.items() if not k.startswith("bn.")})
     cases = [
         ("text_encoder", "short_qwen3.safetensors", r"has 27 layers, but FLUX.2 \[klein\] reads the hidden state"),
-        ("text_encoder", "narrow_qwen3.safetensors", r"does not fit FLUX.2 \[klein\] .* qwen_3_8b.safetensors for 9B"),
+        (
+            "text_encoder",
+            "narrow_qwen3.safetensors",
+            r"does not fit this transformer .* the Qwen3 of FLUX.2 \[klein\] .*for 9B",
+        ),
         ("text_encoder_2", names["text_encoder"], r"FLUX.2 \[klein\] takes one text encoder, in text_encoder"),
         ("vae", "no-bn.safetensors", r"not FLUX.2's VAE"),
     ]

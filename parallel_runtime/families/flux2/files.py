@@ -337,6 +337,55 @@ def vae_converter(config: dict) -> Callable[[dict], dict]:
 
 
 # -- the layout --------------------------------------------------------------------------------------------------
+def checked_configs(
+    model: str,
+    transformer: SourceHeader,
+    text_encoder: SourceHeader,
+    text_encoder_config: Callable[[Shapes], dict],
+    vae: SourceHeader,
+    pick_text_encoder: str,
+) -> tuple[dict[str, dict], list[Move]]:
+    """The configs of a FLUX.2 transformer (FLUX.2-dev's or [klein]'s), its text encoder (``text_encoder_config``)
+    and FLUX.2's VAE from the files' shapes, and the transformer's moves, after the checks they share: the VAE is
+    FLUX.2's and its latents the transformer's, the text encoder's stacked hidden states are as wide as the
+    transformer's text input (else ``pick_text_encoder`` is the fix), the transformer file holds every tensor moved."""
+    if not is_vae(vae.shapes) or "bn.running_mean" not in vae.shapes:
+        raise InvalidInput(
+            vae.widget,
+            f"{vae.name!r} is not FLUX.2's VAE (the original layout with batch-norm statistics, "
+            "flux2-vae.safetensors); pick that",
+        )
+    configs = configs_from_shapes(
+        (
+            ("transformer", transformer, transformer_config),
+            ("text_encoder", text_encoder, text_encoder_config),
+            ("vae", vae, vae_config),
+        ),
+        model,
+    )
+    if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
+        raise InvalidInput(
+            vae.widget,
+            f"{vae.name!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
+            f"{configs['transformer']['in_channels'] // 4}: pick FLUX.2's VAE (flux2-vae.safetensors)",
+        )
+    stacked = 3 * configs["text_encoder"]["hidden_size"]  # the pipelines stack three hidden states
+    if stacked != configs["transformer"]["joint_attention_dim"]:
+        raise InvalidInput(
+            text_encoder.widget,
+            f"{text_encoder.name!r} does not fit this transformer (3 of its hidden states are {stacked} wide, the "
+            f"transformer takes {configs['transformer']['joint_attention_dim']}); {pick_text_encoder}",
+        )
+    moves = transformer_moves(configs["transformer"])
+    missing = sorted({m.source for m in moves} - set(transformer.shapes))
+    if missing:
+        raise InvalidInput(
+            transformer.widget,
+            f"{transformer.name!r} lacks {missing[0]} (cut short, or not {model}'s); pick {model}'s complete file",
+        )
+    return configs, moves
+
+
 class Flux2Files(FilesLayout):
     """FLUX.2-dev: the BFL transformer, Mistral Small 3.1's language model (``text_encoder``), the 32-channel VAE."""
 
@@ -386,40 +435,9 @@ class Flux2Files(FilesLayout):
                 f"{TEKKEN_KEY!r}); pick mistral_3_small_flux2_bf16.safetensors as ComfyUI distributes it, or use a "
                 "diffusers folder of FLUX.2-dev",
             )
-        if not is_vae(vae.shapes) or "bn.running_mean" not in vae.shapes:
-            raise InvalidInput(
-                vae.widget,
-                f"{vae.name!r} is not FLUX.2's VAE (the original layout with batch-norm statistics, "
-                "flux2-vae.safetensors); pick that",
-            )
-        configs = configs_from_shapes(
-            (
-                ("transformer", transformer, transformer_config),
-                ("text_encoder", text_encoder, mistral_config),
-                ("vae", vae, vae_config),
-            ),
-            "FLUX.2",
+        configs, moves = checked_configs(
+            "FLUX.2", transformer, text_encoder, mistral_config, vae, "pick FLUX.2-dev's Mistral file"
         )
-        if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
-            raise InvalidInput(
-                vae.widget,
-                f"{vae.name!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
-                f"{configs['transformer']['in_channels'] // 4}: pick the VAE of this model (flux2-vae.safetensors)",
-            )
-        stacked = len(HIDDEN_STATES_LAYERS) * configs["text_encoder"]["hidden_size"]
-        if stacked != configs["transformer"]["joint_attention_dim"]:
-            raise InvalidInput(
-                text_encoder.widget,
-                f"{text_encoder.name!r} does not fit this transformer (3 of its hidden states are {stacked} wide, the "
-                f"transformer takes {configs['transformer']['joint_attention_dim']}); pick FLUX.2-dev's Mistral file",
-            )
-        moves = transformer_moves(configs["transformer"])
-        missing = sorted({m.source for m in moves} - set(transformer.shapes))
-        if missing:
-            raise InvalidInput(
-                transformer.widget,
-                f"{transformer.name!r} lacks {missing[0]} (cut short, or not FLUX.2); pick FLUX.2's complete file",
-            )
         return FilesContents(
             variant=variant,
             model_index=MODEL_INDEX,

@@ -27,8 +27,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from ...errors import InvalidInput
-from ..files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, configs_from_shapes, count
-from ..flux.files import is_vae
+from ..files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, count
 from ..flux2 import files as flux2_files
 
 # Flux2KleinPipeline's hidden states (``text_encoder_out_layers``): a text encoder of more layers than the last read,
@@ -153,42 +152,15 @@ class Flux2KleinFiles(FilesLayout):
                 f"{text_encoder.name!r} has {layers} layers, but {self.name} reads the hidden state after layer "
                 f"{HIDDEN_STATES_LAYERS[-1]}, before the last layer's; pick the whole Qwen3 file (36 layers)",
             )
-        if not is_vae(vae.shapes) or "bn.running_mean" not in vae.shapes:
-            raise InvalidInput(
-                vae.widget,
-                f"{vae.name!r} is not FLUX.2's VAE (the original layout with batch-norm statistics, "
-                "flux2-vae.safetensors); pick that",
-            )
-        configs = configs_from_shapes(
-            (
-                ("transformer", transformer, flux2_files.transformer_config),
-                ("text_encoder", text_encoder, qwen3_config),
-                ("vae", vae, flux2_files.vae_config),
-            ),
+        configs, moves = flux2_files.checked_configs(
             self.name,
+            transformer,
+            text_encoder,
+            qwen3_config,
+            vae,
+            f"pick the Qwen3 of {VARIANTS.get(transformer.shapes['txt_in.weight'][1], variant)} "
+            "(qwen_3_4b.safetensors for [klein] 4B, qwen_3_8b.safetensors for 9B)",
         )
-        if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
-            raise InvalidInput(
-                vae.widget,
-                f"{vae.name!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
-                f"{configs['transformer']['in_channels'] // 4}: pick FLUX.2's VAE (flux2-vae.safetensors)",
-            )
-        stacked = len(HIDDEN_STATES_LAYERS) * configs["text_encoder"]["hidden_size"]
-        if stacked != configs["transformer"]["joint_attention_dim"]:
-            fits = VARIANTS.get(configs["transformer"]["joint_attention_dim"], "this transformer")
-            raise InvalidInput(
-                text_encoder.widget,
-                f"{text_encoder.name!r} does not fit {variant} (3 of its hidden states are {stacked} wide, the "
-                f"transformer takes {configs['transformer']['joint_attention_dim']}); pick the Qwen3 of {fits} "
-                "(qwen_3_4b.safetensors for [klein] 4B, qwen_3_8b.safetensors for 9B)",
-            )
-        moves = flux2_files.transformer_moves(configs["transformer"])
-        missing = sorted({m.source for m in moves} - set(transformer.shapes))
-        if missing:
-            raise InvalidInput(
-                transformer.widget,
-                f"{transformer.name!r} lacks {missing[0]} (cut short, or not {self.name}); pick the complete file",
-            )
         # Equal shapes: the name tells the base model from the distilled one (see the module's docstring).
         distilled = "base" not in transformer.name.lower()
         return FilesContents(

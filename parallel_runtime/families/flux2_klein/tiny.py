@@ -14,14 +14,13 @@ import os
 import re
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
-from safetensors.torch import save_file
+from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
 from tokenizers import pre_tokenizers
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from ..flux2 import files as flux2_files
-from ..flux2.tiny import _FLUX_SCHEDULER_CONFIG, _bfl_flux2_transformer, _bfl_flux2_vae, tiny_transformer, tiny_vae
-from ..tiny import FORMATS, WORDS, learn_bpe_merges, pre_tokenize, quantized, tagged_groups, write_formats
+from ..flux2.tiny import _FLUX_SCHEDULER_CONFIG, files_transformer, files_vae, tiny_transformer, tiny_vae, write_files
+from ..tiny import FORMATS, WORDS, learn_bpe_merges, pre_tokenize
 from . import files as klein_files
 
 # Qwen's special tokens the chat template uses (the first is also the padding).
@@ -116,22 +115,7 @@ def make_tiny_klein_files(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         text_encoder = _qwen3(tokenizer)
-        transformer = Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=128,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=sum(flux2_files.AXES_DIMS_ROPE),
-            num_attention_heads=2,
-            joint_attention_dim=3 * 16,
-            timestep_guidance_channels=32,
-            mlp_ratio=3.0,
-            axes_dims_rope=flux2_files.AXES_DIMS_ROPE,
-            rope_theta=flux2_files.ROPE_THETA,
-            eps=flux2_files.EPS,
-            guidance_embeds=False,
-        )
-        vae = tiny_vae((32, 32, 32, 32), flux2_files.VAE_NORM_GROUPS, 1024)
+        transformer, vae = files_transformer(guidance_embeds=False), files_vae()
     # The dtypes ComfyUI distributes them in: the text encoder and the transformer in bf16 (or fp8), the VAE fp32.
     text_encoder.to(torch.bfloat16)
     weights = transformer.state_dict()
@@ -152,19 +136,7 @@ def make_tiny_klein_files(
         "vae": "tiny_flux2-vae.safetensors",
     }
     language = {k: v for k, v in text_encoder.state_dict().items() if k.startswith("model.")}  # no (tied) head
-    for folder, name, tensors in (
-        ("text_encoders", names["text_encoder"], language),
-        ("vae", names["vae"], _bfl_flux2_vae(vae.state_dict(), 4)),
-    ):
-        os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, name))
-    groups = tagged_groups(weights, _bfl_flux2_transformer)
-    return write_formats(
-        models_dir,
-        reference_root,
-        "tiny-flux-2-klein-base-4b" if base else "tiny-flux-2-klein-4b",
-        pipe,
-        names,
-        formats,
-        lambda fmt: quantized(weights, fmt, groups, _bfl_flux2_transformer),
+    stem = "tiny-flux-2-klein-base-4b" if base else "tiny-flux-2-klein-4b"
+    return write_files(
+        models_dir, reference_root, stem, pipe, names, {names["text_encoder"]: language}, weights, formats
     )
