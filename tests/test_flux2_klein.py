@@ -5,6 +5,8 @@ refuses CFG by name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline
@@ -124,3 +126,29 @@ def test_distilled_klein_refuses_cfg(klein_dir):
         ValueError, match=r"true_cfg_scale: 3.0 asks for CFG, but this FLUX.2 \[klein\] is step-distilled"
     ):
         family("flux2_klein").denoise(str(klein_dir / KLEIN), transformer, embeds, sampling)
+
+
+def test_klein_img2img_runs_the_pipelines_schedule(klein_dir):
+    """Img2img and inpainting on [klein] are FLUX.2's tail of the schedule (``from_image``, checked against diffusers'
+    scheduler calls for FLUX.2 in test_images.py) around Flux2KleinPipeline's loop; diffusers has no [klein] img2img
+    pipeline to hold them against (its inpaint pipeline also conditions on the picture as a reference image). In one
+    process: at denoise 1 the start is pure noise, so the result is the text-to-image one; with a mask, the area
+    kept is the picture's latent exactly after the last step."""
+    from parallel_runtime.families import Placement
+    from parallel_runtime.wire import Prompts
+
+    folder, klein = str(klein_dir / KLEIN), family("flux2_klein")
+    text_encoders = klein.load_text_encoders(folder, torch.float32, Placement("cpu"))
+    embeds = klein.encode(text_encoders, Prompts((PROMPT,), max_sequence_length=TOKENS))
+    vae = klein.load_vae(folder, torch.float32, "cpu")
+    transformer = klein.load_transformer(folder, torch.float32, Placement("cpu"))
+    picture = klein.encode_image(vae, torch.rand(1, HEIGHT, WIDTH, 3, generator=torch.Generator().manual_seed(1)))
+    sampling = Sampling(seed=SEED, steps=STEPS, guidance_scale=1.0, width=WIDTH, height=HEIGHT)
+    text_to_image = klein.denoise(folder, transformer, embeds, sampling)
+    from_noise = klein.denoise(folder, transformer, embeds, sampling, latent_image=picture)
+    assert (from_noise - text_to_image).abs().max() <= 1e-5
+    mask = torch.zeros(1, 1, HEIGHT, WIDTH)
+    mask[..., WIDTH // 2 :] = 1.0  # repaint the right half: its tokens' columns 2 and 3
+    half = dataclasses.replace(sampling, denoise=0.5)
+    repainted = klein.denoise(folder, transformer, embeds, half, latent_image=picture, noise_mask=mask)
+    assert torch.equal(repainted[..., :2], picture[..., :2]) and not torch.equal(repainted, picture)

@@ -182,8 +182,9 @@ def from_image(
     device: torch.device,
     on_step_end: Callable[..., dict],
 ) -> tuple[Any, dict[str, Any], Callable[..., dict]]:
-    """Img2img (and inpainting) on ``Flux2Pipeline``, with the mechanics of diffusers' img2img pipelines and of its
-    FLUX.2 inpaint pipeline (``Flux2KleinInpaintPipeline``, whose reference-image conditioning is Klein's own):
+    """Img2img (and inpainting) on ``Flux2Pipeline`` (and [klein]'s ``Flux2KleinPipeline``), with the mechanics of
+    diffusers' img2img pipelines and of its FLUX.2 inpaint pipeline (``Flux2KleinInpaintPipeline``, whose
+    reference-image conditioning is Klein's own):
 
     - the ``steps``-step schedule Flux2Pipeline would set (its ``mu`` depends on the step count), cut where the
       strength says (``get_timesteps``); the pipeline runs that tail, through a scheduler that takes the already
