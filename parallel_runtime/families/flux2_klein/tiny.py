@@ -19,9 +19,22 @@ from tokenizers import pre_tokenizers
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from ..flux2 import files as flux2_files
-from ..flux2.tiny import _FLUX_SCHEDULER_CONFIG, files_transformer, files_vae, tiny_transformer, tiny_vae, write_files
+from ..flux2.tiny import (
+    _FLUX_SCHEDULER_CONFIG,
+    BFL_LORA_LAYERS,
+    LORA_LAYERS,
+    files_transformer,
+    files_vae,
+    tiny_transformer,
+    tiny_vae,
+    write_files,
+)
 from ..tiny import FORMATS, WORDS, learn_bpe_merges, pre_tokenize
 from . import files as klein_files
+
+# The tiny LoRAs' layers and BFL's names for them: FLUX.2's (the same tiny transformer, ``families/tiny.py`` reads them
+# by the family's key).
+__all__ = ["BFL_LORA_LAYERS", "LORA_LAYERS", "make_tiny_klein_files", "make_tiny_model"]
 
 # Qwen's special tokens the chat template uses (the first is also the padding).
 _QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
