@@ -21,6 +21,7 @@ from helpers import PROMPT, STEPS, apply_fp8_scales, comfy_files_listed, compone
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs, model_folders, shutdown_backend
+from parallel_runtime.families.flux2_klein import files as klein_files
 
 TOKENS = 40
 
@@ -59,6 +60,8 @@ def test_klein_converted_folder_is_the_diffusers_folder(tiny, fmt):
         for key, value in theirs.items():
             assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{component}: {key}"
     assert os.path.islink(os.path.join(folder, "text_encoder", "model.safetensors"))
+    with open(os.path.join(folder, "tokenizer", "tokenizer_config.json")) as f:
+        assert json.load(f)["chat_template"] == klein_files.CHAT_TEMPLATE  # Qwen3's, over ComfyUI's Qwen2.5 one
     with open(os.path.join(folder, "model_index.json")) as f:
         index = json.load(f)
     assert index["_class_name"] == "Flux2KleinPipeline" and index["is_distilled"] is True
@@ -66,6 +69,7 @@ def test_klein_converted_folder_is_the_diffusers_folder(tiny, fmt):
     assert model_folders.resolve(name).family == "flux2_klein"
 
 
+@pytest.mark.slow  # loading ComfyUI's 151k-token tokenizer twice; the converted folder's test reads its template
 def test_klein_text_encoder_gives_the_published_models_embeddings(tiny):
     """The converted Qwen3Model with ComfyUI's tokenizer and Qwen3's chat template gives exactly the prompt embeddings
     of the diffusers folder's Qwen3ForCausalLM (hidden states 9, 18 and 27), for the prompt and for an empty one."""
