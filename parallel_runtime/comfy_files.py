@@ -693,17 +693,18 @@ def _write_tokenizer_from_file(out: str, made: TokenizerFromFile) -> None:
 
 
 def _write_tokenizer(out: str, comfy_dir: str, tokenizer: Tokenizer) -> None:
-    """A tokenizer folder from ComfyUI's copy, with the length the pipeline reads from it."""
+    """A tokenizer folder from ComfyUI's copy, with the length and the chat template the pipeline reads from it."""
     src, dst = os.path.join(comfy_dir, *tokenizer.source.split("/")), os.path.join(out, tokenizer.folder)
     os.makedirs(dst, exist_ok=True)
     for file in tokenizer.files:
         shutil.copyfile(os.path.join(src, file), os.path.join(dst, file))
-    if tokenizer.model_max_length is not None:
+    settings = {"model_max_length": tokenizer.model_max_length, "chat_template": tokenizer.chat_template}
+    settings = {name: value for name, value in settings.items() if value is not None}
+    if settings:
         path = os.path.join(dst, "tokenizer_config.json")
         with open(path) as f:
             config = json.load(f)
-        config["model_max_length"] = tokenizer.model_max_length
-        _write_json(path, config)
+        _write_json(path, config | settings)
 
 
 def _tensors(file: SourceFile, keys: list[str], keep_fp8: bool = False) -> Iterator[tuple[str, object]]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -151,6 +152,32 @@ def apply_fp8_scales(transformer: torch.nn.Module, folder) -> None:
                     weight = transformer.get_submodule(key.rsplit(".", 1)[0]).weight
                     scale = scale.float() if scale.numel() == 1 else scale.float().reshape(-1, 1)
                     weight.copy_((weight.float() * scale).to(weight.dtype))
+
+
+@contextlib.contextmanager
+def comfy_files_listed(models, converted) -> Iterator[None]:
+    """ComfyUI's model folder ``models`` listed for Model from ComfyUI Files (COMFY_PARALLEL_COMFY_MODELS) and its
+    conversions written below ``converted`` (COMFY_PARALLEL_CONVERTED) for the block, the environment restored after."""
+    names = ("COMFY_PARALLEL_COMFY_MODELS", "COMFY_PARALLEL_CONVERTED")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(zip(names, (str(models), str(converted)), strict=True))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def component_tensors(folder, component: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a diffusers folder's ``component``, from all its safetensors files."""
+    sub = os.path.join(folder, component)
+    out = {}
+    for f in sorted(f for f in os.listdir(sub) if f.endswith(".safetensors")):
+        out |= load_file(os.path.join(sub, f))
+    return out
 
 
 def fp8_meaning(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

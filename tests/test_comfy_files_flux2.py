@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from helpers import converted_and_one_shot, fp8_meaning, generate
+from helpers import comfy_files_listed, component_tensors, converted_and_one_shot, fp8_meaning, generate
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, comfy_files, default_spec, jobs
@@ -34,28 +34,22 @@ def tiny(tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy-files-flux2")
     models = base / "models"
     made = make_tiny_flux2_files(str(models), str(base / "reference"))
-    saved = {k: os.environ.get(k) for k in ("COMFY_PARALLEL_COMFY_MODELS", "COMFY_PARALLEL_CONVERTED")}
-    os.environ["COMFY_PARALLEL_COMFY_MODELS"] = str(models)
-    os.environ["COMFY_PARALLEL_CONVERTED"] = str(base / "converted")
-    yield base, models, made
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with comfy_files_listed(models, base / "converted"):
+        yield base, models, made
 
 
-def _bfl_at_flux2_width() -> dict[str, torch.Tensor]:
-    """A BFL-layout FLUX.2 state dict with FLUX.2-dev's output widths (6144, 48 heads of 128, an 18 432-wide SwiGLU MLP)
-    and narrow inputs: the conversion moves rows, so every row count is the real one while the tensors stay small."""
+def _bfl_at_flux2_width(inner: int = 6144, guidance: bool = True) -> dict[str, torch.Tensor]:
+    """A BFL-layout FLUX.2 state dict with FLUX.2-dev's output widths (6144, 48 heads of 128, an 18 432-wide SwiGLU MLP;
+    or [klein]'s ``inner``, without the guidance embedding) and narrow inputs: the conversion moves rows, so every row
+    count is the real one while the tensors stay small."""
     g = torch.Generator().manual_seed(0)
-    inner, mlp, narrow = 6144, 18432, 3
+    mlp, narrow = 3 * inner, 3
 
     def t(*shape):
         return torch.randn(*shape, generator=g)
 
     sd = {"img_in.weight": t(inner, 128), "txt_in.weight": t(inner, narrow)}
-    for name in ("time_in", "guidance_in"):
+    for name in ("time_in", "guidance_in") if guidance else ("time_in",):
         sd |= {f"{name}.in_layer.weight": t(inner, 256), f"{name}.out_layer.weight": t(inner, narrow)}
     sd |= {
         "double_stream_modulation_img.lin.weight": t(6 * inner, narrow),
@@ -77,16 +71,23 @@ def _bfl_at_flux2_width() -> dict[str, torch.Tensor]:
     return sd
 
 
-def test_flux2_moves_match_diffusers_converter():
-    """At FLUX.2-dev's real widths: the same keys and tensors as diffusers' own converter, and the keys and row counts
-    of Flux2Transformer2DModel built (on the meta device) from the config the shapes give."""
+@pytest.mark.parametrize(
+    "inner, guidance, heads",
+    [(6144, True, 48), (3072, False, 24), (4096, False, 32)],
+    ids=["dev", "klein-4b", "klein-9b"],
+)
+def test_flux2_moves_match_diffusers_converter(inner, guidance, heads):
+    """At FLUX.2-dev's real widths, and FLUX.2 [klein] 4B's and 9B's (no guidance embedding): the same keys and tensors
+    as diffusers' own converter, and the keys and row counts of Flux2Transformer2DModel built (on the meta device) from
+    the config the shapes give."""
     from diffusers import Flux2Transformer2DModel
     from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 
-    sd = _bfl_at_flux2_width()
+    sd = _bfl_at_flux2_width(inner, guidance)
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
     config = flux2_files.transformer_config(shapes)
-    assert (config["num_attention_heads"], config["attention_head_dim"], config["mlp_ratio"]) == (48, 128, 3.0)
+    assert config["guidance_embeds"] == guidance
+    assert (config["num_attention_heads"], config["attention_head_dim"], config["mlp_ratio"]) == (heads, 128, 3.0)
     assert (config["timestep_guidance_channels"], config["in_channels"], config["out_channels"]) == (256, 128, 128)
     moves = flux2_files.transformer_moves(config)
     ours = dict(comfy_files.apply_moves(comfy_files.group_moves(moves), iter(sd.items())))
@@ -97,14 +98,6 @@ def test_flux2_moves_match_diffusers_converter():
     with torch.device("meta"):
         model = Flux2Transformer2DModel(**{k: v for k, v in config.items() if not k.startswith("_")})
     assert {k: v.shape[0] for k, v in model.state_dict().items()} == {k: v.shape[0] for k, v in ours.items()}
-
-
-def _component_tensors(folder, component):
-    sub = os.path.join(folder, component)
-    out = {}
-    for f in sorted(f for f in os.listdir(sub) if f.endswith(".safetensors")):
-        out |= load_file(os.path.join(sub, f))
-    return out
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_scaled"])
@@ -120,7 +113,7 @@ def test_flux2_converted_folder_is_the_diffusers_folder(tiny, fmt):
     name, _ = jobs.model_from_comfy_files(**names)
     folder = os.path.join(base, "converted", name)
     for component in ("transformer", "vae"):
-        ours, theirs = _component_tensors(folder, component), _component_tensors(reference, component)
+        ours, theirs = component_tensors(folder, component), component_tensors(reference, component)
         if component == "transformer":
             assert any(v.dtype == torch.float8_e4m3fn for v in ours.values()) == (fmt != "bf16"), "kept fp8"
             ours = fp8_meaning(ours)
@@ -206,7 +199,6 @@ def test_flux2_refusals_name_the_input(tiny):
     vae = load_file(os.path.join(models, "vae", names["vae"]))
     _write(str(models / "vae" / "no-bn.safetensors"), {k: v for k, v in vae.items() if not k.startswith("bn.")})
     cases = [
-        ("diffusion_model", "klein.safetensors", r"FLUX.2 \[klein\]'s transformer .* pick FLUX.2-dev's"),
         ("text_encoder", "qwen3.safetensors", r"Qwen3 text encoder .* mistral_3_small_flux2_bf16"),
         ("text_encoder", "short.safetensors", r"has 20 layers, but FLUX.2 reads the hidden state after layer 30"),
         ("text_encoder", "untokenized.safetensors", r"does not carry its tokenizer"),
@@ -219,6 +211,10 @@ def test_flux2_refusals_name_the_input(tiny):
         with pytest.raises(InvalidInput, match=message) as e:
             jobs.validate_comfy_files(**{**names, widget: value})
         assert e.value.widget == widget and str(e.value).startswith(f"{widget}: "), (widget, value, e.value)
+    # A transformer without the guidance embedding is FLUX.2 [klein]'s (flux2_klein/files.py), which takes Qwen3.
+    with pytest.raises(InvalidInput, match=r"is not Qwen3's language model; FLUX.2 \[klein\] takes qwen_3_4b") as e:
+        jobs.validate_comfy_files(**{**names, "diffusion_model": "klein.safetensors"})
+    assert e.value.widget == "text_encoder"
     # A tokenizer that cannot be read shows at conversion, naming the text encoder; nothing is left behind.
     plan = jobs.validate_comfy_files(**{**names, "text_encoder": "bad_tekken.safetensors"})
     with pytest.raises(InvalidInput, match=r"text_encoder: .* carries no readable tokenizer in 'tekken_model'"):

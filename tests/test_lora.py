@@ -61,6 +61,12 @@ FAMILIES = {
             "max_area": 64 * 64,
         },
     },
+    "flux2_klein": {
+        "model": "tiny-flux2-klein",
+        "encode": {"max_sequence_length": 48},
+        "sample": {"guidance_scale": 4.0, "true_cfg_scale": 1.0},  # distilled: no CFG
+        "reference": {"max_sequence_length": 48},
+    },
     "qwenimage": {
         "model": "tiny-qwenimage",
         "encode": {"max_sequence_length": 8, "negative_prompt": "a blue painting"},
@@ -163,6 +169,8 @@ def loras(models_dir, loras_dir) -> dict:
         "flux",
     )
     diffusers_file("flux2_a.safetensors", make_tiny_lora(flux2, "flux2", ranks={"proj_out": 2}, seed=3), "flux2")
+    klein = make_tiny_lora(models_dir / "tiny-flux2-klein", "flux2_klein", ranks={"proj_out": 2}, seed=9)
+    diffusers_file("flux2_klein_a.safetensors", klein, "flux2_klein")
     diffusers_file(
         "qwenimage_a.safetensors",
         make_tiny_lora(models_dir / "tiny-qwenimage", "qwenimage", ranks={"img_in": 2}, seed=4),
@@ -368,6 +376,7 @@ CASES = [
     # that sequence and the 1024² reference's VAE encode, on the ranks and in the one-shot pipeline).
     case("kontext_ulysses", "flux_kontext", "context_parallel", ULYSSES, marks=SLOW),
     case("flux2_data_parallel", "flux2", "data_parallel", stack=only("flux2"), **DP, marks=SLOW),
+    case("flux2_klein_ulysses", "flux2_klein", "context_parallel", ULYSSES, stack=only("flux2_klein"), marks=SLOW),
     case("qwenimage_data_parallel", "qwenimage", "data_parallel", stack=only("qwenimage"), **DP, marks=SLOW),
     case("ulysses_xlabs", "flux", "context_parallel", ULYSSES, stack=only("flux", "xlabs"), marks=SLOW),
     case("ring_comfyui", "flux", "context_parallel", RING, stack=only("flux", "comfyui"), marks=SLOW),

@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers import (
     DiffusionPipeline,
+    Flux2KleinPipeline,
     Flux2Pipeline,
     FluxKontextPipeline,
     FluxPipeline,
@@ -22,6 +23,7 @@ PIPELINE_CLASSES = {
     "flux": FluxPipeline,
     "flux_kontext": FluxKontextPipeline,
     "flux2": Flux2Pipeline,
+    "flux2_klein": Flux2KleinPipeline,
     "qwenimage": QwenImagePipeline,
     "wan": WanPipeline,
     "wan_i2v": WanImageToVideoPipeline,

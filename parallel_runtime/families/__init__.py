@@ -14,6 +14,7 @@ from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, TensorPa
 from .files import FilesLayout
 from .flux import Flux1, Flux1Files
 from .flux2 import Flux2, Flux2Files
+from .flux2_klein import Flux2Klein, Flux2KleinFiles
 from .flux_kontext import FluxKontext
 from .qwenimage import QwenImage, QwenImageFiles
 from .wan import Wan
@@ -25,13 +26,20 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
     FluxKontext(),
     Flux2(),
+    Flux2Klein(),
     QwenImage(),
     Wan(),
     WanI2V(),
 )
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.
-FILES_LAYOUTS: tuple[FilesLayout, ...] = (Flux1Files(), Flux2Files(), QwenImageFiles(), WanFiles())
+FILES_LAYOUTS: tuple[FilesLayout, ...] = (
+    Flux1Files(),
+    Flux2Files(),
+    Flux2KleinFiles(),
+    QwenImageFiles(),
+    WanFiles(),
+)
 
 # The tensor-parallel plans the pack writes (``families/<key>/tp_plan.py``), by the transformer class they split: for
 # classes whose diffusers ships no ``_tp_plan``.

@@ -62,12 +62,15 @@ class Tokenizer:
         files: the files copied.
         model_max_length: written into tokenizer_config.json (the length the pipeline pads and cuts to), or None to
             keep ComfyUI's.
+        chat_template: written into tokenizer_config.json (the model's own, where ComfyUI's copy is another model's
+            that shares its vocabulary), or None to keep ComfyUI's.
     """
 
     folder: str
     source: str
     files: tuple[str, ...]
     model_max_length: int | None = None
+    chat_template: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,7 +118,7 @@ class Flux2(FamilyAdapter):
     ) -> torch.Tensor:
         """LATENT samples [batch_size, 4 x VAE channels, height/16, width/16]. ``guidance_scale`` is FLUX.2-dev's
         distilled guidance (an embedding, not CFG). diffusers has no FLUX.2-dev img2img pipeline: given a latent
-        image, ``Flux2Pipeline`` runs the tail of its schedule from the noised image (``_from_image``).
+        image, ``Flux2Pipeline`` runs the tail of its schedule from the noised image (``from_image``).
 
         ``image``, ``image_2``, ``image_3``: reference IMAGEs [1, H, W, 3] in 0..1, the same for every image made,
         handed to ``Flux2Pipeline`` in that order as the PIL images ComfyUI's LoadImage read, so that it resizes
@@ -144,7 +144,7 @@ class Flux2(FamilyAdapter):
         schedule: dict[str, Any] = {"num_inference_steps": sampling.steps}
         on_step_end = step_callback(on_step)
         if latent_image is not None:
-            pipe.scheduler, schedule, on_step_end = _from_image(
+            pipe.scheduler, schedule, on_step_end = from_image(
                 scheduler, sampling, latent_image, noise_mask, prompt_embeds.dtype, device, on_step_end
             )
         packed = pipe(
@@ -158,13 +158,7 @@ class Flux2(FamilyAdapter):
             **({"image": references} if references else {}),
             **schedule,
         ).images
-        # Undo `Flux2Pipeline._pack_latents` ([B, C, h, w] -> [B, h*w, C], tokens in raster order; the pipeline's
-        # `_unpack_latents_with_ids` scatters by position ids to the same place). No batch-norm de-normalisation:
-        # ComfyUI's FLUX.2 LATENT is the normalised, patchified latent and its VAE applies the statistics when
-        # decoding. In float32, ComfyUI's LATENT dtype, even for a bf16 transformer.
-        packed = packed.float()
-        latent_height, latent_width = sampling.height // 16, sampling.width // 16
-        return packed.permute(0, 2, 1).reshape(packed.shape[0], packed.shape[2], latent_height, latent_width).cpu()
+        return comfy_latent(packed, sampling)
 
     def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
         """Flux2Pipeline's reading, with one correction: diffusers 0.42.1 maps a BFL-layout (``diffusion_model.``)
@@ -218,7 +212,17 @@ class Flux2(FamilyAdapter):
 _REFERENCE_MIN_SIDE, _REFERENCE_MAX_ASPECT, _REFERENCE_MAX_AREA = 64, 8, 1024 * 1024
 
 
-def _from_image(
+def comfy_latent(packed: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The denoiser's packed latents [B, h*w, C] as ComfyUI's FLUX.2 LATENT [B, C, h, w]: `_pack_latents` undone
+    (tokens in raster order; the pipelines' `_unpack_latents_with_ids` scatters by position ids to the same place). No
+    batch-norm de-normalisation: ComfyUI's FLUX.2 LATENT is the normalised, patchified latent and its VAE applies the
+    statistics when decoding. In float32, ComfyUI's LATENT dtype, even for a bf16 transformer."""
+    packed = packed.float()
+    latent_height, latent_width = sampling.height // 16, sampling.width // 16
+    return packed.permute(0, 2, 1).reshape(packed.shape[0], packed.shape[2], latent_height, latent_width).cpu()
+
+
+def from_image(
     scheduler: Any,
     sampling: Sampling,
     latent_image: torch.Tensor,
@@ -227,8 +231,9 @@ def _from_image(
     device: torch.device,
     on_step_end: Callable[..., dict],
 ) -> tuple[Any, dict[str, Any], Callable[..., dict]]:
-    """Img2img (and inpainting) on ``Flux2Pipeline``, with the mechanics of diffusers' img2img pipelines and of its
-    FLUX.2 inpaint pipeline (``Flux2KleinInpaintPipeline``, whose reference-image conditioning is Klein's own):
+    """Img2img (and inpainting) on ``Flux2Pipeline`` (and [klein]'s ``Flux2KleinPipeline``), with the mechanics of
+    diffusers' img2img pipelines and of its FLUX.2 inpaint pipeline (``Flux2KleinInpaintPipeline``, whose
+    reference-image conditioning is Klein's own):
 
     - the ``steps``-step schedule Flux2Pipeline would set (its ``mu`` depends on the step count), cut where the
       strength says (``get_timesteps``); the pipeline runs that tail, through a scheduler that takes the already

@@ -26,8 +26,7 @@ zeros — a layer whose output projections are zero adds nothing to its input �
 unnormalised one, exactly as the whole model's (its 31st, normalised, is never read). That layer costs 1/31 of the
 text encoder's memory; ComfyUI gets the same by switching its final norm off.
 
-FLUX.2 [klein] (a Qwen3 text encoder, ``Flux2KleinPipeline``) is recognised and refused: this pack runs
-Flux2Pipeline.
+FLUX.2 [klein]'s files (no guidance embedding, a Qwen3 text encoder) are its own layout: ``flux2_klein/files.py``.
 """
 
 from __future__ import annotations
@@ -314,7 +313,9 @@ def vae_config(shapes: Shapes) -> dict:
     }
 
 
-def _vae(config: dict) -> Callable[[dict], dict]:
+def vae_converter(config: dict) -> Callable[[dict], dict]:
+    """FLUX.2's VAE file (BFL's LDM layout, batch-norm statistics) → ``AutoencoderKLFlux2``'s state dict."""
+
     def convert(checkpoint: dict) -> dict:
         from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
@@ -336,6 +337,55 @@ def _vae(config: dict) -> Callable[[dict], dict]:
 
 
 # -- the layout --------------------------------------------------------------------------------------------------
+def checked_configs(
+    model: str,
+    transformer: SourceHeader,
+    text_encoder: SourceHeader,
+    text_encoder_config: Callable[[Shapes], dict],
+    vae: SourceHeader,
+    pick_text_encoder: str,
+) -> tuple[dict[str, dict], list[Move]]:
+    """The configs of a FLUX.2 transformer (FLUX.2-dev's or [klein]'s), its text encoder (``text_encoder_config``)
+    and FLUX.2's VAE from the files' shapes, and the transformer's moves, after the checks they share: the VAE is
+    FLUX.2's and its latents the transformer's, the text encoder's stacked hidden states are as wide as the
+    transformer's text input (else ``pick_text_encoder`` is the fix), the transformer file holds every tensor moved."""
+    if not is_vae(vae.shapes) or "bn.running_mean" not in vae.shapes:
+        raise InvalidInput(
+            vae.widget,
+            f"{vae.name!r} is not FLUX.2's VAE (the original layout with batch-norm statistics, "
+            "flux2-vae.safetensors); pick that",
+        )
+    configs = configs_from_shapes(
+        (
+            ("transformer", transformer, transformer_config),
+            ("text_encoder", text_encoder, text_encoder_config),
+            ("vae", vae, vae_config),
+        ),
+        model,
+    )
+    if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
+        raise InvalidInput(
+            vae.widget,
+            f"{vae.name!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
+            f"{configs['transformer']['in_channels'] // 4}: pick FLUX.2's VAE (flux2-vae.safetensors)",
+        )
+    stacked = 3 * configs["text_encoder"]["hidden_size"]  # the pipelines stack three hidden states
+    if stacked != configs["transformer"]["joint_attention_dim"]:
+        raise InvalidInput(
+            text_encoder.widget,
+            f"{text_encoder.name!r} does not fit this transformer (3 of its hidden states are {stacked} wide, the "
+            f"transformer takes {configs['transformer']['joint_attention_dim']}); {pick_text_encoder}",
+        )
+    moves = transformer_moves(configs["transformer"])
+    missing = sorted({m.source for m in moves} - set(transformer.shapes))
+    if missing:
+        raise InvalidInput(
+            transformer.widget,
+            f"{transformer.name!r} lacks {missing[0]} (cut short, or not {model}'s); pick {model}'s complete file",
+        )
+    return configs, moves
+
+
 class Flux2Files(FilesLayout):
     """FLUX.2-dev: the BFL transformer, Mistral Small 3.1's language model (``text_encoder``), the 32-channel VAE."""
 
@@ -354,15 +404,9 @@ class Flux2Files(FilesLayout):
     def variant(self, shapes: Shapes) -> str | None:
         if not is_transformer(shapes):
             return None
-        # FLUX.2-dev is guidance-distilled (an embedding of the guidance scale); [klein] has no guidance embedding.
-        if "guidance_in.in_layer.weight" not in shapes:
-            raise InvalidInput(
-                "diffusion_model",
-                "the file is FLUX.2 [klein]'s transformer (a Qwen3 text encoder, Flux2KleinPipeline), which this "
-                "pack does not run; pick FLUX.2-dev's (flux2_dev_bf16.safetensors, or an fp8 one), or use a "
-                "diffusers folder",
-            )
-        return "FLUX.2-dev"
+        # FLUX.2-dev is guidance-distilled (an embedding of the guidance scale); [klein] has no guidance embedding
+        # (flux2_klein/files.py takes it).
+        return "FLUX.2-dev" if "guidance_in.in_layer.weight" in shapes else None
 
     def contents(
         self, variant: str, transformer: SourceHeader, text_encoders: list[SourceHeader], vae: SourceHeader
@@ -391,40 +435,9 @@ class Flux2Files(FilesLayout):
                 f"{TEKKEN_KEY!r}); pick mistral_3_small_flux2_bf16.safetensors as ComfyUI distributes it, or use a "
                 "diffusers folder of FLUX.2-dev",
             )
-        if not is_vae(vae.shapes) or "bn.running_mean" not in vae.shapes:
-            raise InvalidInput(
-                vae.widget,
-                f"{vae.name!r} is not FLUX.2's VAE (the original layout with batch-norm statistics, "
-                "flux2-vae.safetensors); pick that",
-            )
-        configs = configs_from_shapes(
-            (
-                ("transformer", transformer, transformer_config),
-                ("text_encoder", text_encoder, mistral_config),
-                ("vae", vae, vae_config),
-            ),
-            "FLUX.2",
+        configs, moves = checked_configs(
+            "FLUX.2", transformer, text_encoder, mistral_config, vae, "pick FLUX.2-dev's Mistral file"
         )
-        if configs["vae"]["latent_channels"] * 4 != configs["transformer"]["in_channels"]:
-            raise InvalidInput(
-                vae.widget,
-                f"{vae.name!r} has {configs['vae']['latent_channels']} latent channels, but the transformer takes "
-                f"{configs['transformer']['in_channels'] // 4}: pick the VAE of this model (flux2-vae.safetensors)",
-            )
-        stacked = len(HIDDEN_STATES_LAYERS) * configs["text_encoder"]["hidden_size"]
-        if stacked != configs["transformer"]["joint_attention_dim"]:
-            raise InvalidInput(
-                text_encoder.widget,
-                f"{text_encoder.name!r} does not fit this transformer (3 of its hidden states are {stacked} wide, the "
-                f"transformer takes {configs['transformer']['joint_attention_dim']}); pick FLUX.2-dev's Mistral file",
-            )
-        moves = transformer_moves(configs["transformer"])
-        missing = sorted({m.source for m in moves} - set(transformer.shapes))
-        if missing:
-            raise InvalidInput(
-                transformer.widget,
-                f"{transformer.name!r} lacks {missing[0]} (cut short, or not FLUX.2); pick FLUX.2's complete file",
-            )
         return FilesContents(
             variant=variant,
             model_index=MODEL_INDEX,
@@ -440,7 +453,7 @@ class Flux2Files(FilesLayout):
                     filled=mistral_filled(text_encoder.shapes, configs["text_encoder"]),
                 ),
                 Component("transformer", transformer, configs["transformer"], moves=tuple(moves)),
-                Component("vae", vae, configs["vae"], convert=_vae(configs["vae"])),
+                Component("vae", vae, configs["vae"], convert=vae_converter(configs["vae"])),
             ),
             text_encoders=(text_encoder,),
             tokenizers_from_files=(TokenizerFromFile("tokenizer", text_encoder, TEKKEN_KEY, write_tokenizer),),

@@ -91,6 +91,70 @@ def _mistral_processor() -> PixtralProcessor:
     )
 
 
+def tiny_transformer(guidance_embeds: bool) -> Flux2Transformer2DModel:
+    """The tiny pipelines' Flux2 transformer (random weights from torch's generator): 4 heads, text 48 wide (3 stacked
+    hidden states of a 16-wide text encoder); FLUX.2-dev embeds its guidance, [klein] does not."""
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=128,  # 32 latent channels x 2x2 patchification
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=48,  # 3 stacked hidden states x 16
+        timestep_guidance_channels=32,
+        mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4),  # must sum to attention_head_dim
+        guidance_embeds=guidance_embeds,
+    )
+
+
+def tiny_vae(
+    block_out_channels: tuple[int, ...] = (8, 8, 16, 16), norm_num_groups: int = 4, sample_size: int = 64
+) -> AutoencoderKLFlux2:
+    """The tiny pipelines' 32-channel VAE (4 levels: a pipeline without its VAE assumes 8x), with random batch-norm
+    statistics: FLUX.2 normalises latents with them (`vae.bn.running_mean / running_var`), and a fresh BatchNorm's
+    mean 0 / var 1 would hide a forgotten normalisation."""
+    vae = AutoencoderKLFlux2(
+        block_out_channels=block_out_channels,
+        layers_per_block=1,
+        latent_channels=32,
+        norm_num_groups=norm_num_groups,
+        sample_size=sample_size,
+        batch_norm_eps=flux2_files.VAE_BATCH_NORM_EPS,
+        batch_norm_momentum=flux2_files.VAE_BATCH_NORM_MOMENTUM,
+    )
+    vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
+    vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+    return vae
+
+
+def files_transformer(guidance_embeds: bool) -> Flux2Transformer2DModel:
+    """The transformer of the tiny ComfyUI files (random weights from torch's generator): what the files do not carry,
+    the conversion takes from FLUX.2 itself, so it keeps those values (heads 128 wide, the rotary axes and theta, the
+    norm epsilon); 2 heads, 16-wide text encoders' 3 stacked hidden states."""
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=128,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=sum(flux2_files.AXES_DIMS_ROPE),
+        num_attention_heads=2,
+        joint_attention_dim=3 * 16,
+        timestep_guidance_channels=32,
+        mlp_ratio=3.0,
+        axes_dims_rope=flux2_files.AXES_DIMS_ROPE,
+        rope_theta=flux2_files.ROPE_THETA,
+        eps=flux2_files.EPS,
+        guidance_embeds=guidance_embeds,
+    )
+
+
+def files_vae() -> AutoencoderKLFlux2:
+    """The VAE of the tiny ComfyUI files: FLUX.2's 32 norm groups (not in the weights) and batch-norm settings."""
+    return tiny_vae((32, 32, 32, 32), flux2_files.VAE_NORM_GROUPS, 1024)
+
+
 def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     """Build a tiny FLUX.2 pipeline (Mistral3 + Flux2 transformer + 32-channel VAE with batch-norm) in `out_dir`."""
     processor = _mistral_processor()
@@ -128,30 +192,8 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
                 spatial_merge_size=2,
             )
         )
-        transformer = Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=128,  # 32 latent channels x 2x2 patchification
-            num_layers=1,
-            num_single_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=4,
-            joint_attention_dim=48,  # 3 stacked Mistral hidden states x 16
-            timestep_guidance_channels=32,
-            mlp_ratio=3.0,
-            axes_dims_rope=(4, 4, 4, 4),  # must sum to attention_head_dim
-            guidance_embeds=True,
-        )
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=32,
-            norm_num_groups=4,
-            sample_size=64,
-        )
-        # FLUX.2 normalises latents with the VAE's batch-norm statistics (`vae.bn.running_mean / running_var`); a
-        # fresh BatchNorm has mean 0 / var 1, which would hide a forgotten normalisation.
-        vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
-        vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+        transformer = tiny_transformer(guidance_embeds=True)
+        vae = tiny_vae()
 
     pipe = Flux2Pipeline(
         # Flux2Pipeline computes the shift `mu` itself (`compute_empirical_mu`); the scheduler only needs dynamic
@@ -341,33 +383,7 @@ def make_tiny_flux2_files(
                 spatial_merge_size=2,
             )
         )
-        transformer = Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=128,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=sum(flux2_files.AXES_DIMS_ROPE),
-            num_attention_heads=2,
-            joint_attention_dim=3 * 16,
-            timestep_guidance_channels=32,
-            mlp_ratio=3.0,
-            axes_dims_rope=flux2_files.AXES_DIMS_ROPE,
-            rope_theta=flux2_files.ROPE_THETA,
-            eps=flux2_files.EPS,
-            guidance_embeds=True,
-        )
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(32, 32, 32, 32),
-            layers_per_block=1,
-            latent_channels=32,
-            norm_num_groups=flux2_files.VAE_NORM_GROUPS,
-            sample_size=1024,
-            batch_norm_eps=flux2_files.VAE_BATCH_NORM_EPS,
-            batch_norm_momentum=flux2_files.VAE_BATCH_NORM_MOMENTUM,
-        )
-        # A fresh BatchNorm's mean 0 / var 1 would hide a lost statistic.
-        vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
-        vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+        transformer, vae = files_transformer(guidance_embeds=True), files_vae()
     # The dtypes ComfyUI distributes them in: the text encoder and the transformer in bf16 (or fp8), the VAE fp32.
     text_encoder.to(torch.bfloat16)
     weights = transformer.state_dict()
@@ -398,18 +414,34 @@ def make_tiny_flux2_files(
         "text_encoder_2": "none",
         "vae": "tiny_flux2-vae.safetensors",
     }
-    for folder, name, tensors in (
-        ("text_encoders", names["text_encoder"], cut),
-        ("text_encoders", WHOLE_MISTRAL, language),
-        ("vae", names["vae"], _bfl_flux2_vae(vae.state_dict(), 4)),
-    ):
+    text_encoders = {names["text_encoder"]: cut, WHOLE_MISTRAL: language}
+    return write_files(models_dir, reference_root, "tiny-flux2-dev", pipe, names, text_encoders, weights, formats)
+
+
+def write_files(
+    models_dir: str,
+    reference_root: str,
+    stem: str,
+    pipe: object,
+    names: dict[str, str],
+    text_encoders: dict[str, dict[str, torch.Tensor]],
+    weights: dict[str, torch.Tensor],
+    formats: tuple[str, ...],
+) -> dict[str, tuple[dict[str, str], str]]:
+    """A tiny FLUX.2-family pipeline ``pipe`` as ComfyUI's files under ``models_dir``: its text encoder files (by
+    name), its VAE (``names["vae"]``) in flux2-vae.safetensors' layout, and its transformer's ``weights`` in BFL's
+    layout in each of ``formats``, each with its reference folder (``write_formats``, which names the files after
+    ``stem``)."""
+    files = [("text_encoders", name, tensors) for name, tensors in text_encoders.items()]
+    files.append(("vae", names["vae"], _bfl_flux2_vae(pipe.vae.state_dict(), 4)))
+    for folder, name, tensors in files:
         os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, name))
     groups = tagged_groups(weights, _bfl_flux2_transformer)
     return write_formats(
         models_dir,
         reference_root,
-        "tiny-flux2-dev",
+        stem,
         pipe,
         names,
         formats,
