@@ -9,9 +9,11 @@ from diffusers import (
     Flux2Pipeline,
     FluxKontextPipeline,
     FluxPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     WanPipeline,
 )
+from PIL import Image
 
 from parallel_runtime.families import REGISTRY, family
 from parallel_runtime.families.tiny import family_tiny
@@ -21,6 +23,7 @@ PIPELINE_CLASSES = {
     "flux_kontext": FluxKontextPipeline,
     "flux2": Flux2Pipeline,
     "qwenimage": QwenImagePipeline,
+    "qwenimage_edit": QwenImageEditPlusPipeline,
     "wan": WanPipeline,
 }
 TINY_MODELS = {adapter.key: family_tiny(adapter.key).make_tiny_model for adapter in REGISTRY}
@@ -69,11 +72,14 @@ def test_loads_and_generates(built):
     video = {"num_frames": 5} if name == "wan" else {}  # a clip of 5 frames: 2 latent frames
     # FluxKontextPipeline scales any size to its max_area (a megapixel by default).
     area = {"max_area": 48 * 32} if name == "flux_kontext" else {}
+    # QwenImageEditPlusPipeline needs its image (its text encoder sees it through the tiny model's processor).
+    edited = {"image": Image.new("RGB", (24, 16), (200, 30, 90))} if name == "qwenimage_edit" else {}
     output = pipe(
         prompt="a photo of a cat",
         width=48,
         height=32,
         **area,
+        **edited,
         # Not 1: Qwen-Image's `shift_terminal` stretch divides by zero on a single-step schedule (NaN image).
         num_inference_steps=2,
         max_sequence_length=64,
@@ -94,3 +100,15 @@ def test_qwen_template_prefix_is_the_dropped_34_tokens(tmp_path):
     # QwenImagePipeline keeps the hidden states from `prompt_template_encode_start_idx` on: the prompt's first word.
     assert tokens[pipe.prompt_template_encode_start_idx] == "a"
     assert tokens[pipe.prompt_template_encode_start_idx - 1] == "Ċ"  # the newline after "user"
+
+
+def test_qwen_edit_template_prefix_is_the_dropped_64_tokens(tmp_path):
+    model_dir = TINY_MODELS["qwenimage_edit"](str(tmp_path), 0)
+    pipe = QwenImageEditPlusPipeline.from_pretrained(model_dir, transformer=None, vae=None, text_encoder=None)
+    ids = pipe.tokenizer(pipe.prompt_template_encode.format("Picture 1: a photo of a cat")).input_ids
+    tokens = pipe.tokenizer.convert_ids_to_tokens(ids)
+    # QwenImageEditPlusPipeline keeps the hidden states from `prompt_template_encode_start_idx` on: the images'
+    # "Picture 1: ..." and the prompt.
+    assert tokens[pipe.prompt_template_encode_start_idx] == "P"
+    assert tokens[pipe.prompt_template_encode_start_idx - 1] == "Ċ"  # the newline after "user"
+    assert pipe.processor is not None

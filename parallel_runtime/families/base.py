@@ -26,10 +26,16 @@ from ..wire import Prompts, Sampling
 
 log = logging.getLogger(__name__)
 
+# The images an edit model's text encoder reads (EncodeOnBalancedGPUs' inputs, only for the families with
+# ``encoder_images``), by the names they travel under: to the encode stage, then with the conditioning to the denoise,
+# whose transformer reads them too.
+ENCODER_IMAGES = ("image", "image_2", "image_3")
+
 # The denoise stage's image inputs, by the names they travel under beside the embeddings (and the keyword arguments
 # of ``FamilyAdapter.denoise``): a LATENT of the family, a mask of where to repaint (img2img and inpainting), and the
-# reference IMAGE of an edit model (only the families with ``reference_images`` take it).
-IMAGE_INPUTS = ("latent_image", "noise_mask", "image")
+# reference IMAGEs of an edit model (the families with ``reference_images`` take ``image`` from the sampler, those
+# with ``encoder_images`` take the encoder's images with the conditioning).
+IMAGE_INPUTS = ("latent_image", "noise_mask", *ENCODER_IMAGES)
 
 OnStep = Callable[[int, int], None]  # (step index from 0, total steps); raising stops the loop (how a cancel works)
 
@@ -140,6 +146,10 @@ class FamilyAdapter(abc.ABC):
         reference_images: how many reference images the sampler's ``image`` input takes (an edit model's, which
             its transformer reads in its sequence), and must be given; 0: none. Such a family's ``reference_size``
             gives the size the pipeline resizes each to, and its ``denoise`` takes them as ``image``.
+        encoder_images: how many images EncodeOnBalancedGPUs' image inputs (``ENCODER_IMAGES``) take, of which at
+            least one must be given: the text encoder sees them (at ``condition_size``), and they travel with the
+            conditioning to the denoise, whose transformer reads their VAE latents (at ``reference_size``) in its
+            sequence (Qwen-Image-Edit); 0: none.
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
@@ -163,6 +173,7 @@ class FamilyAdapter(abc.ABC):
     pooled_text: ClassVar[bool] = False
     text_mask: ClassVar[bool] = False
     reference_images: ClassVar[int] = 0
+    encoder_images: ClassVar[int] = 0
     block_lists: ClassVar[dict[str, str]] = {
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",
@@ -179,6 +190,10 @@ class FamilyAdapter(abc.ABC):
     def reference_size(self, width: int, height: int) -> tuple[int, int]:
         """The (width, height) a reference image of this size runs at (families with ``reference_images``)."""
         raise NotImplementedError(f"{self.name} takes no reference image")
+
+    def condition_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) the text encoder sees an image of this size at (families with ``encoder_images``)."""
+        raise NotImplementedError(f"{self.name}'s text encoder reads no image")
 
     # -- stages (on the ranks) --------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -187,6 +187,12 @@ def _check_image_linked(handle: TransformerHandle, linked: bool) -> None:
             "ParallelSampler's image input",
         )
     if linked and not family.reference_images:
+        if family.encoder_images:
+            raise InvalidInput(
+                "image",
+                f"is linked, but {model} ({family.name}) reads its images with the prompt; unlink it and link the "
+                "image to EncodeOnBalancedGPUs' image input instead",
+            )
         editors = names(lambda f: f.reference_images > 0, last="or")
         raise InvalidInput(
             "image",
@@ -316,7 +322,7 @@ def validate_sample(
     family, plan = handle.family, handle.plan
     _read_sampler(handle, sampler, scheduler)
     _check_image_linked(handle, image is not None or image_linked)
-    if family.reference_images and (latent_image is not None or latent_linked):
+    if (family.reference_images or family.encoder_images) and (latent_image is not None or latent_linked):
         raise InvalidInput(
             "latent_image",
             f"is linked, but {family.name} edits its image input and starts from noise (no img2img); unlink "
@@ -359,6 +365,12 @@ def validate_sample(
             "true_cfg_scale",
             f"{true_cfg_scale} is below 1; use 1 (true CFG off: one transformer pass "
             "per step) or more (guided by the negative prompt: two passes per step)",
+        )
+    if conditioning is not None and family.encoder_images and not conditioning.images:
+        raise InvalidInput(
+            "positive",
+            f"carries no image, and {handle.spec.model.name} ({family.name}) edits the images its prompt is encoded "
+            "with; encode with EncodeOnBalancedGPUs and link the image to edit to its image input",
         )
     encoded_with = conditioning.model if conditioning is not None else None
     if encoded_with is not None and encoded_with.family != handle.spec.model.family:
@@ -421,7 +433,8 @@ def validate_sample(
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         tokens = image_tokens(family, width, height, length)
-        if tokens % degree and not family.reference_images:  # an edit model's whole sequence is checked below
+        edits = family.reference_images or family.encoder_images
+        if tokens % degree and not edits:  # an edit model's whole sequence is checked below
             clip = f" × {length} frames" if length > 1 else ""
             raise InvalidInput(
                 "latent_image" if latent_linked or latent_image is not None else "width",
@@ -438,6 +451,17 @@ def validate_sample(
                     f"{reference_tokens} ({image.width}×{image.height}) make a sequence of "
                     f"{tokens + reference_tokens}, which does not split over {degree} ranks; turn on anything "
                     "on LoadShardedTransformer, or change width or height by 16",
+                )
+        edit_images = conditioning.images if conditioning is not None else ()
+        if edit_images:  # the images' tokens follow the output's in one sequence, split as a whole
+            sequence = tokens + sum(edit.tokens(family) for edit in edit_images)
+            if sequence % degree:
+                sizes = " and ".join(f"{edit.name}'s {edit.reference[0]}×{edit.reference[1]}" for edit in edit_images)
+                raise InvalidInput(
+                    "width",
+                    f"the output's {tokens} tokens ({width}×{height}) and those of {sizes} make a sequence of "
+                    f"{sequence}, which does not split over {degree} ranks; turn on anything on "
+                    "LoadShardedTransformer, or change width or height by 16",
                 )
         # Wan's _cp_plan leaves the text whole (splits_text): only the video tokens must divide.
         split_text = conditioning is not None and family.splits_text
@@ -545,6 +569,8 @@ def sample(
     tensors = dict(conditioning.tensors)
     if reference is not None:
         tensors["image"] = reference.pixels
+    # An edit model's images, which its text encoder read, go to its transformer too (their names are the encoder's).
+    tensors.update({edit.name: edit.pixels for edit in conditioning.images})
     if image is not None:
         width, height = image.width, image.height
         tensors["latent_image"] = image.samples
