@@ -6,9 +6,15 @@ sequence's split) before anything loads."""
 
 from __future__ import annotations
 
+import io
+
+import numpy as np
 import pytest
 import torch
+from comfyui_host import PromptRejected
+from comfyui_workflows import progress_texts, prompt_window
 from diffusers import QwenImageEditPlusPipeline
+from PIL import Image
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import family
@@ -178,3 +184,70 @@ def test_sampler_refuses_what_the_edit_model_cannot_run(edit_dir):
     with pytest.raises(InvalidInput, match="carries no image") as info:
         jobs.validate_sample(transformer, unseen, **settings)
     assert info.value.widget == "positive"
+
+
+# -- in a real ComfyUI: LoadImage -> EncodeOnBalancedGPUs' image, and the image refused by name at validation (a 400) --
+def edit_workflow(model: str, image: str | None) -> dict:
+    """LoadImage (``image``, a file in ComfyUI's input/; None: none linked) edited by ``model`` with true CFG split over
+    2 CPU ranks (cfg_parallel), decoded and saved."""
+
+    def link(node: str) -> list:
+        return [node, 0]
+
+    nodes = {
+        "1": ("ParallelBackend", {"ranks": 2, "device": "cpu", "memory_policy": "staged"}),
+        "2": ("EncodeOnBalancedGPUs", {"model": model, "prompt": PROMPT, "negative_prompt": NEGATIVE}),
+        "3": ("LoadShardedTransformer", {"model": model, "strategy": "cfg_parallel"}),
+        "4": (
+            "ParallelSampler",
+            {"seed": SEED, "steps": STEPS, "guidance_scale": 1.0, "true_cfg_scale": TRUE_CFG},
+        ),
+        "5": ("VAEDecodeSingleGPU", {"model": model, "device": "cpu"}),
+        "6": ("SaveImage", {"filename_prefix": "qwen_edit"}),
+    }
+    nodes["2"][1]["backend"] = nodes["3"][1]["backend"] = nodes["5"][1]["backend"] = link("1")
+    nodes["4"][1].update(transformer=link("3"), positive=link("2"), batch_size=1, width=WIDTH, height=HEIGHT)
+    nodes["5"][1]["samples"] = link("4")
+    nodes["6"][1]["images"] = link("5")
+    if image is not None:
+        nodes["7"] = ("LoadImage", {"image": image})
+        nodes["2"][1]["image"] = link("7")
+    return {node_id: {"class_type": kind, "inputs": inputs} for node_id, (kind, inputs) in nodes.items()}
+
+
+@pytest.fixture(scope="module")
+def comfyui_edit(comfyui_server, comfyui_models_dir):
+    """The tiny Qwen-Image-Edit (and Qwen-Image) in the server's diffusers folder, and the image in its input/."""
+    for key, name in (("qwenimage_edit", EDIT), ("qwenimage", QWEN)):
+        if not (comfyui_models_dir / name / "model_index.json").is_file():
+            make_tiny_model(key, str(comfyui_models_dir / name))
+    pil_images(edit_image())[0].save(comfyui_server.input_dir / "qwen_edit.png")
+    return comfyui_server
+
+
+@pytest.mark.comfyui
+def test_image_refused_by_name_in_the_host(comfyui_edit):
+    for model, image, hint in (
+        (EDIT, None, "image: is not linked, and tiny-qwen-image-edit (Qwen-Image-Edit) edits images"),
+        (QWEN, "qwen_edit.png", "image: is linked, but tiny-qwenimage's (Qwen-Image) text encoder reads no image"),
+    ):
+        with pytest.raises(PromptRejected) as rejected:
+            comfyui_edit.post_prompt(edit_workflow(model, image))
+        assert rejected.value.status == 400 and "2" in rejected.value.node_errors
+        (error,) = rejected.value.node_errors["2"]["errors"]
+        assert hint in error["details"], error
+
+
+@pytest.mark.comfyui
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_load_image_to_save_image_in_the_host(comfyui_edit, one_shot):
+    prompt_id, _ = comfyui_edit.run(edit_workflow(EDIT, "qwen_edit.png"), timeout=900)
+    shown = progress_texts(prompt_window(comfyui_edit, prompt_id), "2")
+    assert "image 56×40: the text encoder sees it at 448×320, the transformer at 1216×864" in shown, shown
+    (saved,) = comfyui_edit.output_images(prompt_id)
+    got = np.asarray(Image.open(io.BytesIO(comfyui_edit.view(**saved))).convert("RGB")).astype(np.int16)
+    # ComfyUI's SaveImage quantises as uint8(clip(255 * x)).
+    expected = np.clip(255.0 * one_shot()[0].numpy(), 0, 255).astype(np.uint8).astype(np.int16)
+    assert got.shape == (HEIGHT, WIDTH, 3)
+    assert np.abs(got - expected).max() <= 1
