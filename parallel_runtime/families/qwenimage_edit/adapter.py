@@ -15,10 +15,11 @@ denoise as ``image``, ``image_2``, ``image_3``; the pipeline itself resizes and 
 one-shot call. The pipeline takes one prompt at a time (its ``batch_size`` must be 1), its images made as
 ``num_images_per_prompt``.
 
-A diffusers folder is told from Qwen-Image's by ``model_index.json``'s ``_class_name``. ComfyUI's transformer file
-(``qwen_image_edit_2509_*.safetensors``, ``qwen_image_edit_2511_*``) has Qwen-Image's keys and shapes; 2511's
-``zero_cond_t`` is a config switch, not a weight, so nothing in the weights tells an edit model from Qwen-Image or 2511
-from 2509: Qwen-Image's layout (``qwenimage/files.py``) refuses a file so named instead of running it as text-to-image.
+A diffusers folder is told from Qwen-Image's by ``model_index.json``'s ``_class_name``. ComfyUI's transformer files
+(``qwen_image_edit_2509_*.safetensors``, ``qwen_image_edit_2511_*``) have Qwen-Image's keys and shapes (2511's
+``zero_cond_t`` is a config switch, not a weight); only 2511's carries a flag, ComfyUI's empty
+``__index_timestep_zero__`` tensor. Qwen-Image's layout (``qwenimage/files.py``) refuses a file with that flag or an
+edit model's name, instead of running it as text-to-image.
 """
 
 from __future__ import annotations
