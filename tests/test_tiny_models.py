@@ -92,23 +92,18 @@ def test_loads_and_generates(built):
     assert torch.isfinite(image).all()
 
 
-def test_qwen_template_prefix_is_the_dropped_34_tokens(tmp_path):
-    model_dir = TINY_MODELS["qwenimage"](str(tmp_path), 0)
-    pipe = QwenImagePipeline.from_pretrained(model_dir, transformer=None, vae=None, text_encoder=None)
-    ids = pipe.tokenizer(pipe.prompt_template_encode.format("a photo of a cat")).input_ids
+@pytest.mark.parametrize(
+    "key, prompt, first",
+    [
+        ("qwenimage", "a photo of a cat", "a"),  # 34 tokens dropped
+        ("qwenimage_edit", "Picture 1: a photo of a cat", "P"),  # 64 dropped; the images' "Picture n: ..." come first
+    ],
+)
+def test_qwen_template_prefix_is_the_dropped_tokens(tmp_path, key, prompt, first):
+    model_dir = TINY_MODELS[key](str(tmp_path), 0)
+    pipe = PIPELINE_CLASSES[key].from_pretrained(model_dir, transformer=None, vae=None, text_encoder=None)
+    ids = pipe.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids
     tokens = pipe.tokenizer.convert_ids_to_tokens(ids)
-    # QwenImagePipeline keeps the hidden states from `prompt_template_encode_start_idx` on: the prompt's first word.
-    assert tokens[pipe.prompt_template_encode_start_idx] == "a"
+    # The pipelines keep the hidden states from `prompt_template_encode_start_idx` on: what the user part holds.
+    assert tokens[pipe.prompt_template_encode_start_idx] == first
     assert tokens[pipe.prompt_template_encode_start_idx - 1] == "Ċ"  # the newline after "user"
-
-
-def test_qwen_edit_template_prefix_is_the_dropped_64_tokens(tmp_path):
-    model_dir = TINY_MODELS["qwenimage_edit"](str(tmp_path), 0)
-    pipe = QwenImageEditPlusPipeline.from_pretrained(model_dir, transformer=None, vae=None, text_encoder=None)
-    ids = pipe.tokenizer(pipe.prompt_template_encode.format("Picture 1: a photo of a cat")).input_ids
-    tokens = pipe.tokenizer.convert_ids_to_tokens(ids)
-    # QwenImageEditPlusPipeline keeps the hidden states from `prompt_template_encode_start_idx` on: the images'
-    # "Picture 1: ..." and the prompt.
-    assert tokens[pipe.prompt_template_encode_start_idx] == "P"
-    assert tokens[pipe.prompt_template_encode_start_idx - 1] == "Ċ"  # the newline after "user"
-    assert pipe.processor is not None
