@@ -177,7 +177,9 @@ def test_sampler_refuses_what_the_edit_model_cannot_run(edit_dir):
     request = jobs.validate_encode(model=EDIT, prompt=PROMPT, negative_prompt=NEGATIVE, image=edit_image())
     embeds = {"prompt_embeds": torch.zeros(1, 200, 32), "negative_prompt_embeds": torch.zeros(1, 200, 32)}
     positive = jobs.Conditioning(request.model, (PROMPT,), embeds, images=request.images)
-    with pytest.raises(InvalidInput, match="make a sequence of 4119, which does not split over 2 ranks") as info:
+    with pytest.raises(
+        InvalidInput, match=r"image.s 4104 .1216×864. make a sequence of 4119, which does not split over 2 ranks"
+    ) as info:
         jobs.validate_sample(transformer, positive, **{**settings, "width": 80})
     assert info.value.widget == "width"
     unseen = jobs.Conditioning(request.model, (PROMPT,), embeds)

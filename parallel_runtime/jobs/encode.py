@@ -40,11 +40,6 @@ class EditImage:
     condition: tuple[int, int]
     reference: tuple[int, int]
 
-    def tokens(self, family: FamilyAdapter) -> int:
-        """The transformer tokens of its VAE latents, which follow the output's in one sequence."""
-        width, height = self.reference
-        return (width // family.pixels_per_token) * (height // family.pixels_per_token)
-
     def describe(self) -> str:
         """What the node shows of it: its size, and the sizes its pipeline resizes it to."""
         given = f"{self.pixels.shape[2]}×{self.pixels.shape[1]}"

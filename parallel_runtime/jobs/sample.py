@@ -442,27 +442,21 @@ def validate_sample(
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
             )
-        if image is not None:  # the reference's tokens follow the image's in one sequence, split as a whole
-            reference_tokens = (image.width // family.pixels_per_token) * (image.height // family.pixels_per_token)
-            if (tokens + reference_tokens) % degree:
-                raise InvalidInput(
-                    "image",
-                    f"the output's {tokens} tokens ({width}×{height}) and the reference image's "
-                    f"{reference_tokens} ({image.width}×{image.height}) make a sequence of "
-                    f"{tokens + reference_tokens}, which does not split over {degree} ranks; turn on anything "
-                    "on LoadShardedTransformer, or change width or height by 16",
-                )
-        edit_images = conditioning.images if conditioning is not None else ()
-        if edit_images:  # the images' tokens follow the output's in one sequence, split as a whole
-            sequence = tokens + sum(edit.tokens(family) for edit in edit_images)
-            if sequence % degree:
-                sizes = " and ".join(f"{edit.name}'s {edit.reference[0]}×{edit.reference[1]}" for edit in edit_images)
-                raise InvalidInput(
-                    "width",
-                    f"the output's {tokens} tokens ({width}×{height}) and those of {sizes} make a sequence of "
-                    f"{sequence}, which does not split over {degree} ranks; turn on anything on "
-                    "LoadShardedTransformer, or change width or height by 16",
-                )
+        # An edit model's pictures (the sampler's reference image, the encoder's images): their tokens follow the
+        # output's in one sequence, split as a whole.
+        references = [("the reference image", image.width, image.height)] if image is not None else []
+        references += [(edit.name, *edit.reference) for edit in (conditioning.images if conditioning else ())]
+        step = family.pixels_per_token
+        counted = [(name, w, h, (w // step) * (h // step)) for name, w, h in references]
+        sequence = tokens + sum(count for *_, count in counted)
+        if references and sequence % degree:
+            shown = " and ".join(f"{name}'s {count} ({w}×{h})" for name, w, h, count in counted)
+            raise InvalidInput(
+                "image" if image is not None else "width",
+                f"the output's {tokens} tokens ({width}×{height}) and {shown} make a sequence of {sequence}, which "
+                f"does not split over {degree} ranks; turn on anything on LoadShardedTransformer, or change width "
+                "or height by 16",
+            )
         # Wan's _cp_plan leaves the text whole (splits_text): only the video tokens must divide.
         split_text = conditioning is not None and family.splits_text
         text_streams = _text_streams(family, conditioning, true_cfg_scale) if split_text else {}
