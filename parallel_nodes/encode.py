@@ -3,7 +3,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from parallel_runtime import default_spec, jobs
-from parallel_runtime.families import REGISTRY, join_words, names
+from parallel_runtime.families import ENCODER_IMAGES, REGISTRY, join_words, names
 
 from . import comfy
 from .types import CATEGORY, Conditioning, backend_input, dtype_input, max_memory_input, model_input
@@ -81,6 +81,23 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
                         "data_parallel spreads them over the ranks."
                     ),
                 ),
+                # Last too (saved graphs keep loading): the images an edit model's text encoder reads.
+                *(
+                    io.Image.Input(
+                        name,
+                        optional=True,
+                        tooltip=(
+                            f"{'The' if name == 'image' else 'Another'} image to edit as the prompt says, for the edit "
+                            f"models whose text encoder reads images ({names(lambda f: f.encoder_images > 0)}: the "
+                            "image input required, image_2 and image_3 optional; refused by the others), e.g. from "
+                            "LoadImage. Its pipeline's resizing is applied and shown: about 384² at the image's "
+                            "aspect ratio for the text encoder, about 1024² for the VAE latents the transformer "
+                            "reads beside the output's (whatever the output's size); ParallelSampler gets them with "
+                            "positive."
+                        ),
+                    )
+                    for name in ENCODER_IMAGES
+                ),
             ],
             outputs=[
                 Conditioning.Output(
@@ -109,7 +126,8 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
                     "max_sequence_length",
                     "max_memory",
                     "one_prompt_per_line",
-                )
+                ),
+                images_linked=tuple(name for name in ENCODER_IMAGES if node.linked(name)),
             ),
         )
 
@@ -118,4 +136,7 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
         w = comfy.execution_inputs(cls, inputs)
         spec = w.pop("backend") or default_spec()
         comfy.make_room(cls, spec)
-        return io.NodeOutput(comfy.run(cls, jobs.encode_prompt, spec, **w))
+        conditioning = comfy.run(cls, jobs.encode_prompt, spec, **w)
+        if conditioning.images:
+            comfy.show_text(cls, "\n".join(image.describe() for image in conditioning.images))
+        return io.NodeOutput(conditioning)

@@ -153,6 +153,13 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("diffusers", "Flux2Pipeline._pack_latents", "families/flux2.py", "a LATENT to tokens (img2img)"),
     Internal("diffusers", "Flux2Pipeline._patchify_latents", "families/flux2.py", "the VAE's latent to FLUX.2's"),
     Internal("diffusers", "Flux2Pipeline._unpatchify_latents", "families/flux2.py", "FLUX.2's latent to the VAE's"),
+    Internal("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "calculate_dimensions",
+             "families/qwenimage_edit/adapter.py", "the sizes the edit pipeline resizes its images to, which the "
+             "encoder shows and the sampler's split check counts"),
+    Internal("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "CONDITION_IMAGE_SIZE",
+             "families/qwenimage_edit/adapter.py", "the area its text encoder sees an image at"),
+    Internal("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "VAE_IMAGE_SIZE",
+             "families/qwenimage_edit/adapter.py", "the area its VAE encodes an image at for the transformer"),
     # torch: torchrun's agent with its stores bound to one address (worker/agent.py)
     Internal("torch.distributed.elastic.rendezvous.static_tcp_rendezvous", "TCPStore", "worker/agent.py",
              "replaced so the static rendezvous's store listens on the backend's address and carries the beacon"),

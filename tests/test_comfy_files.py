@@ -625,6 +625,15 @@ def test_qwenimage_refusals_name_the_input(qwen, tiny):
     _write(str(cut), {k: v for k, v in full.items() if not k.endswith("attn.norm_q.weight")})
     with pytest.raises(InvalidInput, match=r"diffusion_model: .* lacks 'transformer_blocks.0.attn.norm_q.weight'"):
         jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
+    # Qwen-Image-Edit's files have Qwen-Image's shapes: 2511's is told by ComfyUI's flag, the others by their name,
+    # and refused rather than run without their images as Qwen-Image.
+    _write(str(cut), {**full, "__index_timestep_zero__": torch.tensor([])})
+    with pytest.raises(InvalidInput, match=r"diffusion_model: .* carries ComfyUI's __index_timestep_zero__ flag"):
+        jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
+    edit = "qwen_image_edit_2509_fp8_e4m3fn.safetensors"
+    os.symlink(models / "diffusion_models" / names["diffusion_model"], models / "diffusion_models" / edit)
+    with pytest.raises(InvalidInput, match=r"diffusion_model: .* is named as Qwen-Image-Edit's, .* without its images"):
+        jobs.validate_comfy_files(**{**names, "diffusion_model": edit})
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from diffusers import (
     Flux2Pipeline,
     FluxKontextPipeline,
     FluxPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     WanImageToVideoPipeline,
     WanPipeline,
@@ -25,6 +26,7 @@ PIPELINE_CLASSES = {
     "flux2": Flux2Pipeline,
     "flux2_klein": Flux2KleinPipeline,
     "qwenimage": QwenImagePipeline,
+    "qwenimage_edit": QwenImageEditPlusPipeline,
     "wan": WanPipeline,
     "wan_i2v": WanImageToVideoPipeline,
 }
@@ -76,11 +78,14 @@ def test_loads_and_generates(built):
     start = {"image": Image.new("RGB", (48, 32), "red")} if name == "wan_i2v" else {}
     # FluxKontextPipeline scales any size to its max_area (a megapixel by default).
     area = {"max_area": 48 * 32} if name == "flux_kontext" else {}
+    # QwenImageEditPlusPipeline needs its image (its text encoder sees it through the tiny model's processor).
+    edited = {"image": Image.new("RGB", (24, 16), (200, 30, 90))} if name == "qwenimage_edit" else {}
     output = pipe(
         prompt="a photo of a cat",
         width=48,
         height=32,
         **area,
+        **edited,
         # Not 1: Qwen-Image's `shift_terminal` stretch divides by zero on a single-step schedule (NaN image).
         num_inference_steps=2,
         max_sequence_length=512 if start else 64,
@@ -94,11 +99,18 @@ def test_loads_and_generates(built):
     assert torch.isfinite(image).all()
 
 
-def test_qwen_template_prefix_is_the_dropped_34_tokens(tmp_path):
-    model_dir = TINY_MODELS["qwenimage"](str(tmp_path), 0)
-    pipe = QwenImagePipeline.from_pretrained(model_dir, transformer=None, vae=None, text_encoder=None)
-    ids = pipe.tokenizer(pipe.prompt_template_encode.format("a photo of a cat")).input_ids
+@pytest.mark.parametrize(
+    "key, prompt, first",
+    [
+        ("qwenimage", "a photo of a cat", "a"),  # 34 tokens dropped
+        ("qwenimage_edit", "Picture 1: a photo of a cat", "P"),  # 64 dropped; the images' "Picture n: ..." come first
+    ],
+)
+def test_qwen_template_prefix_is_the_dropped_tokens(tmp_path, key, prompt, first):
+    model_dir = TINY_MODELS[key](str(tmp_path), 0)
+    pipe = PIPELINE_CLASSES[key].from_pretrained(model_dir, transformer=None, vae=None, text_encoder=None)
+    ids = pipe.tokenizer(pipe.prompt_template_encode.format(prompt)).input_ids
     tokens = pipe.tokenizer.convert_ids_to_tokens(ids)
-    # QwenImagePipeline keeps the hidden states from `prompt_template_encode_start_idx` on: the prompt's first word.
-    assert tokens[pipe.prompt_template_encode_start_idx] == "a"
+    # The pipelines keep the hidden states from `prompt_template_encode_start_idx` on: what the user part holds.
+    assert tokens[pipe.prompt_template_encode_start_idx] == first
     assert tokens[pipe.prompt_template_encode_start_idx - 1] == "Ċ"  # the newline after "user"

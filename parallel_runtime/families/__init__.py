@@ -10,13 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .base import IMAGE_INPUTS, FamilyAdapter, LatentLayout, Placement, TensorParallelPlan, img2img_steps
+from .base import (
+    ENCODER_IMAGES,
+    IMAGE_INPUTS,
+    FamilyAdapter,
+    LatentLayout,
+    Placement,
+    TensorParallelPlan,
+    img2img_steps,
+)
 from .files import FilesLayout
 from .flux import Flux1, Flux1Files
 from .flux2 import Flux2, Flux2Files
 from .flux2_klein import Flux2Klein, Flux2KleinFiles
 from .flux_kontext import FluxKontext
 from .qwenimage import QwenImage, QwenImageFiles
+from .qwenimage_edit import QwenImageEdit
 from .wan import Wan
 from .wan.files import WanFiles
 from .wan.tp_plan import WAN_TP_PLAN
@@ -28,6 +37,7 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux2(),
     Flux2Klein(),
     QwenImage(),
+    QwenImageEdit(),
     Wan(),
     WanI2V(),
 )
@@ -92,6 +102,7 @@ def supported() -> str:
 
 
 __all__ = [
+    "ENCODER_IMAGES",
     "FILES_LAYOUTS",
     "IMAGE_INPUTS",
     "REGISTRY",

@@ -29,9 +29,13 @@ log = logging.getLogger(__name__)
 # ParallelSampler's reference IMAGE inputs, in the order their images enter the transformer's sequence: a family takes
 # the first ``reference_images`` of them.
 REFERENCE_INPUTS = ("image", "image_2", "image_3")
+# The images an edit model's text encoder reads (EncodeOnBalancedGPUs' inputs, only for the families with
+# ``encoder_images``): to the encode stage, then with the conditioning to the denoise, whose transformer reads them too,
+# under the reference inputs' names (a family reads its images from one node or the other, never both).
+ENCODER_IMAGES = REFERENCE_INPUTS
 # The denoise stage's image inputs, by the names they travel under beside the embeddings (and the keyword arguments
 # of ``FamilyAdapter.denoise``): a LATENT of the family, a mask of where to repaint (img2img and inpainting), and the
-# reference images (only the families with ``reference_images`` take them).
+# reference images (the sampler's for the families with ``reference_images``, the encoder's with ``encoder_images``).
 IMAGE_INPUTS = ("latent_image", "noise_mask", *REFERENCE_INPUTS)
 
 OnStep = Callable[[int, int], None]  # (step index from 0, total steps); raising stops the loop (how a cancel works)
@@ -152,6 +156,10 @@ class FamilyAdapter(abc.ABC):
         first_frame: the ``image`` is the clip's first frame (Wan I2V), not a reference in the transformer's
             sequence: one image starts every clip, resized to the output's width × height, and it adds no tokens
             (it enters through the transformer's input channels).
+        encoder_images: how many images EncodeOnBalancedGPUs' image inputs (``ENCODER_IMAGES``) take, of which at
+            least one must be given: the text encoder sees them (at ``condition_size``), and they travel with the
+            conditioning to the denoise, whose transformer reads their VAE latents (at ``reference_size``) in its
+            sequence (Qwen-Image-Edit); 0: none.
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
@@ -178,6 +186,7 @@ class FamilyAdapter(abc.ABC):
     needs_reference: ClassVar[bool] = False
     reference_per_image: ClassVar[bool] = False
     first_frame: ClassVar[bool] = False
+    encoder_images: ClassVar[int] = 0
     block_lists: ClassVar[dict[str, str]] = {
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",
@@ -195,6 +204,10 @@ class FamilyAdapter(abc.ABC):
         """The (width, height) a reference image of this size runs at (families with ``reference_images``): the
         pipeline's own resizing. ValueError, with the reason and the fix, for a size the pipeline refuses."""
         raise NotImplementedError(f"{self.name} takes no reference image")
+
+    def condition_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) the text encoder sees an image of this size at (families with ``encoder_images``)."""
+        raise NotImplementedError(f"{self.name}'s text encoder reads no image")
 
     # -- stages (on the ranks) --------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -178,5 +178,6 @@ def with_negative(handle: TransformerHandle, conditioning: Conditioning, negativ
         tensors={**positives, **negatives},
         source=conditioning.source,
         guidance=conditioning.guidance,
+        images=conditioning.images,
     )
     return merged, f"negative: {said}{overrides}"

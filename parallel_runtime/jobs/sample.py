@@ -221,6 +221,12 @@ def _check_references_linked(handle: TransformerHandle, linked: tuple[str, ...])
             "input",
         )
     if linked and not family.reference_images:
+        if family.encoder_images:
+            raise InvalidInput(
+                linked[0],
+                f"is linked, but {model} ({family.name}) reads its images with the prompt; unlink it and link the "
+                "image to EncodeOnBalancedGPUs' image input instead",
+            )
         readers = names(lambda f: f.reference_images > 0, last="or")
         raise InvalidInput(
             linked[0],
@@ -367,13 +373,16 @@ def validate_sample(
     _read_sampler(handle, sampler, scheduler)
     linked = references_linked or tuple(reference.input for reference in references)
     _check_references_linked(handle, linked)
-    if linked and (latent_image is not None or latent_linked):
-        what = "edits its image input" if family.needs_reference else f"takes {' and '.join(linked)}"
+    if (linked or family.encoder_images) and (latent_image is not None or latent_linked):
+        if family.encoder_images:
+            what = "edits the images given to EncodeOnBalancedGPUs"
+        else:
+            what = "edits its image input" if family.needs_reference else f"takes {' and '.join(linked)}"
         raise InvalidInput(
             "latent_image",
             f"is linked, but {family.name} {what} and starts from noise then (no img2img); unlink "
             "latent_image and set the output's size with width and height"
-            + ("" if family.needs_reference else ", or unlink the reference images"),
+            + ("" if family.needs_reference or family.encoder_images else ", or unlink the reference images"),
         )
     if steps < family.min_steps:
         raise InvalidInput("steps", f"{steps} steps {family.min_steps_reason}; use at least {family.min_steps}")
@@ -412,6 +421,12 @@ def validate_sample(
             "true_cfg_scale",
             f"{true_cfg_scale} is below 1; use 1 (true CFG off: one transformer pass "
             "per step) or more (guided by the negative prompt: two passes per step)",
+        )
+    if conditioning is not None and family.encoder_images and not conditioning.images:
+        raise InvalidInput(
+            "positive",
+            f"carries no image, and {handle.spec.model.name} ({family.name}) edits the images its prompt is encoded "
+            "with; encode with EncodeOnBalancedGPUs and link the image to edit to its image input",
         )
     encoded_with = conditioning.model if conditioning is not None else None
     if encoded_with is not None and encoded_with.family != handle.spec.model.family:
@@ -482,9 +497,14 @@ def validate_sample(
         degree = plan.cp_degree
         # The transformer splits image tokens and text tokens separately across the ranks.
         tokens = image_tokens(family, width, height, length)
-        # A clip's first frame adds no tokens; other reference images ride in the sequence, checked as a whole below.
-        in_sequence = tuple(reference for reference in references if not reference.first_frame)
-        if tokens % degree and not (linked and not family.first_frame):
+        # A clip's first frame adds no tokens; an edit model's pictures (the sampler's reference images, the encoder's
+        # images) ride in the sequence after the output's, checked as a whole below.
+        in_sequence = [(r.input, r.width, r.height, r.tokens) for r in references if not r.first_frame]
+        in_sequence += [
+            (edit.name, *edit.reference, image_tokens(family, *edit.reference))
+            for edit in (conditioning.images if conditioning is not None else ())
+        ]
+        if tokens % degree and not ((linked and not family.first_frame) or family.encoder_images):
             clip = f" × {length} frames" if length > 1 else ""
             raise InvalidInput(
                 "latent_image" if latent_linked or latent_image is not None else "width",
@@ -492,12 +512,12 @@ def validate_sample(
                 f"{degree} ranks; turn on anything (Ulysses/Ring-anything) on "
                 "LoadShardedTransformer, or pick a size whose token count divides",
             )
-        if in_sequence:  # the references' tokens follow the image's in one sequence, split as a whole
-            sequence = tokens + sum(reference.tokens for reference in references)
+        if in_sequence:  # the pictures' tokens follow the image's in one sequence, split as a whole
+            sequence = tokens + sum(count for *_, count in in_sequence)
             if sequence % degree:
-                theirs = ", ".join(f"{r.input} {r.tokens} ({r.width}×{r.height})" for r in references)
+                theirs = ", ".join(f"{name} {count} ({w}×{h})" for name, w, h, count in in_sequence)
                 raise InvalidInput(
-                    references[-1].input,
+                    next((r.input for r in reversed(references) if not r.first_frame), "width"),
                     f"the output's {tokens} tokens ({width}×{height}) and the reference images' ({theirs}) make a "
                     f"sequence of {sequence}, which does not split over {degree} ranks; turn on anything on "
                     f"LoadShardedTransformer, or change width or height by {family.pixels_per_token}",
@@ -633,6 +653,8 @@ def sample(
     chosen, schedule = _read_sampler(handle, sampler, scheduler)
     tensors = dict(conditioning.tensors)
     tensors.update({reference.input: reference.pixels for reference in references})
+    # An edit model's images, which its text encoder read, go to its transformer too (their names are the encoder's).
+    tensors.update({edit.name: edit.pixels for edit in conditioning.images})
     if image is not None:
         width, height = image.width, image.height
         tensors["latent_image"] = image.samples

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..arena import TORCH_DTYPES
-from ..families import IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
+from ..families import ENCODER_IMAGES, IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
 from ..families.base import REFERENCE_INPUTS, reference_tokens
 from ..gguf_files import gguf_weights, load_gguf_transformer
 from ..wire import (
@@ -197,7 +197,9 @@ def encode(ctx: OpContext, args: EncodeArgs, tensors: dict) -> OpResult:
     ctx.progress(0, 2, "loading text encoders")
     pipe = models.get(key, lambda: _load_text_encoders(adapter, args.model.path, dtype, placement))
     ctx.progress(1, 2, "encoding")
-    embeds = adapter.encode(pipe, args.prompts)
+    # An edit model's text encoder also sees the images (families with encoder_images); other families take none.
+    images = tuple(tensors[name] for name in ENCODER_IMAGES if name in tensors)
+    embeds = adapter.encode(pipe, args.prompts, images) if images else adapter.encode(pipe, args.prompts)
     ctx.progress(2, 2, _closing(ctx, "encoded"))
     return EncodeResult({k: tuple(v.shape) for k, v in embeds.items()}), embeds
 

@@ -38,8 +38,10 @@ from ..base import (
 )
 
 
-def _encode(pipe: Any, prompts: tuple[str, ...], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    embeds, mask = pipe.encode_prompt(prompt=list(prompts), max_sequence_length=max_sequence_length)
+def _encode(
+    pipe: Any, prompts: tuple[str, ...], max_sequence_length: int, **inputs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    embeds, mask = pipe.encode_prompt(prompt=list(prompts), max_sequence_length=max_sequence_length, **inputs)
     # The pipeline drops an all-ones mask (None); keep one so every conditioning has the same tensors. Passed back in,
     # the pipeline drops it again, so the transformer sees exactly what the one-shot call gives it.
     if mask is None:
@@ -67,19 +69,21 @@ class QwenImage(FamilyAdapter):
     text_mask = True
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
-        from diffusers import QwenImagePipeline
+        import diffusers
 
+        pipeline = getattr(diffusers, self.pipeline)  # an edit variant's also loads its processor
         return load_placed(
-            QwenImagePipeline, model_dir, dtype, placement, "Qwen-Image text encoder", transformer=None, vae=None
+            pipeline, model_dir, dtype, placement, f"{self.name} text encoder", transformer=None, vae=None
         )
 
     @torch.no_grad()
-    def encode(self, pipe: Any, prompts: Prompts) -> dict[str, torch.Tensor]:
+    def encode(self, pipe: Any, prompts: Prompts, **inputs: Any) -> dict[str, torch.Tensor]:
         """The prompts and, for true CFG, the negative prompts ("" is a valid, empty one). Each list is encoded on its
-        own, as the pipeline does, so their lengths may differ."""
+        own, as the pipeline does, so their lengths may differ. ``inputs`` go to the pipeline's ``encode_prompt``
+        with both (an edit pipeline's images)."""
         if prompts.prompts_2 is not None:
-            raise ValueError("Qwen-Image has one text encoder; prompt_2 has nothing to feed.")
-        embeds, mask = _encode(pipe, prompts.prompts, prompts.max_sequence_length)
+            raise ValueError(f"{self.name} has one text encoder; prompt_2 has nothing to feed.")
+        embeds, mask = _encode(pipe, prompts.prompts, prompts.max_sequence_length, **inputs)
         out = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
         negative = prompts.negative_prompts
         if negative is not None:
@@ -88,7 +92,7 @@ class QwenImage(FamilyAdapter):
                     f"{len(negative)} negative prompts for {len(prompts.prompts)} prompts; give one per prompt."
                 )
             out["negative_prompt_embeds"], out["negative_prompt_embeds_mask"] = _encode(
-                pipe, negative, prompts.max_sequence_length
+                pipe, negative, prompts.max_sequence_length, **inputs
             )
         return out
 
@@ -138,18 +142,9 @@ class QwenImage(FamilyAdapter):
             transformer=transformer,
         )
         pipe.set_progress_bar_config(disable=True)
-        device = pipe._execution_device
         # Passed-in embeddings are used as given (the pipeline repeats only what it encodes itself), and their dtype
         # sets the latents' dtype.
-        batch = expand_batch(embeds, sampling.batch_size)
-        names = ["prompt_embeds", "prompt_embeds_mask"]
-        # Negative embeddings only with true CFG on: the pipeline would warn about an unused negative prompt otherwise.
-        if do_true_cfg:
-            names += ["negative_prompt_embeds", "negative_prompt_embeds_mask"]
-        conditioning = {
-            name: batch[name].to(device=device, dtype=torch.long if name.endswith("_mask") else transformer.dtype)
-            for name in names
-        }
+        conditioning = pipeline_conditioning(pipe, expand_batch(embeds, sampling.batch_size), do_true_cfg)
         packed = pipe(
             **conditioning,
             true_cfg_scale=true_cfg_scale,
@@ -165,13 +160,7 @@ class QwenImage(FamilyAdapter):
             callback_on_step_end=step_callback(on_step),
             **image_inputs,
         ).images
-        # What QwenImagePipeline does before `vae.decode` (output_type != "latent"), without needing the VAE's
-        # weights: unpack to [B, C, 1, h, w] and undo the per-channel normalisation, in the pipeline's own arithmetic.
-        # In float32 (ComfyUI's LATENT dtype) even for a bf16 transformer, so the statistics add no rounding.
-        latents = QwenImagePipeline._unpack_latents(
-            packed.float(), sampling.height, sampling.width, pipe.vae_scale_factor
-        )
-        return (latents.cpu() / inverse_std + mean).cpu()
+        return comfy_latents(packed, sampling, mean, inverse_std, pipe.vae_scale_factor)
 
     def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         from diffusers import AutoencoderKLQwenImage
@@ -198,3 +187,28 @@ class QwenImage(FamilyAdapter):
 
     def decoder_channels(self, vae_config: dict) -> int:
         return vae_config["base_dim"]  # Wan 2.1's VAE: base_dim × dim_mult per level, the first level at × 1
+
+
+def pipeline_conditioning(pipe: Any, batch: dict[str, torch.Tensor], true_cfg: bool) -> dict[str, torch.Tensor]:
+    """The embeddings as a Qwen-Image pipeline takes them: on its device, masks as int64, the rest in the
+    transformer's dtype; the negative ones only with true CFG on (the pipeline warns of an unused negative prompt)."""
+    names = ["prompt_embeds", "prompt_embeds_mask"]
+    if true_cfg:
+        names += ["negative_prompt_embeds", "negative_prompt_embeds_mask"]
+    device, dtype = pipe._execution_device, pipe.transformer.dtype
+    return {
+        name: batch[name].to(device=device, dtype=torch.long if name.endswith("_mask") else dtype) for name in names
+    }
+
+
+def comfy_latents(
+    packed: torch.Tensor, sampling: Sampling, mean: torch.Tensor, inverse_std: torch.Tensor, vae_scale_factor: int
+) -> torch.Tensor:
+    """A Qwen-Image pipeline's packed latents as ComfyUI's LATENT: what the pipelines do before ``vae.decode``
+    (output_type != "latent"), without needing the VAE's weights: unpacked to [B, C, 1, h, w], the per-channel
+    normalisation undone, in the pipeline's own arithmetic. In float32 (ComfyUI's LATENT dtype) even for a bf16
+    transformer, so the statistics add no rounding."""
+    from diffusers import QwenImagePipeline
+
+    latents = QwenImagePipeline._unpack_latents(packed.float(), sampling.height, sampling.width, vae_scale_factor)
+    return (latents.cpu() / inverse_std + mean).cpu()

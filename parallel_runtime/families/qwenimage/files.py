@@ -274,6 +274,7 @@ class QwenImageFiles(FilesLayout):
     def contents(
         self, variant: str, transformer: SourceHeader, text_encoders: list[SourceHeader], vae: SourceHeader
     ) -> FilesContents:
+        _refuse_edit_files(transformer)
         (encoder,) = text_encoders
         if not is_text_encoder(encoder.shapes):
             raise InvalidInput(
@@ -328,6 +329,29 @@ class QwenImageFiles(FilesLayout):
             ),
             text_encoders=(encoder,),
         )
+
+
+# The empty tensor ComfyUI's Qwen-Image-Edit-2511 files carry (ComfyUI reads it as that model's reference method,
+# index_timestep_zero: diffusers' zero_cond_t).
+EDIT_2511_FLAG = "__index_timestep_zero__"
+
+
+def _refuse_edit_files(transformer: SourceHeader) -> None:
+    """Qwen-Image-Edit's transformer files (the first Edit, 2509, 2511) have Qwen-Image's keys and shapes: converted as
+    Qwen-Image they would run text-to-image, ignoring the images they are for. 2511's carries ComfyUI's flag; the
+    others are told by their name alone."""
+    if EDIT_2511_FLAG in transformer.shapes:
+        told = f"carries ComfyUI's {EDIT_2511_FLAG} flag: it is Qwen-Image-Edit-2511's"
+    elif "edit" in transformer.name.lower():
+        told = "is named as Qwen-Image-Edit's"
+    else:
+        return
+    raise InvalidInput(
+        transformer.widget,
+        f"{transformer.name!r} {told}, whose weights have Qwen-Image's shapes, so it would run as Qwen-Image, "
+        "without its images; use the Qwen-Image-Edit diffusers folder (Qwen/Qwen-Image-Edit-2511 or -2509; README, "
+        "Edit models) in the model widgets instead",
+    )
 
 
 def _what_encoder(shapes: Shapes) -> str:

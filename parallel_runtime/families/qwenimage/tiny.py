@@ -38,15 +38,18 @@ _QWEN_SPECIAL_TOKENS = (
 )  # fmt: skip
 
 
-def _qwen2_tokenizer() -> Qwen2Tokenizer:
-    """A byte-level BPE Qwen2 tokenizer whose whole-word tokens cover QwenImagePipeline's prompt template.
+def qwen2_tokenizer(template: str | None = None) -> Qwen2Tokenizer:
+    """A byte-level BPE Qwen2 tokenizer whose whole-word tokens cover a pipeline's prompt ``template`` (by default
+    QwenImagePipeline's).
 
     QwenImagePipeline drops the first `prompt_template_encode_start_idx` (34) hidden states, the template's prefix
-    as the real tokenizer cuts it; one token per template word reproduces exactly that count.
+    as the real tokenizer cuts it; one token per template word reproduces exactly that count (and the 64 of
+    QwenImageEditPlusPipeline's template).
     """
-    # The template is set in the pipeline's __init__; an empty pipeline is the cheapest way to read it.
-    empty = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
-    template = empty.prompt_template_encode.format("")
+    if template is None:
+        # The template is set in the pipeline's __init__; an empty pipeline is the cheapest way to read it.
+        empty = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
+        template = empty.prompt_template_encode.format("")
     texts = re.split("|".join(re.escape(token) for token in _QWEN_SPECIAL_TOKENS), template)
     # Each word both at the start of the prompt and after a space ("Ġword"): byte-level BPE tells them apart.
     texts += [" ".join(WORDS), " " + " ".join(WORDS)]
@@ -56,9 +59,10 @@ def _qwen2_tokenizer() -> Qwen2Tokenizer:
     return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]))
 
 
-def make_tiny_model(out_dir: str, seed: int = 0) -> str:
-    """Build a tiny Qwen-Image pipeline (Qwen2.5-VL + QwenImage transformer + Qwen-Image VAE) in `out_dir`."""
-    tokenizer = _qwen2_tokenizer()
+def make_tiny_model(out_dir: str, seed: int = 0, tokenizer: Qwen2Tokenizer | None = None) -> str:
+    """Build a tiny Qwen-Image pipeline (Qwen2.5-VL + QwenImage transformer + Qwen-Image VAE) in `out_dir`, with
+    ``tokenizer`` (by default ``qwen2_tokenizer()``)."""
+    tokenizer = tokenizer or qwen2_tokenizer()
     special_id = tokenizer.convert_tokens_to_ids
 
     with torch.random.fork_rng(devices=[]):
