@@ -168,7 +168,7 @@ def test_sampler_refuses_what_the_edit_model_cannot_run(edit_dir):
     transformer = jobs.plan_transformer(spec(), model=EDIT, strategy="context_parallel", ulysses_degree=2)
     settings = {"steps": STEPS, "width": WIDTH, "height": HEIGHT, "batch_size": 1, "true_cfg_scale": TRUE_CFG}
     with pytest.raises(InvalidInput, match="link the image to EncodeOnBalancedGPUs' image input") as info:
-        jobs.validate_sample(transformer, None, image_linked=True, **settings)
+        jobs.validate_sample(transformer, None, references_linked=("image",), **settings)
     assert info.value.widget == "image"
     with pytest.raises(InvalidInput, match="no img2img") as info:
         jobs.validate_sample(transformer, None, latent_linked=True, **settings)
@@ -178,7 +178,7 @@ def test_sampler_refuses_what_the_edit_model_cannot_run(edit_dir):
     embeds = {"prompt_embeds": torch.zeros(1, 200, 32), "negative_prompt_embeds": torch.zeros(1, 200, 32)}
     positive = jobs.Conditioning(request.model, (PROMPT,), embeds, images=request.images)
     with pytest.raises(
-        InvalidInput, match=r"image.s 4104 .1216×864. make a sequence of 4119, which does not split over 2 ranks"
+        InvalidInput, match=r"image 4104 .1216×864.. make a sequence of 4119, which does not split over 2 ranks"
     ) as info:
         jobs.validate_sample(transformer, positive, **{**settings, "width": 80})
     assert info.value.widget == "width"
