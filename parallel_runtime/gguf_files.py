@@ -50,6 +50,11 @@ TENSOR_PARALLEL_LORAS = (
 )
 
 
+class ReshapedTensors(ValueError):
+    """A GGUF file whose tensors ComfyUI-GGUF stored reshaped (a video model's 5-D convolutions): whole and readable,
+    but not loaded; the message names the file to use instead."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GgufHeader:
     """What a GGUF file's header says.
@@ -95,9 +100,13 @@ def read_gguf(path: str) -> GgufHeader:
     types, shapes, packed = {}, {}, 0
     for tensor in reader.tensors:
         if reader.get_field(f"comfy.gguf.orig_shape.{tensor.name}") is not None:
-            # ComfyUI-GGUF's reshaped tensors (5-D convolutions): no family here has them, and diffusers reads the
-            # stored shape, so such a file is not one of them.
-            raise ValueError(f"its tensor {tensor.name} is stored reshaped (a video model's), not as the family has it")
+            # ComfyUI-GGUF stores a video model's 5-D convolutions (Wan's patch embedding) reshaped, with the shape
+            # beside; diffusers' GGUF path reads the stored shape, so the pack does not load them (yet).
+            raise ReshapedTensors(
+                f"its tensor {tensor.name} is stored reshaped (ComfyUI-GGUF's way with a video model's 5-D "
+                "convolutions, as in Wan's GGUF files), which this pack does not load; use the model's bf16 or fp8 "
+                "safetensors file (fp8 stays fp8 on every strategy)"
+            )
         types[tensor.name] = tensor.tensor_type.name
         shapes[tensor.name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         packed += int(tensor.n_bytes)

@@ -176,6 +176,14 @@ def test_refusals_name_the_input(files):
     iq.write_kv_data_to_file()
     iq.write_tensors_to_file()
     iq.close()
+    # As ComfyUI-GGUF writes Wan's 5-D patch embedding: reshaped to 2-D, its shape beside.
+    wan = gguf.GGUFWriter(str(d / "wan-5d.gguf"), "wan")
+    wan.add_array("comfy.gguf.orig_shape.patch_embedding.weight", [64, 16, 1, 2, 2])
+    wan.add_tensor("patch_embedding.weight", np.zeros((64, 64), np.float32))
+    wan.write_header_to_file()
+    wan.write_kv_data_to_file()
+    wan.write_tensors_to_file()
+    wan.close()
     for value, message in (
         ("cut.gguf", r"not a GGUF file this pack reads: it is cut short"),
         ("junk.gguf", r"not a GGUF file this pack reads"),
@@ -183,6 +191,7 @@ def test_refusals_name_the_input(files):
         ("iq2.gguf", r"holds IQ2_XXS tensors, which diffusers' GGUF path cannot compute; pick a Q8_0"),
         ("wan-arch.gguf", r"a GGUF of 'wan' .* a family this pack does not run; pick a GGUF of FLUX.1"),
         ("said-qwen.gguf", r"says it is a GGUF of 'qwen_image' .* holds FLUX.1's tensors"),
+        ("wan-5d.gguf", r"a GGUF file this pack does not load: .* stored reshaped .* use the model's bf16 or fp8"),
     ):
         with pytest.raises(InvalidInput, match=message) as e:
             jobs.validate_comfy_files(**{**names, "diffusion_model": value})
@@ -225,6 +234,8 @@ def test_the_node_says_what_a_tensor_parallel_rank_holds(files):
     # What the strategies that keep a replica say: the file's packed bytes, not a dtype's copy.
     handle = jobs.plan_transformer(default_spec(ranks=2, device="cpu"), model=name, strategy="context_parallel")
     assert handle.held.startswith("weights: ") and "packed as GGUF on a rank," in handle.held, handle.held
+    handle = jobs.plan_transformer(default_spec(ranks=2, device="cpu"), model=name, strategy="device_map")
+    assert "packed as GGUF on the GPUs, spread by their packed bytes (device_map)" in handle.held, handle.held
 
 
 # -- every strategy on real CPU ranks ----------------------------------------------------------------------------

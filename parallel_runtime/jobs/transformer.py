@@ -126,7 +126,8 @@ def _describe_gguf(folders: list[str], dtype: str, plan: StrategyPlan) -> str:
     how = f"each layer dequantized to {dtype} while it runs"
     if not plan.shards_weights:
         size = sum(os.path.getsize(gguf_weights(folder)) for folder in folders)
-        return f"weights: {_gib(size)} packed as GGUF on a rank, {how}"
+        where = "a rank" if plan.spmd else "the GPUs, spread by their packed bytes (device_map)"
+        return f"weights: {_gib(size)} packed as GGUF on {where}, {how}"
     packed = dequantized = count = 0
     for folder in folders:
         with open(os.path.join(folder, "config.json")) as f:
