@@ -24,6 +24,10 @@ blocks; a rank takes its equal part of every block).
 A plan the pack writes may also name what diffusers' plan form cannot say (``families.TensorParallelPlan``): RMSNorms
 over all the heads, which become ``HeadShardedRMSNorm`` (each rank normalises its own columns with the mean square of
 the whole row, summed over the TP ranks), and attention modules whose ``heads`` count becomes the rank's share.
+
+A GGUF transformer (ComfyUI-GGUF's file, ``gguf_files``) is sliced by the same plan and arithmetic, from the file's
+memory map, into diffusers' GGUF layers: each slice packed where it is whole blocks of the file's type, else
+dequantized at load (``load_gguf_tensor_parallel``, by ``gguf_files.slices_packed``'s rule).
 """
 
 from __future__ import annotations
