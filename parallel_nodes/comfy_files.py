@@ -39,8 +39,8 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                 "the text encoders in models/text_encoders, the VAE in models/vae) for the model input of Encode on "
                 "Balanced GPUs, Load Sharded Transformer and VAE Decode (single GPU): link its output into each. "
                 f"{join_words([layout.variants for layout in FILES_LAYOUTS])}; bf16 / fp16, fp8 and ComfyUI's scaled "
-                "fp8 files, and ComfyUI-GGUF's .gguf transformers (held packed on every rank; not under tensor "
-                "parallel). "
+                "fp8 files, and ComfyUI-GGUF's .gguf transformers (held packed on every rank; under tensor parallel "
+                "each rank's slices, packed where they are whole blocks). "
                 "The first run converts them once into a cached diffusers folder (what is already in the right layout "
                 "is linked, not copied); later runs reuse it. Every strategy then loads it as any diffusers folder."
             ),

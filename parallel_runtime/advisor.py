@@ -31,7 +31,6 @@ from .comfy_files import NO_FILE, plan_files
 from .errors import InvalidInput
 from .estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, step_bytes, weights_share
 from .families import FamilyAdapter
-from .gguf_files import TENSOR_PARALLEL_REFUSAL
 from .headers import DTYPE_BITS, read_header
 from .spec import BackendSpec
 from .strategy import StrategyPlan, TransformerFacts
@@ -134,7 +133,7 @@ class ModelSize:
     parameters: dict[str, int]
     stored_bytes: dict[str, int]
     stored_dtypes: dict[str, tuple[str, ...]]
-    gguf: bool = False  # a GGUF transformer: held packed as stored, and never split by tensor parallelism
+    gguf: bool = False  # a GGUF transformer: held packed as stored (under tensor parallelism, a rank's slices)
 
     @property
     def transformer_parameters(self) -> int:
@@ -370,9 +369,6 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
         options.append(Option(name, int(weights), activations, peak, sends, relative, why, peak <= usable))
 
     def plan(strategy: str, **widgets: int) -> StrategyPlan | None:
-        if model.gguf and strategy in ("tensor_parallel", "tp_cp"):
-            refused.append((strategy, TENSOR_PARALLEL_REFUSAL))
-            return None
         try:
             return StrategyPlan.from_widgets(facts, n, strategy=strategy, **widgets)
         except InvalidInput as e:
@@ -482,8 +478,8 @@ def _changes(model: ModelSize, box: Box, width: int, height: int, options: list[
     verdict = "would fit" if fp8 <= usable else "would still not fit"
     where = f"under device_map over {box.gpus} GPUs" if box.gpus > 1 else "on the GPU"
     changes.append(
-        "smaller weights: an fp8 or GGUF transformer (1 byte a parameter or less, held as stored; GGUF not under "
-        f"tensor parallel) {verdict} {where}: {_gib(fp8)} per GPU"
+        "smaller weights: an fp8 or GGUF transformer (1 byte a parameter or less, held as stored)"
+        f" {verdict} {where}: {_gib(fp8)} per GPU"
     )
     changes.append("GPUs with more memory")
     return changes

@@ -60,7 +60,7 @@ from .families.files import (
     group_moves,
 )
 from .families.lora import SAFETENSORS_SUFFIXES
-from .gguf_files import GGUF_SUFFIX, GGUF_WEIGHTS, computable_types, read_gguf, write_moves
+from .gguf_files import GGUF_SUFFIX, GGUF_WEIGHTS, ReshapedTensors, computable_types, read_gguf, write_moves
 from .headers import read_header
 from .model_folders import (
     PARTIAL,
@@ -262,6 +262,8 @@ def _read_gguf_file(role: str, name: str, widget: str, path: str) -> SourceFile:
         header = read_gguf(path)
     except OSError as e:
         raise InvalidInput(widget, f"{name!r} cannot be read ({e.strerror}); check the file") from None
+    except ReshapedTensors as e:
+        raise InvalidInput(widget, f"{name!r} is a GGUF file this pack does not load: {e}") from None
     except ValueError as e:
         raise InvalidInput(widget, f"{name!r} is not a GGUF file this pack reads: {e}; download it again") from None
     unknown = sorted(set(header.types.values()) - computable_types())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+from .gguf_files import block_shape
 from .strategy import StrategyPlan
 
 ACTIVATION_COPIES = 32
@@ -84,7 +85,5 @@ def gguf_bytes(parameters: int, qtype: str) -> int:
     """Bytes of ``parameters`` packed as GGUF ``qtype`` ("Q8_0": 34 bytes per 32 values, "Q4_K": 144 per 256): what
     each rank holds of a GGUF transformer under the strategies that keep a replica (the few tensors a GGUF file keeps
     in F32, norms and biases, are left out)."""
-    import gguf
-
-    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    values, size = block_shape(qtype)
     return math.ceil(parameters * size / values)

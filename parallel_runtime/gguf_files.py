@@ -7,8 +7,15 @@ save GGUF-packed weights (its GGUF quantizer is not serializable), and a key lay
 family's layout already maps (its moves, kept beside the link). A rank loads it with ``from_single_file`` and
 ``GGUFQuantizationConfig``: the weights stay packed on the rank (Q8_0 about 1.06 bytes a parameter, Q4_K 0.56) and each
 linear layer dequantizes its weight to the compute dtype when it runs. Under every strategy that keeps a replica per
-rank (device_map, context parallel, data parallel, cfg_parallel) each rank holds the packed weights; tensor parallelism
-is refused (see ``TENSOR_PARALLEL_REFUSAL``).
+rank (context parallel, data parallel, cfg_parallel) each rank holds the packed weights; device_map spreads them over
+its GPUs by their packed bytes (``spread_over_gpus``). Under tensor parallelism (and tp_cp) a rank keeps only its
+own slices (``worker/tp_slices.py``), by one rule per weight (``slices_packed``): a GGUF block is 32 or 256 values of
+one row, so a slice of whole rows (a colwise layer) is always whole blocks and stays packed; a slice of the input
+columns (a rowwise layer) stays packed where each rank's share of the columns is whole blocks, and otherwise that
+slice alone is dequantized to the compute dtype at load (its bytes in the dtype, not packed: the node says how many).
+
+The file is read through a copy-on-write memory map (``file_tensors``): the tensors stay the file's pages until a
+rank copies what it keeps, so a rank never holds the whole packed model in its own memory, not even while loading.
 
 The header is read by the ``gguf`` package's reader (a memory map: the tensor data is not read): a file cut short, a
 tensor type the package does not know, or one diffusers cannot compute are refused here, before anything loads.
@@ -18,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from .families.files import Move, apply_moves, group_moves
@@ -32,11 +41,18 @@ GGUF_WEIGHTS = "diffusion_pytorch_model.gguf"  # the converted transformer folde
 GGUF_MOVES = "gguf_moves.json"  # beside it: how its tensors become the model's (the family layout's moves)
 # Types torch holds as they are (diffusers leaves them unpacked); every other type is a packed GGUFParameter.
 _PLAIN = ("F32", "F16")
-TENSOR_PARALLEL_REFUSAL = (
-    "a GGUF transformer cannot be sharded by tensor parallelism (its weights are packed in blocks of 32 or 256 values "
-    "that diffusers' sharding cannot slice); use context_parallel (each rank holds the packed weights, the tokens are "
-    "split), data_parallel or cfg_parallel, or the model's bf16 / fp8 file for tensor_parallel"
+# Neither way of applying a LoRA fits a GGUF transformer's tensor-parallel slices: fusing would quantize the delta away,
+# and PEFT's adapters are whole layers beside a rank's slices (diffusers refuses them on a sharded model).
+TENSOR_PARALLEL_LORAS = (
+    "LoRAs on a GGUF transformer are not applied under tensor parallelism (its slices are packed, and diffusers "
+    "refuses adapters on a sharded model); use context_parallel, data_parallel or cfg_parallel (adapters beside the "
+    "packed weights), or the model's bf16 / fp8 file for tensor_parallel with LoRAs"
 )
+
+
+class ReshapedTensors(ValueError):
+    """A GGUF file whose tensors ComfyUI-GGUF stored reshaped (a video model's 5-D convolutions): whole and readable,
+    but not loaded; the message names the file to use instead."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +100,13 @@ def read_gguf(path: str) -> GgufHeader:
     types, shapes, packed = {}, {}, 0
     for tensor in reader.tensors:
         if reader.get_field(f"comfy.gguf.orig_shape.{tensor.name}") is not None:
-            # ComfyUI-GGUF's reshaped tensors (5-D convolutions): no family here has them, and diffusers reads the
-            # stored shape, so such a file is not one of them.
-            raise ValueError(f"its tensor {tensor.name} is stored reshaped (a video model's), not as the family has it")
+            # ComfyUI-GGUF stores a video model's 5-D convolutions (Wan's patch embedding) reshaped, with the shape
+            # beside; diffusers' GGUF path reads the stored shape, so the pack does not load them (yet).
+            raise ReshapedTensors(
+                f"its tensor {tensor.name} is stored reshaped (ComfyUI-GGUF's way with a video model's 5-D "
+                "convolutions, as in Wan's GGUF files), which this pack does not load; use the model's bf16 or fp8 "
+                "safetensors file (fp8 stays fp8 on every strategy)"
+            )
         types[tensor.name] = tensor.tensor_type.name
         shapes[tensor.name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         packed += int(tensor.n_bytes)
@@ -109,7 +129,8 @@ def write_moves(moves: Iterable[Move], folder: str) -> None:
         json.dump(rows, f)
 
 
-def _read_moves(folder: str) -> list[Move]:
+def read_moves(folder: str) -> list[Move]:
+    """The moves ``write_moves`` recorded in ``folder``."""
     with open(os.path.join(folder, GGUF_MOVES)) as f:
         rows = json.load(f)
     return [Move(target=t, source=s, rows=tuple(r) if r else None, swap_halves=bool(w)) for t, s, r, w in rows]
@@ -117,25 +138,45 @@ def _read_moves(folder: str) -> list[Move]:
 
 def moved_keys(folder: str) -> set[str]:
     """The model's keys the folder's GGUF tensors become (what the client checks the config's block counts against)."""
-    return {move.target for move in _read_moves(folder)}
+    return {move.target for move in read_moves(folder)}
+
+
+def file_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The file's tensors by its keys, as diffusers' GGUF reader makes them (a packed type a ``GGUFParameter`` of its
+    bytes, F32 / F16 plain) but views of a copy-on-write memory map of the file: nothing is read, nor held in the
+    process's own memory, until a tensor is copied (diffusers' ``load_gguf_checkpoint`` copies the whole file)."""
+    import gguf
+    import torch
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    reader = gguf.GGUFReader(path, "c")  # "c": writable views for torch, the file never written
+    tensors = {}
+    for tensor in reader.tensors:
+        data = torch.from_numpy(tensor.data)
+        plain = tensor.tensor_type.name in _PLAIN
+        tensors[tensor.name] = data if plain else GGUFParameter(data, quant_type=tensor.tensor_type)
+    return tensors
+
+
+def moved_tensors(folder: str, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors the folder's moves make of ``tensors`` (``file_tensors`` of its file), one at a time; rows
+    of a packed tensor are whole blocks, so a tensor moved by rows stays packed."""
+    by_source = group_moves(read_moves(folder))
+    return apply_moves(by_source, ((source, tensors.pop(source)) for source in list(by_source)))
 
 
 def load_gguf_transformer(
     cls: type, model_dir: str, dtype: torch.dtype, device: str, subfolder: str = "transformer"
 ) -> torch.nn.Module:
     """``cls`` from ``model_dir``'s GGUF transformer (in ``subfolder``) onto ``device``: the file's tensors read
-    packed by diffusers' GGUF reader, moved to the model's keys by the family's moves (rows of a packed tensor are
-    whole blocks, so a slice along the first dimension stays packed), and the model built by diffusers' own GGUF
-    path (``from_single_file`` with ``GGUFQuantizationConfig``): the weights stay packed; each layer dequantizes to
-    ``dtype`` when it runs. (diffusers' own FLUX converter assumes FLUX.1's width, 3072; the family's moves read the
-    width from the file, as they do for a safetensors file.)"""
+    packed (``file_tensors``), moved to the model's keys by the family's moves, and the model built by diffusers' own
+    GGUF path (``from_single_file`` with ``GGUFQuantizationConfig``): the weights stay packed; each layer dequantizes
+    to ``dtype`` when it runs. (diffusers' own FLUX converter assumes FLUX.1's width, 3072; the family's moves read
+    the width from the file, as they do for a safetensors file.)"""
     from diffusers import GGUFQuantizationConfig
-    from diffusers.models.model_loading_utils import load_gguf_checkpoint
 
     folder = os.path.join(model_dir, subfolder)
-    packed = load_gguf_checkpoint(gguf_weights(folder))
-    by_source = group_moves(_read_moves(folder))
-    state_dict = dict(apply_moves(by_source, ((source, packed.pop(source)) for source in list(by_source))))
+    state_dict = dict(moved_tensors(folder, file_tensors(gguf_weights(folder))))
     return cls.from_single_file(
         state_dict,
         config=model_dir,
@@ -145,6 +186,114 @@ def load_gguf_transformer(
         device=device,
         local_files_only=True,
     )
+
+
+def block_shape(qtype: str) -> tuple[int, int]:
+    """(values, bytes) of one block of GGML type ``qtype`` (Q8_0: 32 values in 34 bytes; F32: one value in 4)."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+
+
+def slices_packed(qtype: str, dim: int | None, block_sizes: Iterable[int] | None, ranks: int) -> bool:
+    """Whether a rank's tensor-parallel slice of a weight packed as ``qtype`` stays packed (the rule, decided per
+    weight): a slice of rows (``dim`` 0, a colwise layer) or a whole tensor (``dim`` None) always does, as a block
+    lies within one row; a slice of the input columns (``dim`` 1, a rowwise layer, in diffusers' ``block_sizes``)
+    does where each rank's share of every block of columns is whole blocks of the type (Q8_0: 32 values, Q4_K: 256).
+    Otherwise the rank dequantizes that slice to the compute dtype at load."""
+    if dim != 1:
+        return True
+    values, _ = block_shape(qtype)
+    return all((block // ranks) % values == 0 for block in block_sizes or ())
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelShare:
+    """What one tensor-parallel rank holds of a GGUF transformer (``tensor_parallel_share``).
+
+    Args:
+        packed_bytes: its slices that stay packed, and the whole tensors the plan does not split.
+        dequantized_bytes: its slices dequantized at load (rowwise layers whose share of the columns is not whole
+            blocks), in the compute dtype.
+        dequantized_weights: how many weights those are.
+    """
+
+    packed_bytes: int
+    dequantized_bytes: int
+    dequantized_weights: int
+
+
+def _plan_style(key: str, layers: dict) -> tuple[object, str] | None:
+    """(the plan's style, "weight" / "bias") of a model key that a plan's glob names, else None."""
+    module, _, name = key.rpartition(".")
+    for pattern, style in layers.items():
+        if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), module):
+            return style, name
+    return None
+
+
+def tensor_parallel_share(folder: str, layers: dict, ranks: int, itemsize: int) -> TensorParallelShare:
+    """An estimate, from the file's header and the folder's moves alone, of what a rank holds of the GGUF transformer
+    in ``folder`` under a tensor-parallel plan's ``layers`` (diffusers' ``_tp_plan`` form) over ``ranks``, computing
+    in a dtype of ``itemsize`` bytes, by ``slices_packed``'s rule. A packed rowwise style whose blocks the model sets
+    in its ``__init__`` (FLUX.1's single blocks' ``proj_out``) is taken as one block here; the ranks apply the exact
+    blocks."""
+    header = read_gguf(gguf_weights(folder))
+    packed = dequantized = count = 0
+    for move in read_moves(folder):
+        qtype, shape = header.types[move.source], header.shapes[move.source]
+        rows = (move.rows[1] - move.rows[0]) if move.rows else shape[0]
+        shape = (rows, *shape[1:])
+        values, size = block_shape(qtype)
+        whole = math.prod(shape) // values * size
+        found = _plan_style(move.target, layers)
+        if found is None:
+            packed += whole
+            continue
+        style, name = found
+        rowwise = style == "rowwise" or type(style).__name__ == "PackedRowwiseParallel"
+        if rowwise and name != "weight":
+            packed += whole  # a rowwise bias is added after the all-reduce: every rank keeps it whole
+        elif rowwise and qtype not in _PLAIN:
+            blocks = getattr(style, "blocks", None)
+            sizes = [shape[1] * b // sum(blocks) for b in blocks] if blocks else [shape[1]]
+            if slices_packed(qtype, 1, sizes, ranks):
+                packed += whole // ranks
+            else:
+                dequantized += math.prod(shape) // ranks * itemsize
+                count += 1
+        else:
+            packed += whole // ranks
+    return TensorParallelShare(packed, dequantized, count)
+
+
+def spread_by_packed_bytes(model: torch.nn.Module, max_memory: dict[int | str, int | str] | None) -> dict[str, object]:
+    """Where device_map puts each block of a loaded GGUF transformer: diffusers' own ``device_map="auto"`` placement
+    (``_determine_device_map``: the memory balanced over ``max_memory``'s devices, all the GPUs' free memory without
+    it, the model's no-split blocks kept whole) of the parameters as they are held, so a packed weight counts its
+    packed bytes, not its values in a dtype."""
+    from diffusers.models.model_loading_utils import _determine_device_map
+
+    return _determine_device_map(model, "auto", max_memory, None)
+
+
+def spread_over_gpus(model: torch.nn.Module, max_memory: dict[int | str, int | str] | None) -> torch.nn.Module:
+    """``model`` (a GGUF transformer loaded on the CPU, its tensors the file's pages) spread over the GPUs by
+    ``spread_by_packed_bytes``, as diffusers' ``device_map="auto"`` spreads a safetensors one (``from_single_file``,
+    its GGUF path, takes no device_map). Each block is moved by ``Module.to`` before accelerate's hooks are attached:
+    accelerate rebuilds a parameter it moves from its class alone, which drops a packed weight's quant_type."""
+    from accelerate import dispatch_model
+
+    device_map = spread_by_packed_bytes(model, max_memory)
+    offloaded = sorted({str(device) for device in device_map.values() if device in ("cpu", "disk")})
+    if offloaded:
+        raise ValueError(
+            f"its packed weights do not fit the GPUs within max_memory (device_map would put some on the "
+            f"{' and '.join(offloaded)}, which a GGUF transformer cannot run from); raise max_memory, or use more GPUs"
+        )
+    for name, device in device_map.items():
+        (model.get_submodule(name) if name else model).to(device)
+    return dispatch_model(model, device_map)
 
 
 def is_gguf_model(module: torch.nn.Module) -> bool:

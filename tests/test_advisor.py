@@ -343,13 +343,12 @@ def test_comfyui_files_are_measured_from_their_headers(tiny_comfy_files, comfy_m
     assert not os.path.exists(os.path.join(comfy_models, "converted"))
 
 
-def test_a_gguf_file_counts_its_size_and_refuses_tensor_parallel(tiny_comfy_files, comfy_models) -> None:
+def test_a_gguf_file_counts_its_size_and_shares_it_under_tensor_parallel(tiny_comfy_files, comfy_models) -> None:
     from safetensors.torch import load_file
 
     from parallel_runtime.advisor import read_files
     from parallel_runtime.comfy_files import resolve
     from parallel_runtime.families.tiny import write_gguf
-    from parallel_runtime.gguf_files import TENSOR_PARALLEL_REFUSAL
 
     widgets, _ = tiny_comfy_files["bf16"]
     source = resolve("diffusion_model", widgets["diffusion_model"], "diffusion_model")
@@ -360,11 +359,12 @@ def test_a_gguf_file_counts_its_size_and_refuses_tensor_parallel(tiny_comfy_file
         assert model.gguf and model.transformer_bytes == os.path.getsize(path)
         assert model.parameters["transformer"] == _file_sizes(source)[0]  # the shapes are the model's, unpacked
         advice = advise(model, parse_gpus("4x80GB,nvlink"), 512, 512)
-        assert ("tensor_parallel", TENSOR_PARALLEL_REFUSAL) in advice.refused
-        assert ("tp_cp", TENSOR_PARALLEL_REFUSAL) in advice.refused
-        assert not any(o.name.startswith(("tensor_parallel", "tp_cp")) for o in advice.options)
-        assert {"device_map over 4 GPUs", "data_parallel 4"} <= {o.name for o in advice.options}
-        assert "not possible: tensor_parallel: a GGUF transformer" in advice.text()
+        options = {o.name: o for o in advice.options}
+        assert {"device_map over 4 GPUs", "data_parallel 4"} <= set(options)
+        # Each tensor-parallel rank holds its share of the packed file (the slices of the planned layers; the tiny
+        # model's 2 heads split over 2 GPUs).
+        options = {o.name: o for o in advise(model, parse_gpus("2x80GB,nvlink"), 512, 512).options}
+        assert options["tensor_parallel tp 2"].weights < model.transformer_bytes == options["data_parallel 2"].weights
     finally:
         os.remove(path)
 

@@ -21,7 +21,7 @@ from parallel_runtime import InvalidInput, default_spec, get_backend, jobs, mode
 from parallel_runtime.estimates import gguf_bytes
 from parallel_runtime.families.flux.tiny import bfl_transformer
 from parallel_runtime.families.tiny import count_blocks, quantize_q4_k, write_gguf, write_gguf_formats
-from parallel_runtime.gguf_files import gguf_weights, load_gguf_transformer, read_gguf
+from parallel_runtime.gguf_files import gguf_weights, load_gguf_transformer, read_gguf, tensor_parallel_share
 
 TOKENS = 32
 
@@ -176,6 +176,14 @@ def test_refusals_name_the_input(files):
     iq.write_kv_data_to_file()
     iq.write_tensors_to_file()
     iq.close()
+    # As ComfyUI-GGUF writes Wan's 5-D patch embedding: reshaped to 2-D, its shape beside.
+    wan = gguf.GGUFWriter(str(d / "wan-5d.gguf"), "wan")
+    wan.add_array("comfy.gguf.orig_shape.patch_embedding.weight", [64, 16, 1, 2, 2])
+    wan.add_tensor("patch_embedding.weight", np.zeros((64, 64), np.float32))
+    wan.write_header_to_file()
+    wan.write_kv_data_to_file()
+    wan.write_tensors_to_file()
+    wan.close()
     for value, message in (
         ("cut.gguf", r"not a GGUF file this pack reads: it is cut short"),
         ("junk.gguf", r"not a GGUF file this pack reads"),
@@ -183,6 +191,7 @@ def test_refusals_name_the_input(files):
         ("iq2.gguf", r"holds IQ2_XXS tensors, which diffusers' GGUF path cannot compute; pick a Q8_0"),
         ("wan-arch.gguf", r"a GGUF of 'wan' .* a family this pack does not run; pick a GGUF of FLUX.1"),
         ("said-qwen.gguf", r"says it is a GGUF of 'qwen_image' .* holds FLUX.1's tensors"),
+        ("wan-5d.gguf", r"a GGUF file this pack does not load: .* stored reshaped .* use the model's bf16 or fp8"),
     ):
         with pytest.raises(InvalidInput, match=message) as e:
             jobs.validate_comfy_files(**{**names, "diffusion_model": value})
@@ -210,16 +219,23 @@ def _tiny_flux_config(made) -> dict:
     return FluxTransformer2DModel.load_config(reference, subfolder="transformer")
 
 
-def test_tensor_parallel_is_refused_with_the_strategy_to_use(files):
+def test_the_node_says_what_a_tensor_parallel_rank_holds(files):
+    """Under tensor_parallel and tp_cp the node counts a rank's slices: packed where they are whole blocks, and apart
+    the rowwise slices the rank dequantizes at load (Q4_K's 256-value blocks do not split the tiny model's 256-wide
+    attention output over 2 ranks; Q8_0's 32-value ones do)."""
     _, made = files
-    name, _ = jobs.model_from_comfy_files(**made["flux"]["Q4_K"][0])
-    for ranks, strategy, args in ((2, "tensor_parallel", {}), (4, "tp_cp", {"ring_degree": 2, "ulysses_degree": 1})):
-        spec = default_spec(ranks=ranks, device="cpu", memory_policy="staged")
-        with pytest.raises(InvalidInput, match=r"strategy: .* cannot be sharded by tensor parallelism .* context_par"):
-            jobs.plan_transformer(spec, model=name, strategy=strategy, tp_degree=2, **args)
-    # What the strategies that hold it say on the node: the file's packed bytes, not a dtype's copy.
+    for qtype, dequantized in (("Q8_0", False), ("Q4_K", True)):
+        name, _ = jobs.model_from_comfy_files(**made["flux"][qtype][0])
+        for ranks, strategy, args in ((2, "tensor_parallel", {}), (4, "tp_cp", {"ring_degree": 2})):
+            spec = default_spec(ranks=ranks, device="cpu", memory_policy="staged")
+            handle = jobs.plan_transformer(spec, model=name, strategy=strategy, tp_degree=2, ulysses_degree=1, **args)
+            assert "packed as GGUF on a rank (its tensor-parallel slices)" in handle.held, handle.held
+            assert ("dequantized at load" in handle.held) is dequantized, handle.held
+    # What the strategies that keep a replica say: the file's packed bytes, not a dtype's copy.
     handle = jobs.plan_transformer(default_spec(ranks=2, device="cpu"), model=name, strategy="context_parallel")
-    assert handle.held.startswith("weights: ") and "packed as GGUF on a rank" in handle.held, handle.held
+    assert handle.held.startswith("weights: ") and "packed as GGUF on a rank," in handle.held, handle.held
+    handle = jobs.plan_transformer(default_spec(ranks=2, device="cpu"), model=name, strategy="device_map")
+    assert "packed as GGUF on the GPUs, spread by their packed bytes (device_map)" in handle.held, handle.held
 
 
 # -- every strategy on real CPU ranks ----------------------------------------------------------------------------
@@ -248,6 +264,9 @@ FLUX_STRATEGIES = [
     ),
     pytest.param("Q4_K", "data_parallel", {}, 2, marks=pytest.mark.slow, id="Q4_K-data_parallel"),
     pytest.param("Q4_K", "device_map", {}, 1, marks=pytest.mark.slow, id="Q4_K-device_map"),
+    # Q4_K: some rowwise slices dequantized at load, the rest packed; Q8_0: every slice packed
+    pytest.param("Q4_K", "tensor_parallel", {}, 1, id="Q4_K-tensor_parallel"),
+    pytest.param("Q8_0", "tensor_parallel", {}, 1, marks=pytest.mark.slow, id="Q8_0-tensor_parallel"),
 ]
 
 
@@ -267,6 +286,34 @@ def test_flux_gguf_strategies(flux_models, qtype, strategy, args, batch):
     assert len(held) == (1 if strategy == "device_map" else 2)
     fp32 = _fp32_bytes(name)
     assert all(m.parameter_bytes < fp32 * 0.5 for m in held), ([m.parameter_bytes for m in held], fp32)
+    if strategy == "tensor_parallel":
+        # Each rank holds its share of the file: its slices (packed, or dequantized where the rule says), the rest
+        # whole, as the node's estimate counts them; well under the whole file.
+        folder = os.path.join(os.environ["COMFY_PARALLEL_CONVERTED"], name, "transformer")
+        share = tensor_parallel_share(folder, FluxTransformer2DModel._tp_plan, 2, 4)
+        assert (share.dequantized_weights > 0) is (qtype == "Q4_K")
+        assert [m.parameter_bytes for m in held] == [share.packed_bytes + share.dequantized_bytes] * 2
+        file = os.path.getsize(gguf_weights(folder))
+        packed = held[0].parameter_bytes - share.dequantized_bytes
+        print(f"FLUX.1 GGUF {qtype} tensor_parallel: a rank holds {packed / file:.2f} × the file packed")
+        assert packed < file * 0.75
+
+
+@pytest.mark.multirank
+@pytest.mark.four_ranks
+@pytest.mark.slow
+def test_flux_gguf_tp_cp_on_four_ranks(flux_models):
+    """tp_cp on 4 CPU ranks (TP 2 inside, Ring 2 across: the tiny model's 2 heads leave one per TP rank, which
+    Ulysses cannot split) of the Q4_K file: each rank's packed and dequantized slices under the sequence split equal
+    the one-shot pipeline on what the file means within 1e-4."""
+    name, one_shot = flux_models["Q4_K"]
+    spec = default_spec(ranks=4, device="cpu", memory_policy="staged")
+    image = generate(spec, "tp_cp", model=name, tokens=TOKENS, tp_degree=2, ring_degree=2, ulysses_degree=1)
+    diff = (image - one_shot(3, 64, 64, 1)).abs().max().item()
+    print(f"FLUX.1 GGUF Q4_K tp_cp tp 2 × ring 2: max |diff| vs one-shot {diff:.3g}")
+    assert diff <= 1e-4
+    held = [m for r in get_backend(spec).status().ranks for m in r.resident if m.component == "transformer"]
+    assert all(m.parallelism == {"tp_degree": 2, "ring_degree": 2, "ulysses_degree": 1} for m in held), held
 
 
 def _fp32_bytes(name: str) -> int:
@@ -301,6 +348,8 @@ QWEN_STRATEGIES = [
     pytest.param("Q8_0", "cfg_parallel", {}, id="Q8_0-cfg_parallel"),
     pytest.param("Q4_K", "cfg_parallel", {}, marks=pytest.mark.slow, id="Q4_K-cfg_parallel"),
     pytest.param("Q4_K", "context_parallel", {"ulysses_degree": 2}, marks=pytest.mark.slow, id="Q4_K-ulysses"),
+    pytest.param("Q4_K", "tensor_parallel", {}, marks=pytest.mark.slow, id="Q4_K-tensor_parallel"),
+    pytest.param("Q8_0", "tensor_parallel", {}, marks=pytest.mark.slow, id="Q8_0-tensor_parallel"),
 ]
 
 
@@ -411,3 +460,64 @@ def test_stacked_loras_on_gguf_weights_are_side_branches(files, flux_models, ggu
     with pytest.raises((InvalidInput, OpFailed), match=r"lora_mode: .* a GGUF transformer holds packed"):
         image(LoraMode.FUSED)
     assert (image(LoraMode.AUTO) - ours).abs().max() <= 1e-6
+
+
+def test_loras_on_gguf_under_tensor_parallel_are_refused_by_name(files, gguf_loras):
+    """A LoRA chained to a GGUF transformer under tensor parallelism is refused at the LoRA loader, naming lora_name
+    and the strategies that take it, before anything loads."""
+    _, made = files
+    name, _ = jobs.model_from_comfy_files(**made["flux"]["Q8_0"][0])
+    handle = jobs.plan_transformer(default_spec(ranks=2, device="cpu"), model=name, strategy="tensor_parallel")
+    with pytest.raises(InvalidInput, match=r"lora_name: gguf_a.safetensors: LoRAs on a GGUF .* context_parallel"):
+        jobs.add_lora(handle, lora_name="gguf_a.safetensors", strength=0.8)
+
+
+# -- device_map ----------------------------------------------------------------------------------------------------
+def test_device_map_spreads_a_gguf_transformer_by_its_packed_bytes(tmp_path):
+    """device_map's plan of where each block of a GGUF transformer goes (``spread_by_packed_bytes``, diffusers' own
+    ``device_map="auto"`` on the packed parameters; on CPU only the plan, as no GPU is there to place it on): a
+    FLUX.1 of 4 + 4 blocks in Q4_K over two GPUs whose budgets hold 0.8 × its packed bytes each goes to both, each
+    GPU within its budget, nothing offloaded; counted in float32 values the same budgets would not hold it."""
+    from collections import Counter
+
+    from parallel_runtime.gguf_files import file_tensors, spread_by_packed_bytes
+
+    torch.manual_seed(0)
+    plain = FluxTransformer2DModel(
+        in_channels=64,
+        num_layers=4,
+        num_single_layers=4,
+        attention_head_dim=128,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        pooled_projection_dim=64,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    )
+    plain.save_config(tmp_path / "transformer")
+    path = write_gguf(plain.state_dict(), str(tmp_path / "flux-Q4_K.gguf"), "flux", "Q4_K")
+    packed = FluxTransformer2DModel.from_single_file(
+        file_tensors(path),
+        config=str(tmp_path),
+        subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+        torch_dtype=torch.float32,
+        local_files_only=True,
+    )
+
+    def size(model: torch.nn.Module, name: str = "") -> int:
+        return sum(p.numel() * p.element_size() for p in (model.get_submodule(name) if name else model).parameters())
+
+    whole, fp32 = size(packed), size(plain)
+    assert whole < fp32 * 0.3  # Q4_K's matrices are 0.56 bytes a value
+    budget = {0: int(whole * 0.8), 1: int(whole * 0.8)}
+    placed = spread_by_packed_bytes(packed, budget)
+    held = Counter()
+    for name, device in placed.items():
+        held[device] += size(packed, name)
+    print(f"GGUF Q4_K over 2 GPUs of {budget[0]} bytes each: {dict(held)} ({whole} packed, {fp32} in float32)")
+    assert set(held) == {0, 1} and all(held[d] <= budget[d] for d in (0, 1)), placed
+    assert sum(held.values()) == whole
+    assert any(block.startswith("transformer_blocks") for block, d in placed.items() if d == 0)
+    assert any(block.startswith("single_transformer_blocks") for block, d in placed.items() if d == 1)
+    assert {"cpu", "disk"} & set(spread_by_packed_bytes(plain, budget).values())

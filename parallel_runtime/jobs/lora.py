@@ -20,6 +20,7 @@ import threading
 from .. import model_folders
 from ..errors import InvalidInput
 from ..families.lora import LoraError, check_file, read_lora, sha256
+from ..gguf_files import TENSOR_PARALLEL_LORAS, gguf_weights
 from ..wire import LoraRef
 from .transformer import TransformerHandle
 from .widgets import check_finite
@@ -140,6 +141,9 @@ def validate_lora(handle: TransformerHandle | None, *, lora_name: str, strength:
     except OSError as e:
         raise InvalidInput("lora_name", f"{lora_name} cannot be read ({e.strerror}); check the file") from None
     ref = LoraRef(name=lora_name, path=path, strength=float(strength), sha256=digest)
+    if handle is not None and handle.spec.plan.shards_weights:
+        if gguf_weights(os.path.join(handle.spec.model.path, "transformer")) is not None:
+            raise InvalidInput("lora_name", f"{lora_name}: {TENSOR_PARALLEL_LORAS}")
     if handle is not None:
         _check(handle, ref)
     return ref

@@ -4,13 +4,14 @@ Nothing loads here: the backend loads the transformer when the sampler first nee
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from .. import families, model_folders
 from ..comfy_files import _gib
 from ..errors import InvalidInput
 from ..estimates import weights_share
-from ..gguf_files import TENSOR_PARALLEL_REFUSAL, gguf_weights
+from ..gguf_files import gguf_weights, tensor_parallel_share
 from ..headers import read_header
 from ..spec import BackendSpec
 from ..strategy import StrategyPlan, TransformerFacts, check_attention
@@ -98,8 +99,6 @@ def plan_transformer(
             "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
         )
     _check_experts(ref, plan, step_cache)
-    if plan.shards_weights and gguf_weights(os.path.join(ref.path, "transformer")) is not None:
-        raise InvalidInput("strategy", f"{model!r} holds a GGUF transformer: {TENSOR_PARALLEL_REFUSAL}")
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(
@@ -120,17 +119,41 @@ def plan_transformer(
     )
 
 
+def _describe_gguf(folders: list[str], dtype: str, plan: StrategyPlan) -> str:
+    """What a rank holds of GGUF transformers: the files packed; under tensor parallelism its slices, packed where
+    they are whole blocks of the file's type, else dequantized to ``dtype`` at load (``gguf_files.slices_packed``),
+    which the text counts apart: that is the memory the rule costs."""
+    how = f"each layer dequantized to {dtype} while it runs"
+    if not plan.shards_weights:
+        size = sum(os.path.getsize(gguf_weights(folder)) for folder in folders)
+        where = "a rank" if plan.spmd else "the GPUs, spread by their packed bytes (device_map)"
+        return f"weights: {_gib(size)} packed as GGUF on {where}, {how}"
+    packed = dequantized = count = 0
+    for folder in folders:
+        with open(os.path.join(folder, "config.json")) as f:
+            layers = families.tp_plan(json.load(f)["_class_name"]).layers
+        share = tensor_parallel_share(folder, layers, plan.tp_degree, _ITEMSIZE[dtype])
+        packed, dequantized = packed + share.packed_bytes, dequantized + share.dequantized_bytes
+        count += share.dequantized_weights
+    text = f"weights: {_gib(packed)} packed as GGUF on a rank (its tensor-parallel slices), {how}"
+    if count:
+        text += (
+            f"; plus {_gib(dequantized)} in {dtype}: {count} rowwise slices that are not whole blocks of the file's "
+            f"type at tp_degree {plan.tp_degree}, dequantized at load (a smaller tp_degree, or a Q8_0 file, keeps "
+            "more of them packed)"
+        )
+    return text
+
+
 def describe_weights(
     model_dir: str, subfolders: tuple[str, ...], dtype: str, weights: Weights, plan: StrategyPlan
 ) -> str:
     """What a rank holds of the transformers' weights in ``model_dir``'s ``subfolders`` (every expert; from the
     safetensors headers): the fp8 ones as ``weights`` says (their float32 scales beside), the rest in ``dtype``; a
-    rank's share under tensor parallelism; a GGUF file packed, as stored."""
+    rank's share under tensor parallelism; a GGUF file packed, as stored (``_describe_gguf``)."""
     folders = [os.path.join(model_dir, subfolder) for subfolder in subfolders]
-    packed = [path for path in map(gguf_weights, folders) if path is not None]
-    if packed:
-        size = sum(os.path.getsize(path) for path in packed)
-        return f"weights: {_gib(size)} packed as GGUF on a rank, each layer dequantized to {dtype} while it runs"
+    if any(gguf_weights(folder) is not None for folder in folders):
+        return _describe_gguf(folders, dtype, plan)
     fp8 = other = 0
     for folder in folders:
         for file in sorted(os.listdir(folder)):

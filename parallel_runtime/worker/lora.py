@@ -25,7 +25,8 @@ strength of 0 is no LoRA. How (``LoraMode``):
   layer the model's ``_cp_plan`` hooks (``proj_out`` gathers the sequence there; an adapter around it adds a
   rank's slice to the gathered whole). The pack's choice for a GGUF transformer (``auto``; ``fused`` refused):
   merging a delta into packed weights would quantize it away, while an adapter is a side branch in the compute
-  dtype beside the layer's dequantized weight, so nothing is lost beyond what the format already lost.
+  dtype beside the layer's dequantized weight, so nothing is lost beyond what the format already lost. Under tensor
+  parallelism a GGUF transformer's LoRAs are refused, naming the strategies that take them.
 
 Every rank reads the files and agrees on the outcome before anything changes, so a bad file is an error on every
 rank at once (the backend stays up, the transformer as it was) rather than one rank missing from a collective. A file
@@ -44,7 +45,7 @@ import torch
 
 from ..families import FamilyAdapter
 from ..families.lora import LoraError, LoraWeights, read_lora
-from ..gguf_files import is_gguf_model
+from ..gguf_files import TENSOR_PARALLEL_LORAS, is_gguf_model
 from ..strategy import StrategyPlan
 from ..wire import LoraMode, LoraRef, TransformerSpec
 from . import fp8_weights
@@ -332,6 +333,8 @@ class _Slices:
 def _check_adapters_allowed(
     transformer: torch.nn.Module, plan: StrategyPlan, wanted: list[_Wanted], read: dict[File, LoraWeights]
 ) -> None:
+    if plan.shards_weights and is_gguf_model(transformer):
+        raise OpError(f"strategy: {TENSOR_PARALLEL_LORAS}")
     if plan.shards_weights:
         raise OpError(
             "lora_mode: diffusers refuses PEFT adapters on a tensor-parallel transformer; use the fused mode (auto)"

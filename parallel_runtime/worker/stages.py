@@ -22,7 +22,7 @@ import torch
 from ..arena import TORCH_DTYPES
 from ..families import ENCODER_IMAGES, IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
 from ..families.base import REFERENCE_INPUTS, reference_tokens
-from ..gguf_files import gguf_weights, load_gguf_transformer
+from ..gguf_files import gguf_weights, load_gguf_transformer, spread_over_gpus
 from ..wire import (
     CacheMode,
     DecodeArgs,
@@ -364,10 +364,18 @@ def _load_placed(
 ) -> torch.nn.Module:
     """device_map's transformer (in ``subfolder``: Wan 2.2's second expert is another): placed by diffusers (its fp8
     weights cast to ``dtype`` on the way, as the plan of where the layers go assumes), then its fp8 weights held as
-    ``spec.weights`` says. A GGUF transformer is held packed, whole on ``placement``'s first device (diffusers'
-    single-file path places a model whole)."""
+    ``spec.weights`` says. A GGUF transformer is held packed, spread by its packed bytes
+    (``gguf_files.spread_over_gpus``); whole on ``placement``'s device where device_map places nothing (the CPU)."""
     if gguf_weights(os.path.join(spec.model.path, subfolder)) is not None:
-        return load_gguf_transformer(adapter.transformer_class(), spec.model.path, dtype, placement.device, subfolder)
+        spread = placement.from_pretrained_kwargs(f"{adapter.name} {subfolder}")
+        device = "cpu" if spread else placement.device  # spread below, from the file's pages
+        transformer = load_gguf_transformer(adapter.transformer_class(), spec.model.path, dtype, device, subfolder)
+        if not spread:
+            return transformer
+        try:
+            return spread_over_gpus(transformer, spread.get("max_memory"))
+        except ValueError as e:
+            raise WidgetError("max_memory", f"{spec.model.name}'s GGUF transformer: {e}") from None
     transformer = adapter.load_transformer(spec.model.path, dtype, placement, subfolder)
     files = fp8_files(spec.model.path, subfolder)
     if files:

@@ -13,14 +13,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import InvalidInput
 from ..families.base import expand_batch
-from ..gguf_files import TENSOR_PARALLEL_REFUSAL, gguf_weights, load_gguf_transformer
+from ..gguf_files import gguf_weights, load_gguf_transformer
 from ..strategy import StrategyPlan, check_attention_on_gpu, ring_attention_backend
 from ..wire import Weights
 from .cfg_parallel import enable_cfg_parallel
 from .diagnostics import device_label
 from .meshes import device_mesh
 from .ops import WidgetError
-from .tp_slices import fp8_files, load_tensor_parallel
+from .tp_slices import fp8_files, load_gguf_tensor_parallel, load_tensor_parallel
 
 if TYPE_CHECKING:
     from diffusers import ContextParallelConfig
@@ -114,13 +114,14 @@ def load_transformer(
     as_stored = weights is Weights.AS_STORED
     gguf = gguf_weights(os.path.join(model_dir, subfolder)) is not None
     if plan.shards_weights:
-        if gguf:
-            raise WidgetError("strategy", TENSOR_PARALLEL_REFUSAL)
         # Each rank reads only its slice of every planned weight, into the tensor it keeps: no rank ever holds the
         # whole model, not even while loading.
         if subfolder != "transformer":
             raise WidgetError("strategy", f"tensor_parallel does not load a second expert ({subfolder}) yet")
-        transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], as_stored)
+        if gguf:
+            transformer = load_gguf_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"])
+        else:
+            transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], as_stored)
     elif gguf:
         transformer = load_gguf_transformer(cls, model_dir, dtype, str(device), subfolder)
     elif fp8_files(model_dir, subfolder):

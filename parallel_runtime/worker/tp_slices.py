@@ -24,10 +24,15 @@ blocks; a rank takes its equal part of every block).
 A plan the pack writes may also name what diffusers' plan form cannot say (``families.TensorParallelPlan``): RMSNorms
 over all the heads, which become ``HeadShardedRMSNorm`` (each rank normalises its own columns with the mean square of
 the whole row, summed over the TP ranks), and attention modules whose ``heads`` count becomes the rank's share.
+
+A GGUF transformer (ComfyUI-GGUF's file, ``gguf_files``) is sliced by the same plan and arithmetic, from the file's
+memory map, into diffusers' GGUF layers: each slice packed where it is whole blocks of the file's type, else
+dequantized at load (``load_gguf_tensor_parallel``, by ``gguf_files.slices_packed``'s rule).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -36,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import gguf_files
 from ..families import TensorParallelPlan, tp_plan
 from . import fp8_weights
 from .ops import OpError, WidgetError
@@ -174,6 +180,47 @@ def _target_dtype(key: str, stored: torch.dtype, dtype: torch.dtype, keep_in_fp3
     return torch.float32 if any(name in key.split(".") for name in keep_in_fp32) else dtype
 
 
+def _empty_model(cls: type, config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """``cls`` as from_pretrained builds it before reading weights: on the meta device, under the run dtype, no
+    initialisation run."""
+    from accelerate import init_empty_weights
+    from diffusers.models.modeling_utils import no_init_weights
+
+    previous = cls._set_default_torch_dtype(dtype)
+    try:
+        with no_init_weights(), init_empty_weights():
+            return cls.from_config(config)
+    finally:
+        if previous is not None:
+            torch.set_default_dtype(previous)
+
+
+def _sharding(
+    model: torch.nn.Module, config: dict, mesh: DeviceMesh | None
+) -> tuple[TensorParallelPlan | None, dict, int, int]:
+    """(the plan, each planned weight's diffusers ``TPShardSpec``, this rank, the ranks) of ``model`` over ``mesh``,
+    checked by diffusers' own checks and recorded on the model as from_pretrained does; with no mesh, nothing split."""
+    if mesh is None:
+        return None, {}, 0, 1
+    from diffusers import TensorParallelConfig
+    from diffusers.hooks.tensor_parallel import _check_tp_supported
+
+    plan = _plan_of(type(model))
+    tp_config = TensorParallelConfig(mesh=mesh)
+    _check_tp_supported(type(model).__name__, plan.layers, config.get("num_attention_heads"), tp_config)
+    model._resolve_parallel_config(tp_config)
+    return plan, shard_specs(model, mesh.size()), mesh.get_local_rank(), mesh.size()
+
+
+def _loaded(model: torch.nn.Module, model_dir: str, device: torch.device) -> None:
+    """What from_pretrained does once the weights are in: the model's name, eval mode, and its buffers (Wan's rotary
+    tables), which stayed on the CPU while it was built under ``init_empty_weights``, on the rank's device."""
+    model.register_to_config(_name_or_path=model_dir)
+    model.eval()
+    for module in model.modules():
+        module._buffers.update({name: b.to(device) for name, b in module._buffers.items() if b is not None})
+
+
 def load_tensor_parallel(
     cls: type,
     model_dir: str,
@@ -190,11 +237,8 @@ def load_tensor_parallel(
 
     Weights the folder stores in fp8 stay fp8 with ``fp8_as_stored`` (this rank's slices, and of a per-row scale its
     rows; ``worker/fp8_weights.py`` hooks their layers), else become ``dtype`` times their scales as they are read."""
-    from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
-    from diffusers import TensorParallelConfig
-    from diffusers.hooks.tensor_parallel import _check_tp_supported, apply_tensor_parallel
-    from diffusers.models.modeling_utils import no_init_weights
+    from diffusers.hooks.tensor_parallel import apply_tensor_parallel
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -208,23 +252,8 @@ def load_tensor_parallel(
         )
     files = weight_files(model_dir, subfolder)
     scales = fp8_weights.read_scales(files)
-
-    # As from_pretrained builds it: on the meta device, under the run dtype, no initialisation run.
-    previous = cls._set_default_torch_dtype(dtype)
-    try:
-        with no_init_weights(), init_empty_weights():
-            model = cls.from_config(config)
-    finally:
-        if previous is not None:
-            torch.set_default_dtype(previous)
-    specs, rank, ranks, plan = {}, 0, 1, None
-    if mesh is not None:
-        plan = _plan_of(cls)
-        tp_config = TensorParallelConfig(mesh=mesh)
-        _check_tp_supported(cls.__name__, plan.layers, config.get("num_attention_heads"), tp_config)
-        model._resolve_parallel_config(tp_config)  # records the config on the model, as from_pretrained does
-        specs = shard_specs(model, mesh.size())
-        rank, ranks = mesh.get_local_rank(), mesh.size()
+    model = _empty_model(cls, config, dtype)
+    plan, specs, rank, ranks = _sharding(model, config, mesh)
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
     keep_in_fp32 = cls._keep_in_fp32_modules or []
     held: dict[str, torch.Tensor | None] = {}  # the weights kept in fp8: their (local) scales
@@ -296,11 +325,7 @@ def load_tensor_parallel(
             f"{os.path.join(model_dir, subfolder)}'s safetensors files lack {shown}: the folder is incomplete or "
             "of another model; download or convert it again"
         )
-    model.register_to_config(_name_or_path=model_dir)
-    model.eval()
-    # Built under init_empty_weights, the model's buffers (Wan's rotary tables) stayed on the CPU: the rank's device.
-    for module in model.modules():
-        module._buffers.update({name: b.to(device) for name, b in module._buffers.items() if b is not None})
+    _loaded(model, model_dir, device)
     for key, scale in held.items():
         fp8_weights.hold(model.get_submodule(key.rpartition(".")[0]), scale, dtype)
     if mesh is not None:
@@ -322,3 +347,120 @@ def _local_scale(
         rows = scale.reshape(-1)
         scale = torch.cat([part for _, part in _parts(rows, 1, 0, spec.block_sizes, rank, ranks)])
     return scale.to(device)
+
+
+def load_gguf_tensor_parallel(
+    cls: type,
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    mesh: DeviceMesh,
+    subfolder: str = "transformer",
+) -> torch.nn.Module:
+    """This rank's ``cls`` transformer from ``model_dir``'s GGUF file, sharded over ``mesh`` by the class's
+    tensor-parallel plan (collective: every rank of ``mesh`` calls it together).
+
+    The model is diffusers' GGUF model (its packed layers ``GGUFLinear``, dequantizing their weight to ``dtype`` when
+    they run), each planned weight this rank's slice of it by ``gguf_files.slices_packed``'s rule: packed where the
+    slice is whole blocks, else (a rowwise layer whose share of the columns is not) dequantized at load, from only the
+    blocks the slice touches. The slices are plain tensors, not DTensors (a packed tensor is no DTensor's local
+    shard), so the forward is the pack's: a colwise layer is its rows' layer as it stands (the rank's output columns,
+    as diffusers' colwise hook hands them on), a rowwise layer sums its partial product over the ranks before its
+    bias is added (``_reduced_forward``). The file is read through its memory map (``gguf_files.file_tensors``): a
+    rank copies only what it keeps, plus one moved tensor at a time where the family's moves concatenate or split."""
+    from diffusers import GGUFQuantizationConfig
+    from diffusers.quantizers.gguf.gguf_quantizer import GGUFQuantizer
+    from diffusers.quantizers.gguf.utils import GGUFParameter, _replace_with_gguf_linear, dequantize_gguf_tensor
+
+    folder = os.path.join(model_dir, subfolder)
+    config = cls.load_config(model_dir, subfolder=subfolder)
+    model = _empty_model(cls, config, dtype)
+    plan, specs, rank, ranks = _sharding(model, config, mesh)
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    keep_in_fp32 = cls._keep_in_fp32_modules or []
+    tensors = gguf_files.file_tensors(gguf_files.gguf_weights(folder))
+    packed = {key for key, tensor in tensors.items() if isinstance(tensor, GGUFParameter)}
+    # diffusers' GGUF layers for the Linear layers whose weight the file packs (it reads only the values' types).
+    targets = {move.target: tensors[move.source] for move in gguf_files.read_moves(folder) if move.source in packed}
+    _replace_with_gguf_linear(model, dtype, targets, modules_to_not_convert=list(keep_in_fp32))
+    loaded: set[str] = set()
+    for key, tensor in gguf_files.moved_tensors(folder, tensors):
+        if key not in expected:
+            continue
+        shape = tensor.quant_shape if isinstance(tensor, GGUFParameter) else tensor.shape
+        if tuple(shape) != tuple(expected[key]):
+            raise OpError(
+                f"{folder}'s GGUF file makes {key} {tuple(shape)}, but the transformer's config.json makes it "
+                f"{tuple(expected[key])}: the file and config are of different models; convert the files again"
+            )
+        fp32 = any(name in key.split(".") for name in keep_in_fp32)
+        if fp32 and isinstance(tensor, GGUFParameter):  # as diffusers' GGUF path does: such a module computes in fp32
+            tensor = dequantize_gguf_tensor(tensor).float()
+        local = _gguf_slice(tensor, specs.get(key), rank, ranks, torch.float32 if fp32 else dtype, device)
+        module_name, _, name = key.rpartition(".")
+        if not isinstance(local, GGUFParameter):
+            local = torch.nn.Parameter(local, requires_grad=False)
+        model.get_submodule(module_name)._parameters[name] = local
+        loaded.add(key)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise OpError(f"{folder}'s GGUF file lacks {', '.join(missing[:5])}: convert the files again")
+    _loaded(model, model_dir, device)
+    model.hf_quantizer = GGUFQuantizer(GGUFQuantizationConfig(compute_dtype=dtype))  # as from_single_file records it
+    group = mesh.get_group()
+    for pattern, style in tp_layers(model).items():
+        if style == "rowwise" or type(style).__name__ == "PackedRowwiseParallel":
+            for _, _, layer in _planned(model, pattern):
+                layer.forward = functools.partial(_reduced_forward, layer, group)
+    split_heads(model, plan, mesh)
+    return model
+
+
+def _gguf_slice(
+    tensor: torch.Tensor, spec: object | None, rank: int, ranks: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """This rank's part of one of a GGUF file's tensors (a ``GGUFParameter`` of packed bytes, or plain), copied onto
+    ``device``: a packed slice packed, with its quant_type; a plain one in ``dtype``; a slice of a packed tensor that
+    is not whole blocks (``gguf_files.slices_packed``) dequantized from the blocks it touches, in ``dtype``."""
+    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+
+    quant = getattr(tensor, "quant_type", None)
+    dim, blocks = (spec.dim, spec.block_sizes) if spec is not None else (None, None)
+    if quant is None or gguf_files.slices_packed(quant.name, dim, blocks, ranks):
+        raw = tensor if quant is None else tensor.as_tensor()
+        if dim == 1 and quant is not None:
+            values, size = gguf_files.block_shape(quant.name)
+            blocks = [block // values * size for block in blocks]  # the columns' blocks, counted in bytes
+        local_shape, parts = list(raw.shape), [(0, raw)]
+        if dim is not None:
+            local_shape[dim] //= ranks
+            parts = list(_parts(raw, raw.dim(), dim, blocks, rank, ranks))
+        local = torch.empty(local_shape, dtype=dtype if quant is None else raw.dtype, device=device)
+        for offset, part in parts:
+            local.narrow(dim or 0, offset, part.shape[dim or 0]).copy_(part)
+        return local if quant is None else GGUFParameter(local, quant_type=quant)
+    # A rowwise slice within blocks: dequantize only the blocks each part of the rank's columns touches.
+    values, size = gguf_files.block_shape(quant.name)
+    raw = tensor.as_tensor()
+    local = torch.empty((raw.shape[0], sum(blocks) // ranks), dtype=dtype, device=device)
+    start, offset = 0, 0
+    for block in blocks:
+        chunk = block // ranks
+        first, last = start + rank * chunk, start + (rank + 1) * chunk
+        low, high = first // values, -(-last // values)
+        touched = GGUFParameter(raw[:, low * size : high * size].contiguous(), quant_type=quant)
+        columns = dequantize_gguf_tensor(touched)[:, first - low * values : last - low * values]
+        local[:, offset : offset + chunk].copy_(columns)
+        start, offset = start + block, offset + chunk
+    return local
+
+
+def _reduced_forward(layer: torch.nn.Linear, group: dist.ProcessGroup, inputs: torch.Tensor) -> torch.Tensor:
+    """A rowwise layer's forward on this rank's columns of its input: its partial product (the weight dequantized to
+    the compute dtype, as diffusers' GGUF layer does), summed over the tensor-parallel ranks, then its bias, once."""
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    compute = getattr(layer, "compute_dtype", None) or inputs.dtype
+    output = torch.nn.functional.linear(inputs, dequantize_gguf_tensor(layer.weight).to(compute))
+    dist.all_reduce(output, group=group)
+    return output if layer.bias is None else output + layer.bias.to(compute)
