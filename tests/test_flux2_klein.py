@@ -152,3 +152,40 @@ def test_klein_img2img_runs_the_pipelines_schedule(klein_dir):
     half = dataclasses.replace(sampling, denoise=0.5)
     repainted = klein.denoise(folder, transformer, embeds, half, latent_image=picture, noise_mask=mask)
     assert torch.equal(repainted[..., :2], picture[..., :2]) and not torch.equal(repainted, picture)
+
+
+def test_klein_reference_images_are_the_pipelines(klein_dir):
+    """[klein] takes FLUX.2-dev's reference inputs: in one process, the denoise with two references (one cropped
+    to whole tokens by the pipeline) equals ``Flux2KleinPipeline(image=[...])``'s latents (packed as ComfyUI's
+    LATENT), and differs from the text-to-image one."""
+    from parallel_runtime.families import Placement
+    from parallel_runtime.families.base import pil_images
+    from parallel_runtime.families.flux2.adapter import comfy_latent
+    from parallel_runtime.wire import Prompts
+
+    folder, klein = str(klein_dir / KLEIN), family("flux2_klein")
+    embeds = klein.encode(klein.load_text_encoders(folder, torch.float32, Placement("cpu")), Prompts((PROMPT,)))
+    transformer = klein.load_transformer(folder, torch.float32, Placement("cpu"))
+    sampling = Sampling(seed=SEED, steps=STEPS, guidance_scale=1.0, width=WIDTH, height=HEIGHT)
+    pictures = [torch.rand(1, h, w, 3, generator=torch.Generator().manual_seed(h)) for w, h in ((64, 64), (96, 72))]
+    latent = klein.denoise(folder, transformer, embeds, sampling, image=pictures[0], image_2=pictures[1])
+    pipe = Flux2KleinPipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    kept = {}
+
+    def keep(pipeline, step, timestep, callback_kwargs):
+        kept["latents"] = callback_kwargs["latents"]
+        return callback_kwargs
+
+    pipe(
+        prompt_embeds=embeds["prompt_embeds"],
+        image=[pil_images(picture)[0] for picture in pictures],
+        num_inference_steps=STEPS,
+        width=WIDTH,
+        height=HEIGHT,
+        generator=[torch.Generator("cpu").manual_seed(SEED)],
+        output_type="latent",
+        callback_on_step_end=keep,
+    )
+    assert (latent - comfy_latent(kept["latents"], sampling)).abs().max().item() <= 1e-5
+    assert (latent - klein.denoise(folder, transformer, embeds, sampling)).abs().max().item() > 1e-3

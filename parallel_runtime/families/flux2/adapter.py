@@ -126,9 +126,7 @@ class Flux2(FamilyAdapter):
         from diffusers import Flux2Pipeline
 
         check_size(self, sampling)
-        references = [pil_images(pixels)[0] for pixels in (image, image_2, image_3) if pixels is not None]
-        if references and latent_image is not None:
-            raise ValueError(f"{self.name} starts from noise beside reference images (no img2img with them).")
+        references = self.reference_pictures(latent_image, image, image_2, image_3)
         scheduler = scheduler_for(model_dir, sampling)
         # The pipeline encodes the references itself (the posterior's argmax); the VAE is small and loads here, in
         # the transformer's dtype, which is the one the pipeline hands it the pixels in.
@@ -159,6 +157,14 @@ class Flux2(FamilyAdapter):
             **schedule,
         ).images
         return comfy_latent(packed, sampling)
+
+    def reference_pictures(self, latent_image: torch.Tensor | None, *images: torch.Tensor | None) -> list[Any]:
+        """The reference IMAGEs given, in order, as the PIL images the pipelines take (``pil_images``); refused beside
+        a latent image, which the pipelines have no img2img for."""
+        references = [pil_images(pixels)[0] for pixels in images if pixels is not None]
+        if references and latent_image is not None:
+            raise ValueError(f"{self.name} starts from noise beside reference images (no img2img with them).")
+        return references
 
     def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
         """Flux2Pipeline's reading, with one correction: diffusers 0.42.1 maps a BFL-layout (``diffusion_model.``)

@@ -35,9 +35,6 @@ class Flux2Klein(Flux2):
     # Flux2KleinPipeline's tokenizer_max_length, the chat template included.
     max_sequence_length = 512
     true_cfg = True
-    # Flux2KleinPipeline takes reference images too; FLUX.2-dev's reference path is not wired to it yet, so the sampler
-    # refuses them by name instead of inheriting FLUX.2-dev's three.
-    reference_images = 0
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
         from diffusers import Flux2KleinPipeline
@@ -68,15 +65,20 @@ class Flux2Klein(Flux2):
         *,
         latent_image: torch.Tensor | None = None,
         noise_mask: torch.Tensor | None = None,
+        image: torch.Tensor | None = None,
+        image_2: torch.Tensor | None = None,
+        image_3: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """LATENT samples [batch_size, 4 x VAE channels, height/16, width/16], FLUX.2's. CFG (two transformer passes
         per step) when ``true_cfg_scale`` > 1 and the embeddings hold negative ones, as the pipeline's
         ``guidance_scale``; a distilled model refuses it. ``guidance_scale`` (FLUX.2-dev's embedded guidance) has no
         layer to reach. Given a latent image, the tail of the schedule from the noised image, as FLUX.2's
-        (``from_image``)."""
+        (``from_image``). ``image``, ``image_2``, ``image_3``: reference IMAGEs, which ``Flux2KleinPipeline`` resizes
+        and places in the sequence as ``Flux2Pipeline`` does (FLUX.2-dev's ``reference_size`` holds)."""
         from diffusers import Flux2KleinPipeline
 
         check_size(self, sampling)
+        references = self.reference_pictures(latent_image, image, image_2, image_3)
         distilled = bool(Flux2KleinPipeline.load_config(model_dir).get("is_distilled", False))
         cfg_scale = sampling.true_cfg_scale or 1.0
         cfg = cfg_scale > 1 and "negative_prompt_embeds" in embeds
@@ -123,6 +125,7 @@ class Flux2Klein(Flux2):
             generator=generators(sampling.seed, sampling.batch_size),
             output_type="latent",
             callback_on_step_end=keep_last,
+            **({"image": references} if references else {}),
             **schedule,
         )
         return comfy_latent(last["latents"], sampling)
