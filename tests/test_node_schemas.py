@@ -66,6 +66,7 @@ GROWN_AFTER_0_1_0 = {
     "LoadShardedTransformer": ["cache", "cache_threshold", "compile", "weights"],
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
     "ParallelModelFromComfyFiles": ["diffusion_model_2"],  # Wan 2.2 A14B's low-noise expert
+    "ParallelLoraLoader": ["expert"],  # which of Wan 2.2 A14B's experts a LoRA changes
 }
 CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
 for _node_id, _grown in GROWN_AFTER_0_1_0.items():

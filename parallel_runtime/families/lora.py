@@ -245,6 +245,8 @@ def _read(family: FamilyAdapter, path: str, config: dict) -> LoraWeights:
     converter.addHandler(notes)
     try:
         state_dict, network_alphas, metadata = family.lora_state_dict(path)
+    except LoraError:  # the family's own refusal, in its words
+        raise
     except Exception as e:  # diffusers' converters fail in many ways on a file of another model
         message = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise LoraError(

@@ -69,6 +69,7 @@ class Wan(FamilyAdapter):
     # flow_shift as their shift.
     samplers = (Sampler.UNI_PC, Sampler.EULER, Sampler.LCM)
     block_lists: ClassVar[dict[str, str]] = {"num_layers": "blocks"}
+    taylorseer_layers = (r"blocks\.\d+\.attn[12]",)  # both attentions of every block, as FLUX's defaults hook
 
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
         from diffusers import WanPipeline
@@ -111,6 +112,31 @@ class Wan(FamilyAdapter):
         from diffusers import WanTransformer3DModel
 
         return WanTransformer3DModel
+
+    def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
+        """diffusers' reading (the diffusers / PEFT layout, musubi-tuner's ``lora_unet_…``, ComfyUI's
+        ``diffusion_model.…``), and what step-distillation LoRAs (lightx2v's) carry beside their pairs: ``.diff``
+        (a layer's weight change) and ``.diff_b`` (its bias change) keys, which ComfyUI adds to the layers; diffusers
+        drops some of them unnoticed (the norms') and reads others as PEFT's ``lora_B.bias``. Where they are all zero
+        (as lightx2v's norms' are) leaving them out changes nothing; a non-zero one is refused by name."""
+        from safetensors import safe_open
+
+        from ..lora import LoraError
+
+        with safe_open(path, framework="pt") as f:
+            diffs = [key for key in f.keys() if key.endswith((".diff", ".diff_b"))]
+            changed = [key for key in diffs if f.get_tensor(key).count_nonzero()]
+        if changed:
+            raise LoraError(
+                f"holds {len(changed)} direct weight or bias changes ({changed[0]}{', …' if len(changed) > 1 else ''}: "
+                "diff / diff_b keys, as lightx2v's step-distillation LoRAs carry) that are not zero; this loader "
+                "applies LoRA pairs only. Use ComfyUI's own LoraLoaderModelOnly with ComfyUI's Wan nodes for this "
+                "file, or a release of the LoRA without them"
+            )
+        state_dict, alphas, metadata = super().lora_state_dict(path)
+        if diffs:  # the zero diff_b keys diffusers kept, as biases of nothing
+            state_dict = {key: value for key, value in state_dict.items() if not key.endswith(".lora_B.bias")}
+        return state_dict, alphas, metadata
 
     def transformer_subfolders(self, model_dir: str) -> tuple[str, ...]:
         return ("transformer", SECOND_EXPERT) if has_second_expert(pipeline_config(model_dir)) else ("transformer",)
