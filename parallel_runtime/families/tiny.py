@@ -46,10 +46,11 @@ def family_tiny(family_key: str) -> ModuleType:
     return importlib.import_module(f"{__package__}.{family(family_key).key}.tiny")
 
 
-def make_tiny_model(family_key: str, out_dir: str, seed: int = 0) -> str:
+def make_tiny_model(family_key: str, out_dir: str, seed: int = 0, **options: object) -> str:
     """Build a tiny random-weight pipeline of the family offline into ``out_dir`` (a ``save_pretrained`` folder, which
-    the family's real pipeline class loads); ``out_dir``. Deterministic for a seed; the caller's RNG is left alone."""
-    return family_tiny(family_key).make_tiny_model(out_dir, seed)
+    the family's real pipeline class loads); ``out_dir``. Deterministic for a seed; the caller's RNG is left alone.
+    ``options``: the family builder's own (Wan's ``two_experts``)."""
+    return family_tiny(family_key).make_tiny_model(out_dir, seed, **options)
 
 
 # -- tokenizers ----------------------------------------------------------------------------------------------------
