@@ -13,7 +13,6 @@ import concurrent.futures
 import dataclasses
 import json
 import math
-import os
 import shutil
 import threading
 import time
@@ -109,19 +108,6 @@ def models_dir(models_root):
     for key, settings in FAMILIES.items():
         make_tiny_model(key, str(models_root / settings["model"]))
     return models_root
-
-
-@pytest.fixture(scope="module")
-def loras_dir(tmp_path_factory):
-    """The LoRA folder the steps see (COMFY_PARALLEL_LORAS) for this module."""
-    root = tmp_path_factory.mktemp("loras")
-    old = os.environ.get("COMFY_PARALLEL_LORAS")
-    os.environ["COMFY_PARALLEL_LORAS"] = str(root)
-    yield root
-    if old is None:
-        del os.environ["COMFY_PARALLEL_LORAS"]
-    else:
-        os.environ["COMFY_PARALLEL_LORAS"] = old
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ with diffusers' converters, and each is compared with the same deltas saved by `
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -44,19 +43,6 @@ def models_dir(models_root):
     make_tiny_model(str(models_root / WAN21), 0)
     make_tiny_model(str(models_root / WAN22), 0, two_experts=True)
     return models_root
-
-
-@pytest.fixture(scope="module")
-def loras_dir(tmp_path_factory):
-    """The LoRA folder the steps see (COMFY_PARALLEL_LORAS) for this module."""
-    root = tmp_path_factory.mktemp("wan-loras")
-    old = os.environ.get("COMFY_PARALLEL_LORAS")
-    os.environ["COMFY_PARALLEL_LORAS"] = str(root)
-    yield root
-    if old is None:
-        del os.environ["COMFY_PARALLEL_LORAS"]
-    else:
-        os.environ["COMFY_PARALLEL_LORAS"] = old
 
 
 @pytest.fixture(scope="module")
