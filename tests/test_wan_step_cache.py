@@ -2,7 +2,7 @@
 so nothing a pass of the high-noise expert left (its first block's residual, its Taylor factors) decides a pass of
 the low-noise one: the switch's first pass runs in full. In one process against diffusers' ``enable_cache`` on each
 of ``WanPipeline``'s transformers (the rule, with a threshold that skips every pass it can); on 2 CPU ranks (slow)
-under Ulysses, every rank deciding alike, against the same one-process video.
+under Ulysses, both caches, every rank deciding alike, against the same one-process video.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def test_each_expert_caches_from_its_own_state(folder, cache, config, decisions)
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_ranks_agree_on_two_experts_under_ulysses(folder):
+@pytest.mark.parametrize("cache, config, decisions", RULES, ids=[r[0].mode.value for r in RULES])
+def test_ranks_agree_on_two_experts_under_ulysses(folder, cache, config, decisions):
     spec = default_spec(ranks=2, device="cpu", memory_policy="resident")
     positive = jobs.encode_prompt(
         spec,
@@ -118,8 +119,8 @@ def test_ranks_agree_on_two_experts_under_ulysses(folder):
         max_sequence_length=WAN_CLIP["max_sequence_length"],
     )
     transformer = jobs.plan_transformer(
-        spec, model=MODEL, strategy="context_parallel", ulysses_degree=2, cache="first_block_cache",
-        cache_threshold=THRESHOLD,
+        spec, model=MODEL, strategy="context_parallel", ulysses_degree=2, cache=cache.mode.value,
+        cache_threshold=cache.threshold,
     )  # fmt: skip
     s = sampling()
     latent = jobs.sample(
@@ -135,6 +136,6 @@ def test_ranks_agree_on_two_experts_under_ulysses(folder):
         length=s.frames,
     )
     ranks = get_backend(spec).status().ranks
-    assert [r.last_cache.passes for r in ranks] == [tuple(RULES[0][2])] * 2
+    assert [r.last_cache.passes for r in ranks] == [tuple(decisions)] * 2
     assert [r.last_passes for r in ranks] == [2 * STEPS] * 2
-    assert (latent - one_process(folder, RULES[0][1])).abs().max().item() <= 1e-4
+    assert (latent - one_process(folder, config)).abs().max().item() <= 1e-4
