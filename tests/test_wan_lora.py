@@ -100,6 +100,7 @@ def backend(ranks: int = 2):
         (WAN21, "low_noise", "picks one of two experts .* has one transformer; set both"),
         (WAN22, "medium_noise", "unknown expert 'medium_noise'; choose one of both, high_noise, low_noise"),
     ],
+    ids=["one_transformer", "unknown"],
 )
 def test_the_expert_widget_is_refused_before_anything_runs(models_dir, loras, model, expert, hint):
     transformer = jobs.plan_transformer(backend(), model=model, strategy="data_parallel")

@@ -83,9 +83,13 @@ RULES = [
     # taylorseer: its warm-up steps (3 per state) again after the switch
     (StepCache(CacheMode.TAYLORSEER), TAYLORSEER, [True] * 4 + [True] * 6 + [False, False]),
 ]
+IN_PROCESS = [  # the first rule in the default run; taylorseer's costs a second pipeline, so slow
+    pytest.param(*RULES[0], id=RULES[0][0].mode.value),
+    pytest.param(*RULES[1], id=RULES[1][0].mode.value, marks=pytest.mark.slow),
+]
 
 
-@pytest.mark.parametrize("cache, config, decisions", RULES, ids=[r[0].mode.value for r in RULES])
+@pytest.mark.parametrize("cache, config, decisions", IN_PROCESS)
 def test_each_expert_caches_from_its_own_state(folder, cache, config, decisions):
     text = wan.load_text_encoders(str(folder), torch.float32, CPU)
     embeds = wan.encode(
