@@ -11,6 +11,7 @@ with diffusers' converters, and each is compared with the same deltas saved by `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -35,7 +36,8 @@ LORAS = {
     "wan22_both.safetensors": (WAN22, None, "comfyui", False),
     "wan22_low.safetensors": (WAN22, BLOCK_LORA_LAYERS, "kohya", False),
 }
-STACK = (("wan_comfyui.safetensors", 0.8), ("wan_kohya.safetensors", -0.5))
+# Two layouts and a step-distillation LoRA's bias changes (diff_b) beside its pairs.
+STACK = (("wan_comfyui.safetensors", 0.8), ("wan_kohya.safetensors", -0.5), ("wan_lightx2v.safetensors", 0.6))
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,10 @@ def loras(models_dir, loras_dir) -> dict:
     made = {}
     for seed, (name, (model, layers, layout, zero_diffs)) in enumerate(LORAS.items()):
         lora = make_tiny_lora(models_dir / model, "wan", layers=layers, ranks={"proj_out": 2}, seed=seed + 1)
+        if zero_diffs:  # lightx2v's: a bias change beside every pair (but one, whose diff_b is zero)
+            generator = torch.Generator().manual_seed(seed)
+            biases = {m: 0.3 * torch.randn(b.shape[0], generator=generator) for m, (_, b, _) in lora.layers.items()}
+            lora = dataclasses.replace(lora, biases={m: bias for m, bias in biases.items() if m != "proj_out"})
         save_wan_lora(lora, loras_dir / name, layout=layout, zero_diffs=zero_diffs)
         save_diffusers_lora(lora, loras_dir / "twins" / name, "wan")
         made[name] = lora
@@ -74,19 +80,24 @@ def test_each_layout_reads_as_its_diffusers_twin(models_dir, loras, loras_dir, n
             a, b = weights.factors(module)
             delta = weights.scales[module] * (b.double() @ a.double())
             assert (delta.float() - lora.delta(module)).abs().max() <= 1e-6, (path, module)
+            bias = weights.bias(module)
+            if module in lora.biases:
+                assert (weights.scales[module] * bias - lora.biases[module]).abs().max() <= 1e-6, (path, module)
+            else:
+                assert bias is None or not bias.count_nonzero(), (path, module)
 
 
-def test_a_step_distillation_lora_with_real_diffs_is_refused_by_name(models_dir, loras, loras_dir):
-    """A ``diff_b`` (a bias change) or ``diff`` (a weight change) that is not zero is something ComfyUI adds to the
-    layer and diffusers would drop or turn into a bias this loader does not apply: refused, the key named."""
+def test_a_step_distillation_lora_with_changes_diffusers_drops_is_refused_by_name(models_dir, loras, loras_dir):
+    """A ``diff`` (a weight change) or ``diff_b`` (a bias change) diffusers leaves out (a norm's, the patch
+    embedding's), which ComfyUI would add: where it is not zero, the LoRA is refused, the key named."""
     config = _config(models_dir, WAN21)
     tensors = load_file(loras_dir / "wan_lightx2v.safetensors")
-    for key in ("diffusion_model.blocks.0.self_attn.q.diff_b", "diffusion_model.blocks.0.norm3.diff"):
+    for key, width in (("diffusion_model.blocks.0.norm3.diff", None), ("diffusion_model.patch_embedding.diff_b", 32)):
         changed = dict(tensors)
-        changed[key] = torch.full_like(tensors[key], 0.01)
+        changed[key] = torch.full_like(tensors[key], 0.01) if width is None else torch.full((width,), 0.01)
         path = loras_dir / "lightx2v_changed.safetensors"
         save_file(changed, path)
-        with pytest.raises(LoraError, match=rf"1 direct weight or bias changes \({key}: diff / diff_b keys"):
+        with pytest.raises(LoraError, match=rf"1 weight or bias changes that diffusers leaves out \({key}: diff"):
             read_lora(family("wan"), str(path), config)
 
 
@@ -205,5 +216,6 @@ def test_loras_per_expert_equal_wan_pipeline(loras, one_shot, strategy, args):
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_stacked_loras_under_tensor_parallel_equal_wan_pipeline(loras, one_shot):
-    """The pack's Wan plan: each rank merges its slice of every delta (colwise rows, rowwise columns)."""
-    check(one_shot, WAN21, "tensor_parallel", (*STACK, ("wan_lightx2v.safetensors", 0.6)))
+    """The pack's Wan plan: each rank merges its slice of every delta (colwise rows, rowwise columns) and of every
+    bias change (colwise: its outputs; rowwise: whole, added once)."""
+    check(one_shot, WAN21, "tensor_parallel", STACK)

@@ -389,9 +389,11 @@ _SWAPPED = ("final_layer.adaLN_modulation.1",)  # BFL: (shift, scale); diffusers
 
 @dataclasses.dataclass(frozen=True)
 class TinyLora:
-    """Per layer (diffusers' name): ``(A [rank, in], B [out, rank], alpha)``."""
+    """Per layer (diffusers' name): ``(A [rank, in], B [out, rank], alpha)``; ``biases``: bias changes of some of
+    them (at strength 1, as ComfyUI adds a ``diff_b``)."""
 
     layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+    biases: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def delta(self, module: str) -> torch.Tensor:
         """The layer's weight change at strength 1, in float32."""
@@ -453,11 +455,15 @@ def save_diffusers_lora(lora: TinyLora, path: str | os.PathLike, family_key: str
         "rank_pattern": {f"^{m}$": r for m, r in ranks.items() if r != common_rank},
         "alpha_pattern": {f"^{m}$": a for m, a in alphas.items() if a != common_alpha},
         "target_modules": sorted(lora.layers),
+        **({"lora_bias": True} if lora.biases else {}),  # else PEFT builds the adapter without them
     }
     tensors = {}
-    for module, (a, b, _) in lora.layers.items():
+    for module, (a, b, alpha) in lora.layers.items():
         tensors[f"{module}.lora_A.weight"] = a.contiguous()
         tensors[f"{module}.lora_B.weight"] = b.contiguous()
+        if lora.biases:  # PEFT gives every layer a bias then (zero where none changes), scaled by alpha / rank
+            bias = lora.biases.get(module, torch.zeros(b.shape[0]))
+            tensors[f"{module}.lora_B.bias"] = (a.shape[0] / alpha * bias).contiguous()
     path = str(path)
     pipeline.save_lora_weights(
         os.path.dirname(path),

@@ -115,27 +115,31 @@ class Wan(FamilyAdapter):
 
     def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
         """diffusers' reading (the diffusers / PEFT layout, musubi-tuner's ``lora_unet_…``, ComfyUI's
-        ``diffusion_model.…``), and what step-distillation LoRAs (lightx2v's) carry beside their pairs: ``.diff``
-        (a layer's weight change) and ``.diff_b`` (its bias change) keys, which ComfyUI adds to the layers; diffusers
-        drops some of them unnoticed (the norms') and reads others as PEFT's ``lora_B.bias``. Where they are all zero
-        (as lightx2v's norms' are) leaving them out changes nothing; a non-zero one is refused by name."""
+        ``diffusion_model.…``), checked for what step-distillation LoRAs (lightx2v's) carry beside their pairs:
+        ``.diff_b`` (a layer's bias change) and ``.diff`` (a weight change) keys, which ComfyUI adds to the layers.
+        diffusers reads a linear layer's ``diff_b`` as PEFT's ``lora_B.bias`` (applied with the pair) and
+        ``head.head.diff`` as a pair, and drops the rest unnoticed (the norms', the modulations'): where what it
+        drops is zero (as lightx2v's norms' are) that changes nothing; a non-zero one is refused by name."""
         from safetensors import safe_open
 
         from ..lora import LoraError
 
         with safe_open(path, framework="pt") as f:
-            diffs = [key for key in f.keys() if key.endswith((".diff", ".diff_b"))]
-            changed = [key for key in diffs if f.get_tensor(key).count_nonzero()]
-        if changed:
-            raise LoraError(
-                f"holds {len(changed)} direct weight or bias changes ({changed[0]}{', …' if len(changed) > 1 else ''}: "
-                "diff / diff_b keys, as lightx2v's step-distillation LoRAs carry) that are not zero; this loader "
-                "applies LoRA pairs only. Use ComfyUI's own LoraLoaderModelOnly with ComfyUI's Wan nodes for this "
-                "file, or a release of the LoRA without them"
-            )
+            diffs = {key: f.get_tensor(key) for key in f.keys() if key.endswith((".diff", ".diff_b"))}
         state_dict, alphas, metadata = super().lora_state_dict(path)
-        if diffs:  # the zero diff_b keys diffusers kept, as biases of nothing
-            state_dict = {key: value for key, value in state_dict.items() if not key.endswith(".lora_B.bias")}
+        kept = list(state_dict.values())
+        dropped = [
+            key
+            for key, value in diffs.items()
+            if value.count_nonzero() and not any(k.shape == value.shape and torch.equal(k, value) for k in kept)
+        ]
+        if dropped:
+            raise LoraError(
+                f"holds {len(dropped)} weight or bias changes that diffusers leaves out ({dropped[0]}"
+                f"{', …' if len(dropped) > 1 else ''}: diff / diff_b keys beside the pairs, as step-distillation "
+                "LoRAs carry) and that are not zero, so the LoRA would not be the one its authors made; use "
+                "ComfyUI's own Wan nodes and LoraLoaderModelOnly for this file, or a release without them"
+            )
         return state_dict, alphas, metadata
 
     def transformer_subfolders(self, model_dir: str) -> tuple[str, ...]:

@@ -125,16 +125,16 @@ def save_wan_lora(lora: TinyLora, path: str | os.PathLike, *, layout: str, zero_
     ``head.head``), written without diffusers' converters: "comfyui" (``diffusion_model.….lora_down.weight`` /
     ``lora_up.weight``, ``.alpha`` in the blocks, the alpha folded into ``lora_up`` elsewhere, where diffusers'
     converter reads no alpha) or "kohya" (musubi-tuner's ``lora_unet_blocks_0_self_attn_q.lora_down.weight`` and
-    ``.alpha``; every block layer of ``BLOCK_LORA_LAYERS``, nothing else). ``zero_diffs`` adds what step-distillation
-    LoRAs (lightx2v's) carry beside their pairs, at zero: ``.diff_b`` biases of the pairs' layers and ``.diff`` weights
-    of the blocks' norms (ComfyUI adds them to the layers' own; diffusers drops the norms' and reads a bias as PEFT's
-    ``lora_B.bias``)."""
+    ``.alpha``; every block layer of ``BLOCK_LORA_LAYERS``, nothing else). The LoRA's ``biases`` become ``.diff_b``
+    keys, as step-distillation LoRAs (lightx2v's) carry them; ``zero_diffs`` adds what else such LoRAs carry, at
+    zero: ``.diff_b`` of the pairs' other layers and ``.diff`` weights of the blocks' norms (ComfyUI adds them to the
+    layers' own; diffusers drops the norms' and reads a bias as PEFT's ``lora_B.bias``)."""
     tensors = {}
     for module, (a, b, alpha) in lora.layers.items():
         (original,) = comfy_transformer({module: a})
         if layout == "kohya":
-            if not module.startswith("blocks."):
-                raise ValueError(f"{module}: musubi-tuner's layout holds the blocks' layers only")
+            if not module.startswith("blocks.") or lora.biases:
+                raise ValueError(f"{module}: musubi-tuner's layout holds the blocks' layers only, and no biases")
             name = "lora_unet_" + original.replace(".", "_")
         elif layout == "comfyui":
             name = f"diffusion_model.{original}"
@@ -146,10 +146,13 @@ def save_wan_lora(lora: TinyLora, path: str | os.PathLike, *, layout: str, zero_
             tensors[f"{name}.alpha"] = torch.tensor(alpha)
         else:
             tensors[f"{name}.lora_up.weight"] = (alpha / a.shape[0] * b).contiguous()
+    for module, bias in lora.biases.items():
+        (original,) = comfy_transformer({module: bias})
+        tensors[f"diffusion_model.{original}.diff_b"] = bias.contiguous()
     if zero_diffs:
         for module, (_, b, _) in lora.layers.items():
             (original,) = comfy_transformer({module: b})
-            tensors[f"diffusion_model.{original}.diff_b"] = torch.zeros(b.shape[0])
+            tensors.setdefault(f"diffusion_model.{original}.diff_b", torch.zeros(b.shape[0]))
         for block in sorted({module.split(".")[1] for module in lora.layers if module.startswith("blocks.")}):
             for norm in ("norm3", "self_attn.norm_q", "self_attn.norm_k"):
                 tensors[f"diffusion_model.blocks.{block}.{norm}.diff"] = torch.zeros(INNER_WIDTH)
