@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from helpers import WAN_CLIP
+from helpers import WAN_CLIP, wan_clip_prompt
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, default_spec, jobs
@@ -124,13 +124,7 @@ def test_the_expert_widget_is_refused_before_anything_runs(models_dir, loras, mo
 def generate(model: str, strategy: str, stack, ranks: int = 2, **strategy_args) -> torch.Tensor:
     """The clip's frames through the nodes' steps, ``stack`` = ((file, strength[, expert]), ...)."""
     spec = backend(ranks)
-    positive = jobs.encode_prompt(
-        spec,
-        model=model,
-        prompt=WAN_CLIP["prompt"],
-        negative_prompt=WAN_CLIP["negative_prompt"],
-        max_sequence_length=WAN_CLIP["max_sequence_length"],
-    )
+    positive = wan_clip_prompt(spec, model)
     transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
     for name, strength, *expert in stack:
         transformer, _ = jobs.add_lora(transformer, lora_name=name, strength=strength, expert=(expert or ["both"])[0])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline
 from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
-from helpers import WAN_CLIP
+from helpers import WAN_CLIP, wan_clip_prompt
 
 from parallel_runtime import default_spec, get_backend, jobs
 from parallel_runtime.families import Placement, family
@@ -115,13 +115,7 @@ def test_each_expert_caches_from_its_own_state(folder, cache, config, decisions)
 @pytest.mark.parametrize("cache, config, decisions", RULES, ids=[r[0].mode.value for r in RULES])
 def test_ranks_agree_on_two_experts_under_ulysses(folder, cache, config, decisions):
     spec = default_spec(ranks=2, device="cpu", memory_policy="resident")
-    positive = jobs.encode_prompt(
-        spec,
-        model=MODEL,
-        prompt=WAN_CLIP["prompt"],
-        negative_prompt=WAN_CLIP["negative_prompt"],
-        max_sequence_length=WAN_CLIP["max_sequence_length"],
-    )
+    positive = wan_clip_prompt(spec, MODEL)
     transformer = jobs.plan_transformer(
         spec, model=MODEL, strategy="context_parallel", ulysses_degree=2, cache=cache.mode.value,
         cache_threshold=cache.threshold,
