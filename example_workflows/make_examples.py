@@ -37,6 +37,21 @@ SAVE_IMAGE = {  # ComfyUI's core SaveImage, as /object_info describes it
     "RETURN_NAMES": (),
     "title": "Save Image",
 }
+SAVE_ANIMATED_WEBP = {  # ComfyUI's core SaveAnimatedWEBP: a clip's frames (an IMAGE batch) as one animated file
+    "INPUT_TYPES": {
+        "required": {
+            "images": ("IMAGE", {}),
+            "filename_prefix": ("STRING", {"default": "ComfyUI"}),
+            "fps": ("FLOAT", {"default": 6.0, "min": 0.01, "max": 1000.0, "step": 0.01}),
+            "lossless": ("BOOLEAN", {"default": True}),
+            "quality": ("INT", {"default": 80, "min": 0, "max": 100}),
+            "method": (["default", "fastest", "slowest"], {}),
+        }
+    },
+    "RETURN_TYPES": (),
+    "RETURN_NAMES": (),
+    "title": "SaveAnimatedWEBP",
+}
 # ComfyUI's core nodes the image examples use, as /object_info describes them (LoadImage's options are the files of
 # ComfyUI's input folder; example.png ships with ComfyUI).
 LATENT_UPSCALE_BY = {
@@ -109,6 +124,7 @@ VAE_DECODE = {
 }
 CORE_NODES = {
     "SaveImage": SAVE_IMAGE,
+    "SaveAnimatedWEBP": SAVE_ANIMATED_WEBP,
     "LatentUpscaleBy": LATENT_UPSCALE_BY,
     "LoadImage": LOAD_IMAGE,
     "DualCLIPLoader": DUAL_CLIP_LOADER,
@@ -139,6 +155,7 @@ FOLDERS = {  # placeholder model folder -> what the folder holds, for the note
     "FLUX.1-dev": "transformer/ text_encoder/ text_encoder_2/\n  tokenizer/ tokenizer_2/ scheduler/ vae/",
     "FLUX.2-dev": "transformer/ text_encoder/ tokenizer/\n  scheduler/ vae/",
     "Qwen-Image": "transformer/ text_encoder/ tokenizer/\n  scheduler/ vae/",
+    "Wan2.2-T2V-A14B": "transformer/ transformer_2/ text_encoder/\n  tokenizer/ scheduler/ vae/",
 }
 
 
@@ -157,6 +174,7 @@ class Example:
     hires_fix: dict | None = None  # the second ParallelSampler's widgets (LatentUpscaleBy's under "upscale")
     image_input: bool = False  # LoadImage -> VAEEncodeSingleGPU -> the sampler's latent_image
     native: bool = False  # ComfyUI's DualCLIPLoader, CLIPTextEncode, FluxGuidance, VAELoader and VAEDecode around it
+    saver: tuple[str, dict] = ("SaveImage", {})  # the output node and its widgets (a clip: SaveAnimatedWEBP)
 
 
 SAMPLER_DEFAULTS = {"seed": 42, "steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024, "batch_size": 1}
@@ -298,6 +316,37 @@ EXAMPLES = [
         "half's tokens (4 GPUs: CFG 2 × Ulysses 2; `ulysses_degree` 0 fills the half); `anything` lets prompts of "
         "any length split. `cache` (first_block_cache, taylorseer) skips work between steps on top.",
     ),
+    Example(
+        "wan22_t2v_context_parallel",
+        "Wan2.2-T2V-A14B",
+        "Wan 2.2 A14B text-to-video, context parallel (Ulysses)",
+        "A 5-second 480p clip (81 frames) is about 33,000 tokens per step, where splitting the tokens over the GPUs "
+        "pays best: every GPU holds both experts (high noise for the early steps, low noise for the late ones) and "
+        "takes a share of the clip's tokens. The frames come back as an IMAGE batch, saved by ComfyUI's own "
+        "**SaveAnimatedWEBP**.",
+        encode={
+            "prompt": "a red fox trotting through fresh snow in a birch forest at sunrise, cinematic tracking shot",
+            "negative_prompt": "blurry, low quality, static, distorted",
+            "max_sequence_length": 512,
+        },
+        transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0},
+        sampler={
+            "steps": 40,
+            "width": 832,
+            "height": 480,
+            "guidance_scale": 1.0,
+            "true_cfg_scale": 4.0,
+            "guidance_scale_2": 3.0,
+            "sampler": "uni_pc",
+            "length": 81,
+        },
+        saver=("SaveAnimatedWEBP", {"fps": 16.0, "lossless": False, "quality": 90}),
+        tips="Both experts stay on every GPU: 2 × 28 GB in bf16, half that with ComfyUI's fp8 files (**Parallel "
+        "Model From Comfy Files**, `weights` as_stored). `length` is 4k + 1 frames; 1280×720 is Wan's 720p. "
+        "`true_cfg_scale` guides the high-noise expert, `guidance_scale_2` the low-noise one; cfg_parallel splits "
+        "the two CFG passes over the GPUs instead. A **LoRA Loader (parallel)** between the transformer and the "
+        "sampler picks the expert it changes (`expert`).",
+    ),
 ]
 
 
@@ -407,10 +456,10 @@ def node_specs(example: Example) -> list:
         decoder,
         (
             SAVER,
-            "SaveImage",
+            example.saver[0],
             [1630 + right, 230],
             [540, 600],
-            {"filename_prefix": f"parallel_{example.name}"},
+            {"filename_prefix": f"parallel_{example.name}", **example.saver[1]},
             {"images": (DECODER, 0)},
         ),
         *loras,

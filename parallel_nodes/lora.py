@@ -6,6 +6,7 @@ import os
 from comfy_api.latest import io
 
 from parallel_runtime import InvalidInput, jobs, model_folders
+from parallel_runtime.wire import Expert
 
 from . import comfy
 from .types import CATEGORY, Transformer
@@ -18,7 +19,7 @@ def _check(node: comfy.QueuedNode) -> None:
         handle = node.input("transformer")
     except comfy.Unknown:
         handle = None
-    jobs.validate_lora(handle, **node.widgets("lora_name", "strength"))
+    jobs.validate_lora(handle, **node.widgets("lora_name", "strength", "expert"))
 
 
 class ParallelLoraLoader(io.ComfyNode):
@@ -39,7 +40,8 @@ class ParallelLoraLoader(io.ComfyNode):
                 "to stack LoRAs. Changes the transformer only, like ComfyUI's LoraLoaderModelOnly: a LoRA's "
                 "text-encoder weights (kohya lora_te…) are not applied, and the node's text says so. Reads "
                 ".safetensors files in the diffusers / PEFT, kohya, ComfyUI (diffusion_model.) and xlabs layouts "
-                "diffusers reads for the model's family."
+                "diffusers reads for the model's family. On Wan 2.2 A14B, expert picks which of its two experts the "
+                "LoRA changes."
             ),
             inputs=[
                 Transformer.Input(
@@ -61,6 +63,16 @@ class ParallelLoraLoader(io.ComfyNode):
                     max=jobs.MAX_STRENGTH,
                     step=0.01,
                     tooltip="How strongly the LoRA changes the transformer; 0: not at all, negative: the other way.",
+                ),
+                io.Combo.Input(
+                    "expert",
+                    options=[e.value for e in Expert],
+                    default=Expert.BOTH.value,
+                    optional=True,
+                    tooltip=(
+                        "Wan 2.2 A14B's two experts: both, or only high_noise (the early steps) or low_noise (the "
+                        "late ones), as LoRAs released per expert are loaded. Any other model takes both."
+                    ),
                 ),
             ],
             outputs=[
@@ -96,6 +108,9 @@ class ParallelLoraLoader(io.ComfyNode):
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
         w = comfy.execution_inputs(cls, inputs)
-        handle, found = jobs.add_lora(w["transformer"], lora_name=w["lora_name"], strength=w["strength"])
-        comfy.show_text(cls, found.describe(w["lora_name"], w["strength"]))
+        handle, found = jobs.add_lora(
+            w["transformer"], lora_name=w["lora_name"], strength=w["strength"], expert=w["expert"]
+        )
+        text = found.describe(w["lora_name"], w["strength"])
+        comfy.show_text(cls, text if w["expert"] == Expert.BOTH.value else f"{text}; on the {w['expert']} expert only")
         return io.NodeOutput(handle)

@@ -3,7 +3,7 @@ download. From the pack's folder (``ComfyUI/custom_nodes/comfyui-parallel-diffus
 
     python -m parallel_runtime.examples ../..
 
-puts tiny random pipelines under the examples' model names (FLUX.1-dev, FLUX.2-dev, Qwen-Image) in
+puts tiny random pipelines under the examples' model names (FLUX.1-dev, FLUX.2-dev, Qwen-Image, Wan2.2-T2V-A14B) in
 ``ComfyUI/models/diffusers/``, a tiny LoRA under the name the LoRA example picks in ``models/loras/``, and the picture
 the img2img example loads (``example.png``) in ``input/``. Whatever is there already is kept, never replaced (a real
 FLUX.1-dev folder stays as it is). The weights are random, so the images are noise: they show that the graph runs
@@ -19,7 +19,13 @@ import sys
 from .families.tiny import make_tiny_lora, make_tiny_model, save_diffusers_lora
 
 # The placeholder names the examples ship with (example_workflows/make_examples.py), and the family of each.
-PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}  # model folder -> family
+PLACEHOLDERS = {  # model folder -> family
+    "FLUX.1-dev": "flux",
+    "FLUX.2-dev": "flux2",
+    "Qwen-Image": "qwenimage",
+    "Wan2.2-T2V-A14B": "wan",
+}
+STAND_IN_OPTIONS = {"Wan2.2-T2V-A14B": {"two_experts": True}}  # model folder -> its tiny builder's options
 LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "FLUX.1-dev"}  # LoRA file -> the model it is for
 IMAGE_PLACEHOLDER = "example.png"  # what an img2img example loads (a ComfyUI install ships one in input/)
 
@@ -48,7 +54,7 @@ def make_stand_ins(
         if os.path.exists(path):
             done[path] = "kept"
         else:
-            make_tiny_model(PLACEHOLDERS[model], path)
+            make_tiny_model(PLACEHOLDERS[model], path, **STAND_IN_OPTIONS.get(model, {}))
             done[path] = "made"
     for lora, model in sorted(LORA_PLACEHOLDERS.items()):
         path = os.path.join(loras_dir, lora)

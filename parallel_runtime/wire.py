@@ -90,6 +90,20 @@ class EncodeArgs(OpArgs):
     max_memory: dict[str, str] | None = None
 
 
+class Expert(str, enum.Enum):
+    """Which of a model's two experts (Wan 2.2 A14B) a LoRA changes (ParallelLoraLoader's ``expert``), as ComfyUI's
+    users load a LoRA per expert: both, the high-noise one (the first, ``transformer``: the early steps) or the
+    low-noise one (the second, ``transformer_2``). A model with one transformer takes only BOTH."""
+
+    BOTH = "both"
+    HIGH_NOISE = "high_noise"
+    LOW_NOISE = "low_noise"
+
+    def changes(self, index: int) -> bool:
+        """Whether the LoRA changes the model's transformer ``index`` (0: the first, the high-noise expert)."""
+        return self is Expert.BOTH or index == (0 if self is Expert.HIGH_NOISE else 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraRef:
     """A LoRA the transformer carries (ParallelLoraLoader), checked on the client.
@@ -101,12 +115,14 @@ class LoraRef:
         sha256: the digest of the file's content when it was checked: what identifies it. Every rank reads the file
             through one opening and refuses it unless its digest is this one, so the ranks apply the file the client
             checked or none does; a file replaced on disk is read again while an unchanged one is never read twice.
+        expert: which of two experts it changes (a model with one transformer: BOTH).
     """
 
     name: str
     path: str
     strength: float
     sha256: str
+    expert: Expert = Expert.BOTH
 
     @property
     def file(self) -> tuple[str, str]:

@@ -173,6 +173,19 @@ def models_root(tmp_path_factory):
         os.environ["COMFY_PARALLEL_MODELS"] = old
 
 
+@pytest.fixture(scope="module")
+def loras_dir(tmp_path_factory):
+    """An empty LoRA folder that the nodes see (COMFY_PARALLEL_LORAS) for one test module."""
+    root = tmp_path_factory.mktemp("loras")
+    old = os.environ.get("COMFY_PARALLEL_LORAS")
+    os.environ["COMFY_PARALLEL_LORAS"] = str(root)
+    yield root
+    if old is None:
+        del os.environ["COMFY_PARALLEL_LORAS"]
+    else:
+        os.environ["COMFY_PARALLEL_LORAS"] = old
+
+
 # --- every family's tiny model in the module's model folder (the strategies' tests and those that reuse them) -------
 @pytest.fixture(scope="module")
 def models_dir(models_root):

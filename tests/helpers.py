@@ -300,6 +300,17 @@ WAN_CLIP = {
 _WAN_PIPELINES: dict[str, object] = {}
 
 
+def wan_clip_prompt(spec, model: str):
+    """``WAN_CLIP``'s prompt and negative prompt through EncodeOnBalancedGPUs' step, for ``model`` on ``spec``."""
+    return jobs.encode_prompt(
+        spec,
+        model=model,
+        prompt=WAN_CLIP["prompt"],
+        negative_prompt=WAN_CLIP["negative_prompt"],
+        max_sequence_length=WAN_CLIP["max_sequence_length"],
+    )
+
+
 def wan_one_shot(folder, seed: int = 3, batch_size: int = 1, output_type: str = "pt", **overrides):
     """diffusers' WanPipeline (its own UniPC scheduler) in one call on ``WAN_CLIP``: its ``frames`` output, clip i from
     a generator seeded seed + i; the pipeline of a folder is loaded once."""

@@ -6,7 +6,8 @@ through /prompt with its placeholder models (and LoRAs) swapped for tiny random 
 (the TP×CP example keeps its 4, marked ``four_ranks``), 64×64 and 2 steps, and every saved PNG must equal diffusers'
 one-shot pipeline (with the same LoRAs, ``load_lora_weights``) after 8-bit quantisation (±1 level); the image
 examples' (a hires fix through ComfyUI's LatentUpscaleBy, img2img from ComfyUI's LoadImage) must equal diffusers'
-text-to-image and img2img pipelines chained the same way.
+text-to-image and img2img pipelines chained the same way; the video example's frames (through ComfyUI's
+SaveAnimatedWEBP, lossless for the check, 5 frames) must equal diffusers' ``WanPipeline``'s, both experts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.comfyui
 
 WORKFLOWS = REPO_ROOT / "example_workflows"
 EXAMPLES = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
-PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage"}
+PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage", "Wan2.2-T2V-A14B": "wan"}
 LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "flux"}  # the LoRA an example names -> its family
 IMAGE_PLACEHOLDER = "example.png"  # the picture an img2img example loads: ComfyUI ships it in its input folder
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
@@ -33,7 +34,9 @@ FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflow
 SIZE, STEPS, SEED = 64, 2, 5
 # Shorter text than the examples' (512 / 1024 tokens) keeps the tiny runs quick; FLUX.2 counts its 31-token tiny
 # system message in it.
-MAX_SEQUENCE_LENGTH = {"flux": 32, "flux2": 48, "qwenimage": 64}
+MAX_SEQUENCE_LENGTH = {"flux": 32, "flux2": 48, "qwenimage": 64, "wan": 16}
+FRAMES = 5  # a video example's clip: 2 latent frames
+SAVERS = ("SaveImage", "SaveAnimatedWEBP")
 FOUR_RANKS = {"flux1_tp_cp"}
 # test_e2e_comfyui.py runs flux1_device_map against the one-shot pipeline already, and checks that a new seed loads
 # nothing. ComfyUI's DualCLIPLoader and VAELoader load only full-size files: test_comfyui_conditioning.py runs the
@@ -161,7 +164,9 @@ def test_ui_workflow_matches_object_info_and_the_api_copy(comfyui_server, name):
     assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
     # What a user with GPUs wants out of the box: full size, placeholder models named like the hub's repos.
     for sampler in samplers(api):
-        assert (sampler["width"], sampler["height"]) == (1024, 1024) and sampler["steps"] >= 28
+        # a clip: Wan's 480p, 81 frames (its 5 seconds at 16 fps)
+        size = (1024, 1024) if sampler["length"] == 1 else (832, 480)
+        assert (sampler["width"], sampler["height"]) == size and sampler["steps"] >= 28
     assert len({n["inputs"]["model"] for n in api.values() if "model" in n["inputs"]} & set(PLACEHOLDERS)) == 1
 
 
@@ -170,13 +175,14 @@ def test_ui_workflow_matches_object_info_and_the_api_copy(comfyui_server, name):
 def tiny_models(comfyui_models_dir) -> dict[str, Path]:
     """A tiny random model per family under a name of its own (the placeholder names stay unknown to the server,
     which other tests rely on)."""
+    from parallel_runtime.examples import STAND_IN_OPTIONS
     from parallel_runtime.families.tiny import make_tiny_model
 
     made = {}
-    for family in PLACEHOLDERS.values():
+    for placeholder, family in PLACEHOLDERS.items():
         path = Path(comfyui_models_dir) / f"tiny-{family}-examples"
         if not (path / "model_index.json").is_file():
-            make_tiny_model(family, str(path))
+            make_tiny_model(family, str(path), **STAND_IN_OPTIONS.get(placeholder, {}))
         made[family] = path
     return made
 
@@ -209,7 +215,12 @@ def small(name: str, tiny_models: dict[str, Path], tiny_loras: dict[str, Path]) 
     inputs_of(workflow, "EncodeOnBalancedGPUs")["max_sequence_length"] = MAX_SEQUENCE_LENGTH[family]
     for sampler in samplers(workflow):
         sampler.update(seed=SEED, steps=STEPS, width=SIZE, height=SIZE)
-    inputs_of(workflow, "SaveImage")["filename_prefix"] = f"example_{name}"
+        if sampler["length"] > 1:
+            sampler["length"] = FRAMES
+    (saver,) = [n["inputs"] for n in workflow.values() if n["class_type"] in SAVERS]
+    saver["filename_prefix"] = f"example_{name}"
+    if "lossless" in saver:
+        saver["lossless"] = True  # the frames exactly as decoded (8-bit), for the comparison
     return workflow, family
 
 
@@ -221,7 +232,7 @@ def reference_images(family: str, model_dir: Path, workflow: dict, loras_dir: Pa
     attention mask where it interleaves the embeddings (`encode_prompt`, `prompt_embeds_mask.repeat(1, n, 1)`), so a
     batched call with prompts of different lengths and num_images_per_prompt > 1 masks the wrong tokens.
     """
-    from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
+    from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline, WanPipeline
 
     encode, (sampler,) = inputs_of(workflow, "EncodeOnBalancedGPUs"), samplers(workflow)
     prompts = (
@@ -241,6 +252,15 @@ def reference_images(family: str, model_dir: Path, workflow: dict, loras_dir: Pa
     if family == "qwenimage":
         pipeline = QwenImagePipeline
         kwargs.update(negative_prompt=encode["negative_prompt"], true_cfg_scale=sampler["true_cfg_scale"])
+    elif family == "wan":
+        pipeline = WanPipeline
+        kwargs.update(
+            negative_prompt=encode["negative_prompt"],
+            guidance_scale=sampler["true_cfg_scale"],
+            guidance_scale_2=sampler["guidance_scale_2"],
+            num_frames=sampler["length"],
+            num_videos_per_prompt=kwargs.pop("num_images_per_prompt"),
+        )
     else:
         pipeline = FluxPipeline if family == "flux" else Flux2Pipeline
         kwargs["guidance_scale"] = sampler["guidance_scale"]
@@ -252,16 +272,18 @@ def reference_images(family: str, model_dir: Path, workflow: dict, loras_dir: Pa
     if loras:
         pipe.set_adapters([f"lora{i}" for i in range(len(loras))], [lora["strength"] for lora in loras])
     first = sampler["seed"]
-    images = torch.cat(
-        [
-            pipe(
-                prompt=prompt,
-                generator=[torch.Generator("cpu").manual_seed(first + p * per_prompt + i) for i in range(per_prompt)],
-                **kwargs,
-            ).images
-            for p, prompt in enumerate(prompts)
-        ]
-    )
+    outputs = [
+        pipe(
+            prompt=prompt,
+            generator=[torch.Generator("cpu").manual_seed(first + p * per_prompt + i) for i in range(per_prompt)],
+            **kwargs,
+        )
+        for p, prompt in enumerate(prompts)
+    ]
+    if family == "wan":  # each clip's frames, clip by clip: [B, frames, 3, H, W]
+        images = torch.cat([output.frames.flatten(0, 1) for output in outputs])
+    else:
+        images = torch.cat([output.images for output in outputs])
     return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
 
 
@@ -322,10 +344,11 @@ def image_reference(family: str, model_dir: Path, workflow: dict, input_dir: Pat
 
 
 def saved_pngs(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
-    from PIL import Image
+    """Every saved image's pixels; an animated file's (SaveAnimatedWEBP) frame by frame."""
+    from PIL import Image, ImageSequence
 
-    pngs = [server.view(**image) for image in server.output_images(prompt_id)]
-    return np.stack([np.asarray(Image.open(io.BytesIO(png)).convert("RGB")) for png in pngs])
+    files = [Image.open(io.BytesIO(server.view(**image))) for image in server.output_images(prompt_id)]
+    return np.stack([np.asarray(frame.convert("RGB")) for file in files for frame in ImageSequence.Iterator(file)])
 
 
 @pytest.mark.multirank

@@ -69,6 +69,7 @@ GROWN_AFTER_0_1_0 = {
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
     "ParallelModelFromComfyFiles": ["diffusion_model_2"],  # Wan 2.2 A14B's low-noise expert
     "EncodeOnBalancedGPUs": ["image", "image_2", "image_3"],  # the images Qwen-Image-Edit's text encoder reads
+    "ParallelLoraLoader": ["expert"],  # which of Wan 2.2 A14B's experts a LoRA changes
 }
 CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
 for _node_id, _grown in GROWN_AFTER_0_1_0.items():

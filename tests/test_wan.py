@@ -136,7 +136,6 @@ def _validate(name: str, strategy: str = "device_map", **widgets) -> None:
         ("guidance_scale_2", lambda: _validate("wan21", guidance_scale_2=3.0), "second expert"),
         ("guidance_scale_2", lambda: _validate("wan22", guidance_scale_2=3.0, true_cfg_scale=1.0), "true_cfg_scale"),
         ("scheduler", lambda: _validate("wan21", scheduler="karras"), "choose simple"),
-        ("cache", lambda: jobs.plan_transformer(backend(), model=MODELS["wan22"], cache="taylorseer"), "two experts"),
         (
             "width",
             lambda: _validate("wan21", "context_parallel", width=48, height=48, length=1),

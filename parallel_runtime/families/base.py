@@ -163,6 +163,9 @@ class FamilyAdapter(abc.ABC):
         block_lists: the transformer config's block counts and the weights' prefix of each block list (diffusers'
             DiT convention by default): the client checks them against the weights before it builds anything from
             the config (a config asking for 10,000 layers would take minutes and gigabytes to build).
+        taylorseer_layers: the layers the ``taylorseer`` step cache predicts (regular expressions of module names,
+            diffusers' ``cache_identifiers``); None: diffusers' defaults, which match FLUX's and Qwen-Image's
+            attention modules (``transformer_blocks.N.attn``) but none of Wan's (``blocks.N.attn1``).
     """
 
     key: ClassVar[str]
@@ -191,6 +194,7 @@ class FamilyAdapter(abc.ABC):
         "num_layers": "transformer_blocks",
         "num_single_layers": "single_transformer_blocks",
     }
+    taylorseer_layers: ClassVar[tuple[str, ...] | None] = None
 
     @classmethod
     def comfy_text_encoder_words(cls) -> str:

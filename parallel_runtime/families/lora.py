@@ -8,7 +8,8 @@ one the caller expects (its sha256, read through one open descriptor, so a file 
 half old, half new); its alphas finite, positive and at most ``MAX_ALPHA_PER_RANK`` times their rank, checked before
 diffusers' converters see them (one of them loops forever on a negative alpha); the parts that
 are not the transformer's (kohya ``lora_te*`` text-encoder weights) are set aside; every remaining key must be a
-LoRA pair for a linear layer of this transformer, of its shape, with matching ranks and finite values; and the scale
+LoRA pair for a linear layer of this transformer (with, perhaps, PEFT's ``lora_B.bias``: a change of the layer's
+bias), of its shape, with matching ranks and finite values; and the scale
 PEFT gives each layer (alpha / rank, with diffusers' rules for network alphas and adapter metadata) is read from PEFT
 itself, on a skeleton of the transformer built on the meta device (no weights, no memory).
 """
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
 # A LoRA's tensors per layer, after ``<prefix>.<module>.``.
 _PAIR = ("lora_A.weight", "lora_B.weight")
+_BIAS = "lora_B.bias"  # PEFT's lora_bias: a bias change beside the pair (Wan's step-distillation LoRAs' diff_b)
 # Keys of a file that belong to a text encoder (kohya's lora_te / lora_te1 / lora_te2, ComfyUI's text_encoders.…, and
 # diffusers' own text_encoder / text_encoder_2 prefixes after conversion).
 _TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder")
@@ -78,6 +80,10 @@ class LoraWeights:
         """``(A, B)`` of one layer, as stored in the file (its dtype, on the CPU)."""
         key = f"transformer.{module}."
         return self.state_dict[key + "lora_A.weight"], self.state_dict[key + "lora_B.weight"]
+
+    def bias(self, module: str) -> torch.Tensor | None:
+        """The layer's bias change beside its pair (PEFT's ``lora_B.bias``, scaled as the pair is), or None."""
+        return self.state_dict.get(f"transformer.{module}.lora_B.bias")
 
 
 def _check_suffix(path: str) -> None:
@@ -245,6 +251,8 @@ def _read(family: FamilyAdapter, path: str, config: dict) -> LoraWeights:
     converter.addHandler(notes)
     try:
         state_dict, network_alphas, metadata = family.lora_state_dict(path)
+    except LoraError:  # the family's own refusal, in its words
+        raise
     except Exception as e:  # diffusers' converters fail in many ways on a file of another model
         message = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise LoraError(
@@ -296,16 +304,11 @@ def _check_pairs(family: FamilyAdapter, state_dict: dict[str, torch.Tensor], lay
     for key, value in state_dict.items():
         module, dot, part = key.removeprefix("transformer.").partition(".lora_")
         part = "lora_" + part
-        if not dot or part not in _PAIR:
-            if "lora_magnitude_vector" in key:
-                what = "a DoRA magnitude"
-            elif part == "lora_B.bias":
-                what = "a bias on lora_B (PEFT's lora_bias)"
-            else:
-                what = "not a LoRA pair (lora_A / lora_B)"
+        if not dot or part not in (*_PAIR, _BIAS):
+            what = "a DoRA magnitude" if "lora_magnitude_vector" in key else "not a LoRA pair (lora_A / lora_B)"
             raise LoraError(
-                f"holds {key}, which is {what}; only plain LoRA pairs are applied (a Control LoRA, a DoRA, a LoRA "
-                "with biases or a fine-tuned layer is not a LoRA this loader can apply)"
+                f"holds {key}, which is {what}; only LoRA pairs (and their biases) are applied (a Control LoRA, a "
+                "DoRA or a fine-tuned layer is not a LoRA this loader can apply)"
             )
         parts.setdefault(module, {})[part] = value
     for module, tensors in sorted(parts.items()):
@@ -332,6 +335,13 @@ def _check_pairs(family: FamilyAdapter, state_dict: dict[str, torch.Tensor], lay
             raise LoraError(
                 f"is for another model: {module} is {layer.out_features}×{layer.in_features} in this transformer but "
                 f"{b.shape[0]}×{a.shape[1]} in the LoRA"
+            )
+        bias = tensors.get(_BIAS)
+        if bias is not None and (layer.bias is None or tuple(bias.shape) != (layer.out_features,)):
+            raise LoraError(
+                f"has a bias change of shape {list(bias.shape)} for {module}, which "
+                + ("has no bias" if layer.bias is None else f"has {layer.out_features} outputs")
+                + "; it is a LoRA for another model"
             )
         for part, tensor in tensors.items():
             if not torch.isfinite(tensor).all():

@@ -46,10 +46,11 @@ def family_tiny(family_key: str) -> ModuleType:
     return importlib.import_module(f"{__package__}.{family(family_key).key}.tiny")
 
 
-def make_tiny_model(family_key: str, out_dir: str, seed: int = 0) -> str:
+def make_tiny_model(family_key: str, out_dir: str, seed: int = 0, **options: object) -> str:
     """Build a tiny random-weight pipeline of the family offline into ``out_dir`` (a ``save_pretrained`` folder, which
-    the family's real pipeline class loads); ``out_dir``. Deterministic for a seed; the caller's RNG is left alone."""
-    return family_tiny(family_key).make_tiny_model(out_dir, seed)
+    the family's real pipeline class loads); ``out_dir``. Deterministic for a seed; the caller's RNG is left alone.
+    ``options``: the family builder's own (Wan's ``two_experts``)."""
+    return family_tiny(family_key).make_tiny_model(out_dir, seed, **options)
 
 
 # -- tokenizers ----------------------------------------------------------------------------------------------------
@@ -388,9 +389,11 @@ _SWAPPED = ("final_layer.adaLN_modulation.1",)  # BFL: (shift, scale); diffusers
 
 @dataclasses.dataclass(frozen=True)
 class TinyLora:
-    """Per layer (diffusers' name): ``(A [rank, in], B [out, rank], alpha)``."""
+    """Per layer (diffusers' name): ``(A [rank, in], B [out, rank], alpha)``; ``biases``: bias changes of some of
+    them (at strength 1, as ComfyUI adds a ``diff_b``)."""
 
     layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+    biases: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def delta(self, module: str) -> torch.Tensor:
         """The layer's weight change at strength 1, in float32."""
@@ -452,11 +455,15 @@ def save_diffusers_lora(lora: TinyLora, path: str | os.PathLike, family_key: str
         "rank_pattern": {f"^{m}$": r for m, r in ranks.items() if r != common_rank},
         "alpha_pattern": {f"^{m}$": a for m, a in alphas.items() if a != common_alpha},
         "target_modules": sorted(lora.layers),
+        **({"lora_bias": True} if lora.biases else {}),  # else PEFT builds the adapter without them
     }
     tensors = {}
-    for module, (a, b, _) in lora.layers.items():
+    for module, (a, b, alpha) in lora.layers.items():
         tensors[f"{module}.lora_A.weight"] = a.contiguous()
         tensors[f"{module}.lora_B.weight"] = b.contiguous()
+        if lora.biases:  # PEFT gives every layer a bias then (zero where none changes), scaled by alpha / rank
+            bias = lora.biases.get(module, torch.zeros(b.shape[0]))
+            tensors[f"{module}.lora_B.bias"] = (a.shape[0] / alpha * bias).contiguous()
     path = str(path)
     pipeline.save_lora_weights(
         os.path.dirname(path),

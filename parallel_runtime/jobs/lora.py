@@ -21,7 +21,7 @@ from .. import model_folders
 from ..errors import InvalidInput
 from ..families.lora import LoraError, check_file, read_lora, sha256
 from ..gguf_files import TENSOR_PARALLEL_LORAS, gguf_weights
-from ..wire import LoraRef
+from ..wire import Expert, LoraRef
 from .transformer import TransformerHandle
 from .widgets import check_finite
 
@@ -123,14 +123,36 @@ def _digest(path: str, stat: os.stat_result) -> str:
     return found
 
 
-def validate_lora(handle: TransformerHandle | None, *, lora_name: str, strength: float = 1.0) -> LoraRef:
-    """Every check ParallelLoraLoader can make before it runs (also its validate_inputs): the strength, the file
-    (listed, safetensors, a sound header) and, given the transformer it is chained to, its content against that
-    transformer (see ``families.lora.read_lora``). Without a handle (a transformer only execution will know) the
-    file alone is checked."""
+def _expert(handle: TransformerHandle | None, expert: str) -> Expert:
+    """The ``expert`` widget: one of the model's experts only where it has two."""
+    try:
+        chosen = Expert(expert)
+    except ValueError:
+        raise InvalidInput(
+            "expert", f"unknown expert {expert!r}; choose one of {', '.join(e.value for e in Expert)}"
+        ) from None
+    if chosen is not Expert.BOTH and handle is not None:
+        subfolders = handle.family.transformer_subfolders(handle.spec.model.path)
+        if len(subfolders) < 2:
+            raise InvalidInput(
+                "expert",
+                f"{chosen.value} picks one of two experts (Wan 2.2 A14B), but {handle.spec.model.name} has one "
+                "transformer; set both",
+            )
+    return chosen
+
+
+def validate_lora(
+    handle: TransformerHandle | None, *, lora_name: str, strength: float = 1.0, expert: str = Expert.BOTH.value
+) -> LoraRef:
+    """Every check ParallelLoraLoader can make before it runs (also its validate_inputs): the strength, the expert,
+    the file (listed, safetensors, a sound header) and, given the transformer it is chained to, its content against
+    that transformer (see ``families.lora.read_lora``; two experts have one config). Without a handle (a transformer
+    only execution will know) the file alone is checked."""
     check_finite("strength", strength)
     if abs(strength) > MAX_STRENGTH:
         raise InvalidInput("strength", f"{strength:g} is out of range; use -{MAX_STRENGTH:g}..{MAX_STRENGTH:g}")
+    chosen = _expert(handle, expert)
     path = model_folders.resolve_lora(lora_name)
     try:
         stat = os.stat(path)
@@ -140,7 +162,7 @@ def validate_lora(handle: TransformerHandle | None, *, lora_name: str, strength:
         raise InvalidInput("lora_name", f"{lora_name} {e}") from None
     except OSError as e:
         raise InvalidInput("lora_name", f"{lora_name} cannot be read ({e.strerror}); check the file") from None
-    ref = LoraRef(name=lora_name, path=path, strength=float(strength), sha256=digest)
+    ref = LoraRef(name=lora_name, path=path, strength=float(strength), sha256=digest, expert=chosen)
     if handle is not None and handle.spec.plan.shards_weights:
         if gguf_weights(os.path.join(handle.spec.model.path, "transformer")) is not None:
             raise InvalidInput("lora_name", f"{lora_name}: {TENSOR_PARALLEL_LORAS}")
@@ -150,10 +172,11 @@ def validate_lora(handle: TransformerHandle | None, *, lora_name: str, strength:
 
 
 def add_lora(
-    handle: TransformerHandle, *, lora_name: str, strength: float = 1.0
+    handle: TransformerHandle, *, lora_name: str, strength: float = 1.0, expert: str = Expert.BOTH.value
 ) -> tuple[TransformerHandle, LoraCheck]:
-    """The handle with the LoRA added after those it carries (chained loaders stack, each with its own strength), and
-    what the check found. Loads nothing: the ranks apply the LoRAs to the transformer they hold when it samples."""
-    ref = validate_lora(handle, lora_name=lora_name, strength=strength)
+    """The handle with the LoRA added after those it carries (chained loaders stack, each with its own strength and
+    expert), and what the check found. Loads nothing: the ranks apply the LoRAs to the transformer they hold when it
+    samples."""
+    ref = validate_lora(handle, lora_name=lora_name, strength=strength, expert=expert)
     spec = dataclasses.replace(handle.spec, loras=(*handle.spec.loras, ref))
     return dataclasses.replace(handle, spec=spec), _check(handle, ref)

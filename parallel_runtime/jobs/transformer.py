@@ -98,7 +98,7 @@ def plan_transformer(
             f"{families.family(ref.family).name} has no true CFG (one transformer pass per step), so cfg_parallel "
             "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
         )
-    _check_experts(ref, plan, step_cache)
+    _check_experts(ref, plan)
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(
@@ -183,7 +183,7 @@ def describe_weights(
     )
 
 
-def _check_experts(ref: ModelRef, plan: StrategyPlan, step_cache: StepCache) -> None:
+def _check_experts(ref: ModelRef, plan: StrategyPlan) -> None:
     """A model with several experts (Wan 2.2 A14B) has each one's folder, and runs what the pack can give both."""
     family = families.family(ref.family)
     subfolders = family.transformer_subfolders(ref.path)
@@ -203,8 +203,6 @@ def _check_experts(ref: ModelRef, plan: StrategyPlan, step_cache: StepCache) -> 
             f"{ref.name} has two experts, which tensor_parallel does not load yet; use context_parallel, "
             "cfg_parallel, data_parallel or device_map",
         )
-    if step_cache.mode is not CacheMode.OFF:
-        raise InvalidInput("cache", f"{ref.name} has two experts, which the step cache does not cover yet; set off")
 
 
 def _step_cache(cache: str, threshold: float) -> StepCache:

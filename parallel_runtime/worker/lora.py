@@ -11,9 +11,11 @@ strength of 0 is no LoRA. How (``LoraMode``):
   never added onto the previous result, so the same list always gives bit-identical weights (strength 1.0 → 0.5 → 1.0
   gives the first image back exactly, in bf16 too), and a layer no LoRA changes any more gets its original back, bit
   for bit, and its copy dropped. The copy costs host memory: the bytes of every weight a LoRA changes (this rank's
-  slice of it under tensor parallelism). Under tensor parallelism (diffusers refuses adapters on a sharded model, and
-  sharding a model that has them) each rank computes only its own slice of the delta: for a layer sharded by rows
-  (colwise) its rows of B times A, for one sharded by columns (rowwise) B times its columns of A, in the blocks the
+  slice of it under tensor parallelism). A LoRA's bias changes (PEFT's ``lora_B.bias``: Wan's step-distillation
+  LoRAs' ``diff_b``) are merged into the layers' biases the same way, scaled as their pairs. Under tensor
+  parallelism (diffusers refuses adapters on a sharded model, and sharding a model that has them) each rank computes
+  only its own slice of the delta: for a layer sharded by rows (colwise) its rows of B times A and of the bias
+  change, for one sharded by columns (rowwise) B times its columns of A and the whole bias change, in the blocks the
   model's tensor-parallel plan shards packed layers by (diffusers' ``resolve_tp_shard_specs`` and ``_local_shard``,
   the arithmetic that sliced the weights when they were loaded, checked against each weight's DTensor placement), so
   no rank ever holds a layer's full weight or delta. Fusing is refused, with the numbers, when the copies would not
@@ -215,13 +217,16 @@ class _Fused:
         for w, weights in wanted:
             for module in weights.modules:
                 factor = w.strength * weights.scales[module]
-                contributions.setdefault(f"{module}.weight", []).append(((w.file, w.strength), factor, module, weights))
+                part = ((w.file, w.strength), factor, module, weights)
+                contributions.setdefault(f"{module}.weight", []).append(part)
+                if weights.bias(module) is not None:
+                    contributions.setdefault(f"{module}.bias", []).append(part)
         for name in sorted(set(contributions) | set(self.applied)):
             parts = contributions.get(name, [])
             signature = tuple(part[0] for part in parts)
             if self.applied.get(name, ()) == signature:
                 continue
-            hook = fp8_weights.held_hook(transformer.get_submodule(name.rpartition(".")[0]))
+            hook = _weight_hook(transformer, name)
             if hook is not None:
                 # An fp8 weight is never written: its hook merges the LoRAs into the weight it computes with, in
                 # float32 from the fp8 values and scale, at every forward (rounding them into fp8 would lose them).
@@ -245,7 +250,10 @@ class _Fused:
             # A fresh float32 copy (``copy=True``: for a float32 CPU weight ``to`` would return the kept original).
             total = self.pristine[name].to(device=local.device, dtype=torch.float32, copy=True)
             for _, factor, module, weights in parts:
-                total += factor * slices.delta(name, *weights.factors(module), device=local.device)
+                if name.endswith(".bias"):
+                    total += factor * slices.bias(name, weights.bias(module), device=local.device)
+                else:
+                    total += factor * slices.delta(name, *weights.factors(module), device=local.device)
             local.copy_(total.to(local.dtype))
             self.applied[name] = signature
         kept = sum(t.numel() * t.element_size() for t in self.pristine.values())
@@ -255,7 +263,8 @@ class _Fused:
         """Bytes of originals that fusing these LoRAs would copy beyond those already kept."""
         slices = _Slices(transformer)
         names = {f"{module}.weight" for weights in files for module in weights.modules}
-        names = {n for n in names if fp8_weights.held_hook(transformer.get_submodule(n.rpartition(".")[0])) is None}
+        names |= {f"{m}.bias" for weights in files for m in weights.modules if weights.bias(m) is not None}
+        names = {n for n in names if _weight_hook(transformer, n) is None}
         kept = (slices.local(name) for name in names - set(self.pristine))
         return sum(t.numel() * t.element_size() for t in kept)
 
@@ -264,11 +273,19 @@ class _Fused:
         for name, original in self.pristine.items():
             slices.local(name).copy_(original)
         for name in self.applied:
-            hook = fp8_weights.held_hook(transformer.get_submodule(name.rpartition(".")[0]))
+            hook = _weight_hook(transformer, name)
             if hook is not None:
                 hook.loras = []
         self.pristine.clear()
         self.applied.clear()
+
+
+def _weight_hook(transformer: torch.nn.Module, name: str) -> object | None:
+    """The fp8 hook that makes ``name``'s weight (``module.weight`` of a layer held in fp8), or None: a bias is never
+    held in fp8, so its change is written into it as any weight's."""
+    if name.endswith(".bias"):
+        return None
+    return fp8_weights.held_hook(transformer.get_submodule(name.rpartition(".")[0]))
 
 
 class _Slices:
@@ -313,6 +330,16 @@ class _Slices:
         """This rank's part of B @ A for ``module.weight``, in float32."""
         b, a = self.factors(name, a, b, device)
         return b @ a
+
+    def bias(self, name: str, bias: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's part of a bias change for ``module.bias``, in float32: its outputs' under a colwise split (the
+        bias is sharded as the weight's rows), the whole where the bias is whole (rowwise: added once, after the
+        sum)."""
+        from diffusers.hooks.tensor_parallel import _local_shard
+
+        spec = self.specs.get(name)
+        bias = bias.to(device=device, dtype=torch.float32)
+        return bias if spec is None or spec.dim is None else _local_shard(bias, 0, spec.block_sizes, self.mesh)
 
     def factors(
         self, name: str, a: torch.Tensor, b: torch.Tensor, device: torch.device

@@ -24,7 +24,6 @@ from ..families import ENCODER_IMAGES, IMAGE_INPUTS, FamilyAdapter, Placement, f
 from ..families.base import REFERENCE_INPUTS, reference_tokens
 from ..gguf_files import gguf_weights, load_gguf_transformer, spread_over_gpus
 from ..wire import (
-    CacheMode,
     DecodeArgs,
     DecodeResult,
     DenoiseArgs,
@@ -251,12 +250,6 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
             spec.weights,
         )
     subfolders = adapter.transformer_subfolders(spec.model.path)
-    if len(subfolders) > 1 and (spec.loras or spec.cache.mode is not CacheMode.OFF):
-        raise WidgetError(
-            "lora" if spec.loras else "cache",
-            f"{spec.model.name} has two experts ({', '.join(subfolders)}); LoRAs and the step cache are not applied "
-            "to two experts yet: remove them",
-        )
     if plan.cfg_degree > 1 and not ((sampling.true_cfg_scale or 1) > 1 and "negative_prompt_embeds" in tensors):
         raise OpError("true_cfg_scale: cfg_parallel needs true CFG (true_cfg_scale > 1 and a negative prompt)")
     # The img2img inputs travel beside the embeddings; they are not conditioning (one row per prompt).
@@ -301,8 +294,12 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         load_placed = functools.partial(_load_placed, adapter, spec, dtype, placement)
         loaded = models.get(key, lambda: Experts.load(load_placed, subfolders))
     transformer, experts = (loaded.first, loaded.others()) if isinstance(loaded, Experts) else (loaded, {})
-    # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it.
-    lora.apply_loras(ctx, transformer, spec, adapter)
+    every = [transformer, *experts.values()]
+    # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it. Each
+    # expert takes the LoRAs that change it (ParallelLoraLoader's expert), in the order they were chained.
+    for index, one in enumerate(every):
+        mine = tuple(ref for ref in spec.loras if ref.expert.changes(index))
+        lora.apply_loras(ctx, one, dataclasses.replace(spec, loras=mine), adapter)
 
     # Compiled after the LoRAs are merged, though merging later changes nothing compiled: the weights are its inputs.
     first_compile = compiled.compile_blocks(transformer, spec.compile, plan)
@@ -317,8 +314,8 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     group = step_cache.agreement_group(plan, transformer)
     clock = speeds.BusyClock()
     with (
-        step_cache.count_passes(transformer) as passes,
-        step_cache.step_cache(transformer, spec.cache, group) as record,
+        step_cache.count_passes(every) as passes,
+        step_cache.step_cache(every, spec.cache, group, adapter.taylorseer_layers) as record,
         compiled.watch(spec.compile, first_compile) as compile_record,
     ):
         samples = adapter.denoise(
@@ -387,7 +384,8 @@ def _load_placed(
 @dataclasses.dataclass
 class Experts:
     """A model's transformers when it has several (Wan 2.2 A14B's high- and low-noise experts), resident together as
-    one transformer: each loaded and split by the same strategy, the first the one LoRAs, hooks and progress see.
+    one transformer: each loaded and split by the same strategy, each with the LoRAs that change it
+    (``LoraRef.expert``) and a step cache of its own; the first the one compiled blocks and progress see.
     ``components`` names them as a pipeline's, which is how the resident models count their parameters."""
 
     components: dict[str, torch.nn.Module]

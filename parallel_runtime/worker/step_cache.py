@@ -8,12 +8,16 @@ of the tokens (diffusers' ``FBCHeadBlockHook._should_compute_remaining_blocks`` 
 and a rank that skipped the remaining blocks would leave the others waiting in their collectives. Here the measure
 is reduced over the ranks that share the pass: the sums of |residual - previous| and |previous| (float32), whose
 ratio is the one-process mean ratio, so all of them skip together, as one process would.
+
+A model with two experts (Wan 2.2 A14B) gets a cache on each, each with its own state: the first pass after the switch
+is the second expert's first, computed in full (the first expert's residuals and Taylor factors say nothing of the
+other's), as diffusers' ``enable_cache`` on each of ``WanPipeline``'s transformers does in one process.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,20 +48,21 @@ def agreement_group(plan: StrategyPlan, transformer: torch.nn.Module) -> dist.Pr
 
 
 @contextlib.contextmanager
-def count_passes(transformer: torch.nn.Module) -> Iterator[list[int]]:
-    """Counts the passes that run on this rank inside the ``with`` block (``[count]``): calls of the first transformer
-    block, which every pass runs, cached or not, and which a pass another rank runs (true CFG's passes split) never
-    reaches."""
-    first, count = _blocks(transformer)[0], [0]
+def count_passes(transformers: Sequence[torch.nn.Module]) -> Iterator[list[int]]:
+    """Counts the passes that run on this rank inside the ``with`` block (``[count]``), of every transformer (a
+    model's experts): calls of the first transformer block, which every pass runs, cached or not, and which a pass
+    another rank runs (true CFG's passes split) never reaches."""
+    count = [0]
 
     def counted(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         count[0] += 1
 
-    handle = first.register_forward_pre_hook(counted, with_kwargs=True)
+    handles = [_blocks(t)[0].register_forward_pre_hook(counted, with_kwargs=True) for t in transformers]
     try:
         yield count
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 class _Record:
@@ -70,23 +75,37 @@ class _Record:
 
 @contextlib.contextmanager
 def step_cache(
-    transformer: torch.nn.Module, cache: StepCache, group: dist.ProcessGroup | None
+    transformers: Sequence[torch.nn.Module],
+    cache: StepCache,
+    group: dist.ProcessGroup | None,
+    taylorseer_layers: tuple[str, ...] | None = None,
 ) -> Iterator[_Record | None]:
-    """``cache`` on ``transformer`` for the ``with`` block (None, and nothing changed, when it is off); the record
-    fills in as the passes run."""
+    """``cache`` on each of ``transformers`` (a model's experts, each its own state) for the ``with`` block (None,
+    and nothing changed, when it is off); the record fills in as the passes run, in their order. ``taylorseer_layers``:
+    the family's (``FamilyAdapter.taylorseer_layers``)."""
     if cache.mode is CacheMode.OFF:
         yield None
         return
-    if cache.mode is CacheMode.FIRST_BLOCK_CACHE:
-        with _splits_outside(transformer):
-            transformer.enable_cache(FirstBlockCacheConfig(threshold=cache.threshold))
-    else:
-        # Factors in the model's dtype: diffusers' default bfloat16 would round a float32 model's predictions.
-        transformer.enable_cache(TaylorSeerCacheConfig(taylor_factors_dtype=transformer.dtype))
+    enabled = []
     try:
-        yield _instrument(transformer, cache, group)
+        record = _Record(cache.mode, len(_blocks(transformers[0])))
+        for transformer in transformers:
+            if cache.mode is CacheMode.FIRST_BLOCK_CACHE:
+                with _splits_outside(transformer):
+                    transformer.enable_cache(FirstBlockCacheConfig(threshold=cache.threshold))
+            else:
+                # Factors in the model's dtype: diffusers' default bfloat16 would round a float32 model's predictions.
+                config = TaylorSeerCacheConfig(
+                    taylor_factors_dtype=transformer.dtype,
+                    cache_identifiers=list(taylorseer_layers) if taylorseer_layers is not None else None,
+                )
+                transformer.enable_cache(config)
+            enabled.append(transformer)
+            _instrument(transformer, cache, group, record)
+        yield record
     finally:
-        transformer.disable_cache()
+        for transformer in enabled:
+            transformer.disable_cache()
 
 
 def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -136,10 +155,12 @@ def _hooks(transformer: torch.nn.Module, name: str) -> list:
     return found
 
 
-def _instrument(transformer: torch.nn.Module, cache: StepCache, group: dist.ProcessGroup | None) -> _Record:
+def _instrument(
+    transformer: torch.nn.Module, cache: StepCache, group: dist.ProcessGroup | None, record: _Record
+) -> None:
     if cache.mode is CacheMode.TAYLORSEER:
         hooks = _hooks(transformer, _TAYLORSEER_CACHE_HOOK)
-        record = _Record(cache.mode, len(hooks))
+        record.blocks = len(hooks)
         # Every hooked layer counts the same steps, so the first one's decision is the pass's.
         first = hooks[0]
         measure = first._measure_should_compute
@@ -150,8 +171,7 @@ def _instrument(transformer: torch.nn.Module, cache: StepCache, group: dist.Proc
             return should_compute, state
 
         first._measure_should_compute = recorded
-        return record
-    record = _Record(cache.mode, len(_blocks(transformer)))
+        return
     (head,) = _hooks(transformer, _FBC_LEADER_BLOCK_HOOK)
 
     def agreed(residual: torch.Tensor) -> bool:
@@ -167,4 +187,3 @@ def _instrument(transformer: torch.nn.Module, cache: StepCache, group: dist.Proc
         return full
 
     head._should_compute_remaining_blocks = agreed
-    return record

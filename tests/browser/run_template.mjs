@@ -145,9 +145,10 @@ try {
   if (!saved.length) throw new Error(`no node reported an image: ${JSON.stringify(run.executed)}`);
   const filename = saved[0].filename;
 
-  // The SaveImage node shows it (painted on the canvas from an <img> the frontend keeps)...
+  // The saving node (SaveImage; a clip's SaveAnimatedWEBP) shows it (painted on the canvas from an <img> the
+  // frontend keeps)...
   await page.waitForFunction((file) => {
-    const node = window.app.graph.nodes.find((n) => n.type === "SaveImage");
+    const node = window.app.graph.nodes.find((n) => ["SaveImage", "SaveAnimatedWEBP"].includes(n.type));
     const img = node?.imgs?.[0];
     return img?.complete && img.naturalWidth > 0 && img.src.includes(encodeURIComponent(file));
   }, filename, { timeout: UI_TIMEOUT });

@@ -71,6 +71,7 @@ class Wan(FamilyAdapter):
     # flow_shift as their shift.
     samplers = (Sampler.UNI_PC, Sampler.EULER, Sampler.LCM)
     block_lists: ClassVar[dict[str, str]] = {"num_layers": "blocks"}
+    taylorseer_layers = (r"blocks\.\d+\.attn[12]",)  # both attentions of every block, as FLUX's defaults hook
     # The pipeline's components that the text stage leaves out (Wan I2V's pipeline adds its image encoder's).
     not_text: ClassVar[tuple[str, ...]] = ("transformer", "transformer_2", "vae")
 
@@ -117,6 +118,35 @@ class Wan(FamilyAdapter):
         from diffusers import WanTransformer3DModel
 
         return WanTransformer3DModel
+
+    def lora_state_dict(self, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict | None]:
+        """diffusers' reading (the diffusers / PEFT layout, musubi-tuner's ``lora_unet_…``, ComfyUI's
+        ``diffusion_model.…``), checked for what step-distillation LoRAs (lightx2v's) carry beside their pairs:
+        ``.diff_b`` (a layer's bias change) and ``.diff`` (a weight change) keys, which ComfyUI adds to the layers.
+        diffusers reads a linear layer's ``diff_b`` as PEFT's ``lora_B.bias`` (applied with the pair) and
+        ``head.head.diff`` as a pair, and drops the rest unnoticed (the norms', the modulations'): where what it
+        drops is zero (as lightx2v's norms' are) that changes nothing; a non-zero one is refused by name."""
+        from safetensors import safe_open
+
+        from ..lora import LoraError
+
+        with safe_open(path, framework="pt") as f:
+            diffs = {key: f.get_tensor(key) for key in f.keys() if key.endswith((".diff", ".diff_b"))}
+        state_dict, alphas, metadata = super().lora_state_dict(path)
+        kept = list(state_dict.values())
+        dropped = [
+            key
+            for key, value in diffs.items()
+            if value.count_nonzero() and not any(k.shape == value.shape and torch.equal(k, value) for k in kept)
+        ]
+        if dropped:
+            raise LoraError(
+                f"holds {len(dropped)} weight or bias changes that diffusers leaves out ({dropped[0]}"
+                f"{', …' if len(dropped) > 1 else ''}: diff / diff_b keys beside the pairs, as step-distillation "
+                "LoRAs carry) and that are not zero, so the LoRA would not be the one its authors made; use "
+                "ComfyUI's own Wan nodes and LoraLoaderModelOnly for this file, or a release without them"
+            )
+        return state_dict, alphas, metadata
 
     def transformer_subfolders(self, model_dir: str) -> tuple[str, ...]:
         return ("transformer", SECOND_EXPERT) if has_second_expert(pipeline_config(model_dir)) else ("transformer",)

@@ -21,6 +21,7 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
+from safetensors.torch import save_file
 from transformers import (
     CLIPImageProcessor,
     CLIPVisionConfig,
@@ -29,7 +30,8 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-from ..tiny import t5_tokenizer
+from ..tiny import TinyLora, t5_tokenizer
+from .comfy_tiny import comfy_transformer
 
 # Wan 2.1's diffusers folders' scheduler (Wan-AI/Wan2.1-T2V-*-Diffusers), flow_shift 3 as their 480p default.
 SCHEDULER = {
@@ -48,6 +50,7 @@ I2V_BOUNDARY_RATIO = 0.9  # Wan 2.2 A14B I2V's
 TEXT_WIDTH = 32
 IMAGE_WIDTH = 32  # the tiny CLIP vision encoder's hidden width: the transformer's image_dim
 IMAGE_SIZE = 32  # its input's side, in 8-pixel patches: 16 patches and the class token
+INNER_WIDTH = 4 * 8  # heads × head size
 
 
 def _transformer(image_to_video: bool = False, image_dim: int | None = None) -> WanTransformer3DModel:
@@ -135,3 +138,68 @@ def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False, i
         pipe = WanPipeline(**parts)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return os.fspath(out_dir)
+
+
+# -- LoRAs -------------------------------------------------------------------------------------------------------------
+# Layers the tiny LoRA changes by default: column- and row-sharded ones of both attentions and the feed-forward, ones
+# every rank holds whole (the condition embedders) and the context-parallel gather layer (proj_out).
+LORA_LAYERS = (
+    "blocks.0.attn1.to_q",
+    "blocks.0.attn1.to_out.0",
+    "blocks.1.attn2.to_k",
+    "blocks.0.ffn.net.0.proj",
+    "blocks.1.ffn.net.2",
+    "condition_embedder.time_proj",
+    "condition_embedder.text_embedder.linear_1",
+    "proj_out",
+)
+# Every block layer musubi-tuner's (kohya's) Wan LoRAs change, and diffusers' converter of them requires in every block.
+BLOCK_LORA_LAYERS = tuple(
+    f"blocks.{i}.{layer}"
+    for i in range(2)
+    for layer in (
+        *(f"{attn}.{p}" for attn in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")),
+        "ffn.net.0.proj",
+        "ffn.net.2",
+    )
+)
+
+
+def save_wan_lora(lora: TinyLora, path: str | os.PathLike, *, layout: str, zero_diffs: bool = False) -> str:
+    """Wan in the original model's layer names (``comfy_tiny.comfy_transformer``: ``blocks.0.self_attn.q``,
+    ``head.head``), written without diffusers' converters: "comfyui" (``diffusion_model.….lora_down.weight`` /
+    ``lora_up.weight``, ``.alpha`` in the blocks, the alpha folded into ``lora_up`` elsewhere, where diffusers'
+    converter reads no alpha) or "kohya" (musubi-tuner's ``lora_unet_blocks_0_self_attn_q.lora_down.weight`` and
+    ``.alpha``; every block layer of ``BLOCK_LORA_LAYERS``, nothing else). The LoRA's ``biases`` become ``.diff_b``
+    keys, as step-distillation LoRAs (lightx2v's) carry them; ``zero_diffs`` adds what else such LoRAs carry, at
+    zero: ``.diff_b`` of the pairs' other layers and ``.diff`` weights of the blocks' norms (ComfyUI adds them to the
+    layers' own; diffusers drops the norms' and reads a bias as PEFT's ``lora_B.bias``)."""
+    tensors = {}
+    for module, (a, b, alpha) in lora.layers.items():
+        (original,) = comfy_transformer({module: a})
+        if layout == "kohya":
+            if not module.startswith("blocks.") or lora.biases:
+                raise ValueError(f"{module}: musubi-tuner's layout holds the blocks' layers only, and no biases")
+            name = "lora_unet_" + original.replace(".", "_")
+        elif layout == "comfyui":
+            name = f"diffusion_model.{original}"
+        else:
+            raise ValueError(f"unknown Wan LoRA layout {layout!r}")
+        tensors[f"{name}.lora_down.weight"] = a.contiguous()
+        if layout == "kohya" or module.startswith("blocks."):
+            tensors[f"{name}.lora_up.weight"] = b.contiguous()
+            tensors[f"{name}.alpha"] = torch.tensor(alpha)
+        else:
+            tensors[f"{name}.lora_up.weight"] = (alpha / a.shape[0] * b).contiguous()
+    for module, bias in lora.biases.items():
+        (original,) = comfy_transformer({module: bias})
+        tensors[f"diffusion_model.{original}.diff_b"] = bias.contiguous()
+    if zero_diffs:
+        for module, (_, b, _) in lora.layers.items():
+            (original,) = comfy_transformer({module: b})
+            tensors.setdefault(f"diffusion_model.{original}.diff_b", torch.zeros(b.shape[0]))
+        for block in sorted({module.split(".")[1] for module in lora.layers if module.startswith("blocks.")}):
+            for norm in ("norm3", "self_attn.norm_q", "self_attn.norm_k"):
+                tensors[f"diffusion_model.blocks.{block}.{norm}.diff"] = torch.zeros(INNER_WIDTH)
+    save_file(tensors, str(path))
+    return str(path)
