@@ -55,25 +55,32 @@ def test_flux1_dev_scheduler_differs_from_schnell_only_where_dev_shifts_with_the
     assert set(flux.SCHEDULER_DEV) == set(schnell)
 
 
-def _flux1_vae_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The tensor shapes of an ae.safetensors with ``config``'s sizes: what ``vae_config`` reads of the file."""
-    channels, blocks = config["block_out_channels"], config["layers_per_block"]
+def _ldm_vae_shapes(config: dict, quant_convs: bool = False) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes of an ae.safetensors (black-forest-labs' layout) with ``config``'s sizes (diffusers' names):
+    what a layout's ``vae_config`` reads of the file. The encoder keeps ``layers_per_block`` blocks a level, the
+    decoder one more; FLUX.2's keeps its quant convs inside the encoder and decoder."""
+    channels, blocks, latent = config["block_out_channels"], config["layers_per_block"], config["latent_channels"]
     shapes = {
         "encoder.conv_in.weight": (channels[0], config["in_channels"], 3, 3),
-        "decoder.conv_in.weight": (channels[-1], config["latent_channels"], 3, 3),
+        "decoder.conv_in.weight": (channels[-1], latent, 3, 3),
         "decoder.conv_out.weight": (config["out_channels"], channels[0], 3, 3),
         "encoder.mid.attn_1.q.weight": (channels[-1], channels[-1], 1, 1),
     }
     for level, width in enumerate(channels):
         for block in range(blocks):
             shapes[f"encoder.down.{level}.block.{block}.conv1.weight"] = (width, width, 3, 3)
+        for block in range(blocks + 1):
+            shapes[f"decoder.up.{level}.block.{block}.conv1.weight"] = (width, width, 3, 3)
+    if quant_convs:
+        shapes["encoder.quant_conv.weight"] = (2 * latent, 2 * latent, 1, 1)
+        shapes["decoder.post_quant_conv.weight"] = (latent, latent, 1, 1)
     return shapes
 
 
 def test_flux1_vae_config_is_the_published_one():
     """Every value the pack writes into a converted FLUX.1 folder's vae/config.json, at the real VAE's sizes."""
     expected = published("FLUX.1-schnell", "vae_config")
-    ours = flux.vae_config(_flux1_vae_shapes(expected))
+    ours = flux.vae_config(_ldm_vae_shapes(expected))
     assert ours == {key: expected[key] for key in ours}
     assert (flux.VAE_SCALING_FACTOR, flux.VAE_SHIFT_FACTOR, flux.VAE_NORM_GROUPS) == (
         expected["scaling_factor"],
@@ -115,27 +122,6 @@ def test_flux2_vae_constants_are_the_converted_vaes(name, ours):
 
 
 # -- against the models' authors' own code ------------------------------------------------------------------------
-def _ldm_vae_shapes(ae: dict, quant_convs: bool) -> dict[str, tuple[int, ...]]:
-    """The tensor shapes of an ae.safetensors built from black-forest-labs' ``AutoEncoderParams`` ``ae``: the keys a
-    layout's ``vae_config`` reads (the encoder keeps ``num_res_blocks`` blocks a level, the decoder one more)."""
-    widths, blocks = [ae["ch"] * m for m in ae["ch_mult"]], ae["num_res_blocks"]
-    shapes = {
-        "encoder.conv_in.weight": (ae["ch"], ae["in_channels"], 3, 3),
-        "decoder.conv_in.weight": (widths[-1], ae["z_channels"], 3, 3),
-        "decoder.conv_out.weight": (ae["out_ch"], widths[0], 3, 3),
-        "encoder.mid.attn_1.q.weight": (widths[-1], widths[-1], 1, 1),
-    }
-    for level, width in enumerate(widths):
-        for block in range(blocks):
-            shapes[f"encoder.down.{level}.block.{block}.conv1.weight"] = (width, width, 3, 3)
-        for block in range(blocks + 1):
-            shapes[f"decoder.up.{level}.block.{block}.conv1.weight"] = (width, width, 3, 3)
-    if quant_convs:
-        shapes["encoder.quant_conv.weight"] = (2 * ae["z_channels"], 2 * ae["z_channels"], 1, 1)
-        shapes["decoder.post_quant_conv.weight"] = (ae["z_channels"], ae["z_channels"], 1, 1)
-    return shapes
-
-
 def _diffusers_vae_sizes(ae: dict) -> dict:
     """``AutoEncoderParams``' sizes under diffusers' names."""
     return {
@@ -154,7 +140,7 @@ def test_flux1_constants_are_black_forest_labs_own(model):
     params, ae = BFL_FLUX["models"][model]["params"], BFL_FLUX["models"][model]["ae_params"]
     assert list(flux.AXES_DIMS_ROPE) == params["axes_dim"]
     assert sum(flux.AXES_DIMS_ROPE) == params["hidden_size"] // params["num_heads"]
-    ours = flux.vae_config(_ldm_vae_shapes(ae, quant_convs=False))
+    ours = flux.vae_config(_ldm_vae_shapes(_diffusers_vae_sizes(ae)))
     assert {k: ours[k] for k in _diffusers_vae_sizes(ae)} == _diffusers_vae_sizes(ae)
     assert (ours["scaling_factor"], ours["shift_factor"]) == (ae["scale_factor"], ae["shift_factor"])
     assert ours["norm_num_groups"] == BFL_FLUX["vae_group_norm"]["num_groups"]
@@ -204,7 +190,7 @@ def test_flux2_constants_are_black_forest_labs_own():
     assert sum(flux2.AXES_DIMS_ROPE) == params["hidden_size"] // params["num_heads"]
     assert (flux2.ROPE_THETA, flux2.EPS) == (params["theta"], BFL_FLUX2["layer_norm_eps"])
     assert list(flux2.HIDDEN_STATES_LAYERS) == BFL_FLUX2["text_encoder"]["output_layers"]
-    ours = flux2.vae_config(_ldm_vae_shapes(ae, quant_convs=True))
+    ours = flux2.vae_config(_ldm_vae_shapes(_diffusers_vae_sizes(ae), quant_convs=True))
     assert {k: ours[k] for k in _diffusers_vae_sizes(ae)} == _diffusers_vae_sizes(ae)
     assert ours["decoder_block_out_channels"] is None  # the decoder's widths are the encoder's
     assert (ours["use_quant_conv"], ours["use_post_quant_conv"]) == (True, True)
