@@ -398,7 +398,11 @@ def _refusal_cases(models, names):
         ("diffusion_model", "svdq.safetensors", r"nunchaku"),
         ("diffusion_model", "int8.safetensors", r"I8 tensors \(an integer quantization\)"),
         ("diffusion_model", "nvfp4.safetensors", r"quantized as nvfp4"),
-        ("diffusion_model", "flux2.safetensors", r"not a transformer this pack recognises \(FLUX.1 or FLUX.2"),
+        (
+            "diffusion_model",
+            "flux2.safetensors",
+            r"not a transformer this pack recognises \(FLUX.1, FLUX.2 or FLUX.2 \[klein\]",
+        ),
         ("diffusion_model", "sdxl-unet.safetensors", r"not a transformer this pack recognises"),
         ("diffusion_model", "broken.safetensors", r"not a readable safetensors file"),
         ("diffusion_model", names["vae"], r"unknown file"),
