@@ -391,7 +391,8 @@ def node_specs(example: Example) -> list:
         ]
         sampler_sockets["latent_image"] = (IMAGE_ENCODER, 0)
     if example.edits:
-        images = [(LOAD_IMAGE_NODE, "LoadImage", [390, 900], [320, 360], {"image": EDIT_PICTURE}, {})]
+        # Under the sampler: the transformer loader grows below its widgets with what it reports.
+        images = [(LOAD_IMAGE_NODE, "LoadImage", [870, 800], [320, 360], {"image": EDIT_PICTURE}, {})]
     right = 380 if example.hires_fix else 0  # the decoder and the saver make room for the second pass
     encoder = (
         ENCODER,
