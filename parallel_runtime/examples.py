@@ -87,6 +87,8 @@ def copy_shipped_inputs(input_dir: str) -> dict[str, str]:
     """Copy the pictures the examples load that ComfyUI does not ship (SHIPPED_INPUTS) into ComfyUI's ``input_dir``,
     keeping a file of the same name. Returns each path and whether it was ``copied`` or ``kept``."""
     done = {}
+    if not os.path.isdir(SHIPPED_INPUTS):  # installed as a wheel: no example workflows, so nothing loads them
+        return done
     os.makedirs(input_dir, exist_ok=True)
     for name in sorted(os.listdir(SHIPPED_INPUTS)):
         path = os.path.join(input_dir, name)
