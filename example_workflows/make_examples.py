@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 if os.environ.get("COMFYUI_DIR"):
     sys.path.append(os.environ["COMFYUI_DIR"])
 from parallel_nodes import NODES_BY_ID  # noqa: E402
+from parallel_runtime.examples import SHIPPED_INPUTS, picture  # noqa: E402
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 PACK = {"cnr_id": "comfyui-parallel-diffusers", "ver": "0.1.0"}
@@ -53,7 +54,7 @@ SAVE_ANIMATED_WEBP = {  # ComfyUI's core SaveAnimatedWEBP: a clip's frames (an I
     "title": "SaveAnimatedWEBP",
 }
 # ComfyUI's core nodes the image examples use, as /object_info describes them (LoadImage's options are the files of
-# ComfyUI's input folder; example.png ships with ComfyUI).
+# ComfyUI's input folder; example.png ships with ComfyUI, the edit examples' picture with the pack: EDIT_PICTURE).
 LATENT_UPSCALE_BY = {
     "INPUT_TYPES": {
         "required": {
@@ -66,8 +67,11 @@ LATENT_UPSCALE_BY = {
     "RETURN_NAMES": ("LATENT",),
     "title": "Upscale Latent By",
 }
+# The picture the edit examples edit: it ships in example_workflows/input/ (written by picture() below), and
+# `python -m parallel_runtime.examples` puts it in ComfyUI's input/, where Load Image finds it.
+EDIT_PICTURE = "parallel_edit_example.png"
 LOAD_IMAGE = {
-    "INPUT_TYPES": {"required": {"image": (["example.png"], {"image_upload": True})}},
+    "INPUT_TYPES": {"required": {"image": (["example.png", EDIT_PICTURE], {"image_upload": True})}},
     "RETURN_TYPES": ("IMAGE", "MASK"),
     "RETURN_NAMES": ("IMAGE", "MASK"),
     "title": "Load Image",
@@ -151,11 +155,14 @@ FOX = (
     "a red fox in a knitted scarf reading a newspaper at a small cafe table, morning light through the window, "
     "shallow depth of field, 35mm photo"
 )
+EDIT_PROMPT = "make it a watercolor painting of a sunset over the sea, the golden disc as the sun"
 FOLDERS = {  # placeholder model folder -> what the folder holds, for the note
     "FLUX.1-dev": "transformer/ text_encoder/ text_encoder_2/\n  tokenizer/ tokenizer_2/ scheduler/ vae/",
     "FLUX.2-dev": "transformer/ text_encoder/ tokenizer/\n  scheduler/ vae/",
     "Qwen-Image": "transformer/ text_encoder/ tokenizer/\n  scheduler/ vae/",
     "Wan2.2-T2V-A14B": "transformer/ transformer_2/ text_encoder/\n  tokenizer/ scheduler/ vae/",
+    "FLUX.1-Kontext-dev": "transformer/ text_encoder/ text_encoder_2/\n  tokenizer/ tokenizer_2/ scheduler/ vae/",
+    "Qwen-Image-Edit-2511": "transformer/ text_encoder/ tokenizer/\n  processor/ scheduler/ vae/",
 }
 
 
@@ -175,6 +182,7 @@ class Example:
     image_input: bool = False  # LoadImage -> VAEEncodeSingleGPU -> the sampler's latent_image
     native: bool = False  # ComfyUI's DualCLIPLoader, CLIPTextEncode, FluxGuidance, VAELoader and VAEDecode around it
     saver: tuple[str, dict] = ("SaveImage", {})  # the output node and its widgets (a clip: SaveAnimatedWEBP)
+    edits: str = ""  # an edit model's picture: LoadImage -> the `image` of the "encoder" or of the "sampler"
 
 
 SAMPLER_DEFAULTS = {"seed": 42, "steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024, "batch_size": 1}
@@ -347,6 +355,36 @@ EXAMPLES = [
         "the two CFG passes over the GPUs instead. A **LoRA Loader (parallel)** between the transformer and the "
         "sampler picks the expert it changes (`expert`).",
     ),
+    Example(
+        "qwenimage_edit_context_parallel",
+        "Qwen-Image-Edit-2511",
+        "Qwen-Image-Edit, a picture edited as the prompt says, context parallel (Ulysses)",
+        "ComfyUI's **Load Image** into the encoder's `image`: Qwen-Image-Edit's text encoder reads the picture beside "
+        "the prompt, and its transformer sees it again as about a megapixel of tokens beside the output's. That long "
+        "sequence is what splitting the tokens over the GPUs speeds up.",
+        encode={"prompt": EDIT_PROMPT, "negative_prompt": "blurry, low quality", "max_sequence_length": 1024},
+        transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0, "anything": True},
+        sampler={"steps": 40, "true_cfg_scale": 4.0},
+        edits="encoder",
+        tips='`image_2` and `image_3` take two more pictures ("picture 2" in the prompt). The encoder shows the '
+        "sizes its pipeline resizes each picture to; the output's size is the sampler's `width` and `height`. "
+        "`cfg_parallel` splits true CFG's two passes over the GPUs instead (or with Ulysses on 4).",
+    ),
+    Example(
+        "flux1_kontext_tensor_parallel",
+        "FLUX.1-Kontext-dev",
+        "FLUX.1 Kontext, a picture edited as the prompt says, tensor parallel",
+        "ComfyUI's **Load Image** into the sampler's `image`: Kontext's transformer reads the picture, resized to its "
+        "nearest trained resolution (about a megapixel), beside the output's tokens. Every GPU holds a slice of each "
+        "weight matrix: a transformer too big for one GPU fits, and each step runs on all of them.",
+        encode={"prompt": EDIT_PROMPT},
+        transformer={"strategy": "tensor_parallel", "tp_degree": 0},
+        sampler={"guidance_scale": 2.5},
+        edits="sampler",
+        tips="`tp_degree` 0 uses every GPU; it must divide the attention heads (FLUX.1: 24, so 2, 3, 4, 6 or 8 "
+        "GPUs). The sampler shows the size the picture runs at. `context_parallel` splits the picture's tokens "
+        "instead, for GPUs that each hold the model.",
+    ),
 ]
 
 
@@ -401,6 +439,9 @@ def node_specs(example: Example) -> list:
             ),
         ]
         sampler_sockets["latent_image"] = (IMAGE_ENCODER, 0)
+    if example.edits:
+        # Under the sampler: the transformer loader grows below its widgets with what it reports.
+        images = [(LOAD_IMAGE_NODE, "LoadImage", [870, 800], [320, 360], {"image": EDIT_PICTURE}, {})]
     right = 380 if example.hires_fix else 0  # the decoder and the saver make room for the second pass
     encoder = (
         ENCODER,
@@ -408,8 +449,10 @@ def node_specs(example: Example) -> list:
         [390, 60],
         [420, 400],
         {"model": model, "prompt": FOX, **example.encode},
-        {"backend": (BACKEND, 0)},
+        {"backend": (BACKEND, 0), **({"image": (LOAD_IMAGE_NODE, 0)} if example.edits == "encoder" else {})},
     )
+    if example.edits == "sampler":
+        sampler_sockets["image"] = (LOAD_IMAGE_NODE, 0)
     decoder = (
         DECODER,
         "VAEDecodeSingleGPU",
@@ -487,6 +530,12 @@ def note(example: Example) -> str:
         + (
             "**Image**: any picture in `ComfyUI/input/` (Load Image's upload button puts it there).\n\n"
             if example.image_input
+            else ""
+        )
+        + (
+            f"**Image**: the picture to edit, in `ComfyUI/input/` (Load Image's upload button puts it there); "
+            f"{EDIT_PICTURE} ships in the pack's `example_workflows/input/`.\n\n"
+            if example.edits
             else ""
         )
         + (
@@ -622,6 +671,10 @@ def build(example: Example) -> tuple[dict, dict]:
 
 
 def main() -> None:
+    edited = os.path.join(SHIPPED_INPUTS, EDIT_PICTURE)
+    os.makedirs(SHIPPED_INPUTS, exist_ok=True)
+    picture(edited, 384)  # deterministic: the same bytes each time
+    print("wrote", os.path.relpath(edited))
     for example in EXAMPLES:
         ui, api = build(example)
         for path, doc in (

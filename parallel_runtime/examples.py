@@ -3,9 +3,10 @@ download. From the pack's folder (``ComfyUI/custom_nodes/comfyui-parallel-diffus
 
     python -m parallel_runtime.examples ../..
 
-puts tiny random pipelines under the examples' model names (FLUX.1-dev, FLUX.2-dev, Qwen-Image, Wan2.2-T2V-A14B) in
-``ComfyUI/models/diffusers/``, a tiny LoRA under the name the LoRA example picks in ``models/loras/``, and the picture
-the img2img example loads (``example.png``) in ``input/``. Whatever is there already is kept, never replaced (a real
+puts tiny random pipelines under the examples' model names (FLUX.1-dev, FLUX.2-dev, Qwen-Image, Wan2.2-T2V-A14B,
+FLUX.1-Kontext-dev, Qwen-Image-Edit-2511) in ``ComfyUI/models/diffusers/``, a tiny LoRA under the name the LoRA example
+picks in ``models/loras/``, the picture the img2img example loads (``example.png``) and the one the edit examples edit
+(shipped in ``example_workflows/input/``) in ``input/``. Whatever is there already is kept, never replaced (a real
 FLUX.1-dev folder stays as it is). The weights are random, so the images are noise: they show that the graph runs
 (every rank, the shared memory, the stages), not the art. Delete the tiny folders before downloading the real models.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from .families.tiny import make_tiny_lora, make_tiny_model, save_diffusers_lora
@@ -24,14 +26,19 @@ PLACEHOLDERS = {  # model folder -> family
     "FLUX.2-dev": "flux2",
     "Qwen-Image": "qwenimage",
     "Wan2.2-T2V-A14B": "wan",
+    "FLUX.1-Kontext-dev": "flux_kontext",
+    "Qwen-Image-Edit-2511": "qwenimage_edit",
 }
 STAND_IN_OPTIONS = {"Wan2.2-T2V-A14B": {"two_experts": True}}  # model folder -> its tiny builder's options
 LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "FLUX.1-dev"}  # LoRA file -> the model it is for
 IMAGE_PLACEHOLDER = "example.png"  # what an img2img example loads (a ComfyUI install ships one in input/)
+# The pictures the pack's examples load that ComfyUI does not ship (the edit examples'): copied into input/.
+SHIPPED_INPUTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "example_workflows", "input")
 
 
 def picture(path: str, size: int) -> None:
-    """A picture for an img2img example: soft colour gradients with a disc, so that its preview reads as an image."""
+    """A picture for an img2img or edit example: soft colour gradients with a disc, so that its preview reads as an
+    image (the same bytes for a size, so the shipped one regenerates unchanged)."""
     import numpy as np
     from PIL import Image
 
@@ -45,8 +52,9 @@ def picture(path: str, size: int) -> None:
 def make_stand_ins(
     models_dir: str, loras_dir: str, input_dir: str, models: set[str] | None = None, picture_size: int = 512
 ) -> dict[str, str]:
-    """Write the tiny models (``models``: some of PLACEHOLDERS, default all), the LoRAs for them and the picture into
-    the three folders, keeping what exists. Returns each path and whether it was ``made`` or ``kept``."""
+    """Write the tiny models (``models``: some of PLACEHOLDERS, default all), the LoRAs for them and the img2img
+    picture, and copy the shipped pictures (SHIPPED_INPUTS), into the three folders, keeping what exists. Returns each
+    path and whether it was ``made``, ``copied`` or ``kept``."""
     models = set(PLACEHOLDERS) if models is None else models
     done = {}
     for model in sorted(models):
@@ -74,6 +82,23 @@ def make_stand_ins(
         os.makedirs(input_dir, exist_ok=True)
         picture(path, picture_size)
         done[path] = "made"
+    return {**done, **copy_shipped_inputs(input_dir)}
+
+
+def copy_shipped_inputs(input_dir: str) -> dict[str, str]:
+    """Copy the pictures the examples load that ComfyUI does not ship (SHIPPED_INPUTS) into ComfyUI's ``input_dir``,
+    keeping a file of the same name. Returns each path and whether it was ``copied`` or ``kept``."""
+    done = {}
+    if not os.path.isdir(SHIPPED_INPUTS):  # installed as a wheel: no example workflows, so nothing loads them
+        return done
+    os.makedirs(input_dir, exist_ok=True)
+    for name in sorted(os.listdir(SHIPPED_INPUTS)):
+        path = os.path.join(input_dir, name)
+        if os.path.exists(path):
+            done[path] = "kept"
+        else:
+            shutil.copyfile(os.path.join(SHIPPED_INPUTS, name), path)
+            done[path] = "copied"
     return done
 
 

@@ -7,7 +7,9 @@ through /prompt with its placeholder models (and LoRAs) swapped for tiny random 
 one-shot pipeline (with the same LoRAs, ``load_lora_weights``) after 8-bit quantisation (±1 level); the image
 examples' (a hires fix through ComfyUI's LatentUpscaleBy, img2img from ComfyUI's LoadImage) must equal diffusers'
 text-to-image and img2img pipelines chained the same way; the video example's frames (through ComfyUI's
-SaveAnimatedWEBP, lossless for the check, 5 frames) must equal diffusers' ``WanPipeline``'s, both experts.
+SaveAnimatedWEBP, lossless for the check, 5 frames) must equal diffusers' ``WanPipeline``'s, both experts; the edit
+examples' (the picture the pack ships, from ComfyUI's LoadImage) must equal FluxKontextPipeline and
+QwenImageEditPlusPipeline on it.
 """
 
 from __future__ import annotations
@@ -21,23 +23,37 @@ import pytest
 import torch
 from comfyui_host import REPO_ROOT, ComfyUIServer
 
+from parallel_runtime.examples import copy_shipped_inputs
+
 pytestmark = pytest.mark.comfyui
 
 WORKFLOWS = REPO_ROOT / "example_workflows"
 EXAMPLES = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
-PLACEHOLDERS = {"FLUX.1-dev": "flux", "FLUX.2-dev": "flux2", "Qwen-Image": "qwenimage", "Wan2.2-T2V-A14B": "wan"}
+PLACEHOLDERS = {
+    "FLUX.1-dev": "flux",
+    "FLUX.2-dev": "flux2",
+    "Qwen-Image": "qwenimage",
+    "Wan2.2-T2V-A14B": "wan",
+    "FLUX.1-Kontext-dev": "flux_kontext",
+    "Qwen-Image-Edit-2511": "qwenimage_edit",
+}
 LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "flux"}  # the LoRA an example names -> its family
 IMAGE_PLACEHOLDER = "example.png"  # the picture an img2img example loads: ComfyUI ships it in its input folder
+EDIT_PICTURE = "parallel_edit_example.png"  # the picture the edit examples edit: the pack ships it
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflows, never sent to /prompt
 SIZE, STEPS, SEED = 64, 2, 5
 # Shorter text than the examples' (512 / 1024 tokens) keeps the tiny runs quick; FLUX.2 counts its 31-token tiny
 # system message in it.
-MAX_SEQUENCE_LENGTH = {"flux": 32, "flux2": 48, "qwenimage": 64, "wan": 16}
+# Qwen-Image-Edit's pipeline cuts no prompt (its pictures' tokens ride in the text): its example keeps its length.
+MAX_SEQUENCE_LENGTH = {"flux": 32, "flux2": 48, "qwenimage": 64, "wan": 16, "flux_kontext": 32}
 FRAMES = 5  # a video example's clip: 2 latent frames
 SAVERS = ("SaveImage", "SaveAnimatedWEBP")
 FOUR_RANKS = {"flux1_tp_cp"}
+# One edit example runs in the default run (Kontext under tensor parallel, which no other default test covers with a
+# picture); the Qwen-Image-Edit one, Ulysses with the encoder's picture, only with -m slow.
+SLOW = {"qwenimage_edit_context_parallel"}
 # test_e2e_comfyui.py runs flux1_device_map against the one-shot pipeline already, and checks that a new seed loads
 # nothing. ComfyUI's DualCLIPLoader and VAELoader load only full-size files: test_comfyui_conditioning.py runs the
 # native example's graph with ComfyUI's same code on the tiny files (tests/comfyui_test_nodes).
@@ -89,7 +105,7 @@ def ui_to_api(ui: dict, info: dict) -> dict:
                         allowed = choices + {
                             "model": list(PLACEHOLDERS),
                             "lora_name": list(LORA_PLACEHOLDERS),
-                            "image": [IMAGE_PLACEHOLDER],
+                            "image": [IMAGE_PLACEHOLDER, EDIT_PICTURE],
                             **FILE_PLACEHOLDERS,
                         }.get(name, [])
                         assert value in allowed, (node["type"], name, value, kind)
@@ -212,7 +228,8 @@ def small(name: str, tiny_models: dict[str, Path], tiny_loras: dict[str, Path]) 
             node["inputs"]["lora_name"] = tiny_loras[LORA_PLACEHOLDERS[node["inputs"]["lora_name"]]].name
     backend = inputs_of(workflow, "ParallelBackend")
     backend.update(ranks=max(2, backend["ranks"]), device="cpu")
-    inputs_of(workflow, "EncodeOnBalancedGPUs")["max_sequence_length"] = MAX_SEQUENCE_LENGTH[family]
+    if family in MAX_SEQUENCE_LENGTH:
+        inputs_of(workflow, "EncodeOnBalancedGPUs")["max_sequence_length"] = MAX_SEQUENCE_LENGTH[family]
     for sampler in samplers(workflow):
         sampler.update(seed=SEED, steps=STEPS, width=SIZE, height=SIZE)
         if sampler["length"] > 1:
@@ -343,6 +360,43 @@ def image_reference(family: str, model_dir: Path, workflow: dict, input_dir: Pat
     return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
 
 
+def edit_reference(family: str, model_dir: Path, workflow: dict, input_dir: Path) -> np.ndarray:
+    """diffusers' pipeline for an edit example, on the picture as LoadImage reads it, quantised as SaveImage does:
+    FluxKontextPipeline (``max_area`` the output's, which the sampler's width and height set) or
+    QwenImageEditPlusPipeline (true CFG against the negative prompt)."""
+    from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
+    from PIL import Image
+
+    encode, (sampler,) = inputs_of(workflow, "EncodeOnBalancedGPUs"), samplers(workflow)
+    picture = Image.open(input_dir / inputs_of(workflow, "LoadImage")["image"]).convert("RGB")
+    if family == "flux_kontext":
+        pipe = FluxKontextPipeline.from_pretrained(model_dir, dtype=torch.float32)
+        extra = {
+            "image": picture,
+            "guidance_scale": sampler["guidance_scale"],
+            "max_area": sampler["width"] * sampler["height"],
+            "max_sequence_length": encode["max_sequence_length"],
+        }
+    else:
+        pipe = QwenImageEditPlusPipeline.from_pretrained(model_dir, dtype=torch.float32)
+        extra = {
+            "image": [picture],
+            "negative_prompt": encode["negative_prompt"],
+            "true_cfg_scale": sampler["true_cfg_scale"],
+        }
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(
+        prompt=encode["prompt"],
+        num_inference_steps=sampler["steps"],
+        width=sampler["width"],
+        height=sampler["height"],
+        generator=[torch.Generator("cpu").manual_seed(sampler["seed"])],
+        output_type="pt",
+        **extra,
+    ).images
+    return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
+
+
 def saved_pngs(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
     """Every saved image's pixels; an animated file's (SaveAnimatedWEBP) frame by frame."""
     from PIL import Image, ImageSequence
@@ -355,7 +409,10 @@ def saved_pngs(server: ComfyUIServer, prompt_id: str) -> np.ndarray:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=[pytest.mark.four_ranks] if name in FOUR_RANKS else [])
+        pytest.param(
+            name,
+            marks=[pytest.mark.four_ranks] * (name in FOUR_RANKS) + [pytest.mark.slow] * (name in SLOW),
+        )
         for name in EXAMPLES
         if name not in RUN_ELSEWHERE
     ],
@@ -365,14 +422,19 @@ def test_example_runs_headless_and_equals_the_one_shot_pipeline(
 ):
     workflow, family = small(name, tiny_models, tiny_loras)
     starts_from_image = any("latent_image" in sampler for sampler in samplers(workflow))
-    if any(n["class_type"] == "LoadImage" for n in workflow.values()):
+    loads = [n["inputs"]["image"] for n in workflow.values() if n["class_type"] == "LoadImage"]
+    if IMAGE_PLACEHOLDER in loads:
         picture = np.random.default_rng(0).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
         from PIL import Image
 
         Image.fromarray(picture).save(comfyui_server.input_dir / IMAGE_PLACEHOLDER)
+    if EDIT_PICTURE in loads:  # the shipped picture, where `python -m parallel_runtime.examples` puts it
+        copy_shipped_inputs(str(comfyui_server.input_dir))
     prompt_id, _ = comfyui_server.run(workflow, timeout=300)
     got = saved_pngs(comfyui_server, prompt_id)
-    if starts_from_image:
+    if EDIT_PICTURE in loads:
+        expected = edit_reference(family, tiny_models[family], workflow, comfyui_server.input_dir)
+    elif starts_from_image:
         expected = image_reference(family, tiny_models[family], workflow, comfyui_server.input_dir)
     else:
         expected = reference_images(family, tiny_models[family], workflow, Path(comfyui_loras_dir))

@@ -14,14 +14,14 @@ from comfyui_host import REPO_ROOT, ComfyUIServer
 from PIL import Image
 
 from parallel_runtime import model_folders
-from parallel_runtime.examples import IMAGE_PLACEHOLDER, LORA_PLACEHOLDERS, PLACEHOLDERS, make_stand_ins
+from parallel_runtime.examples import IMAGE_PLACEHOLDER, LORA_PLACEHOLDERS, PLACEHOLDERS, SHIPPED_INPUTS, make_stand_ins
 
 COMMAND = [sys.executable, "-m", "parallel_runtime.examples"]
 
 
 def named_by_the_examples() -> set[str]:
     """Every model, LoRA and picture name a shipped UI workflow's widgets ask for, of the kinds the stand-ins cover."""
-    known = {*PLACEHOLDERS, *LORA_PLACEHOLDERS, IMAGE_PLACEHOLDER}
+    known = {*PLACEHOLDERS, *LORA_PLACEHOLDERS, IMAGE_PLACEHOLDER, *os.listdir(SHIPPED_INPUTS)}
     names = set()
     for path in (REPO_ROOT / "example_workflows").glob("*.json"):
         for node in json.loads(path.read_text())["nodes"]:
@@ -42,8 +42,17 @@ def test_the_examples_stand_ins_go_where_comfyui_finds_them(tmp_path, monkeypatc
     (comfyui / "main.py").write_text("")
     first = run(comfyui)
     assert first.returncode == 0, first.stderr[-3000:]
-    made = {os.path.basename(line.split(": ", 1)[1]) for line in first.stdout.splitlines() if line.startswith("made: ")}
+    made = {
+        os.path.basename(line.split(": ", 1)[1])
+        for line in first.stdout.splitlines()
+        if line.startswith(("made: ", "copied: "))
+    }
     assert made >= named_by_the_examples() and named_by_the_examples() >= {"FLUX.1-dev", IMAGE_PLACEHOLDER}, made
+    # The edit examples' picture is the one shipped in example_workflows/input/.
+    for name in os.listdir(SHIPPED_INPUTS):
+        assert (comfyui / "input" / name).read_bytes() == (
+            REPO_ROOT / "example_workflows" / "input" / name
+        ).read_bytes()
     # ComfyUI lists the models by folder name (models/diffusers), the LoRA by file name (models/loras).
     monkeypatch.setenv("COMFY_PARALLEL_MODELS", str(comfyui / "models" / "diffusers"))
     assert set(PLACEHOLDERS) <= set(model_folders.list_models())
@@ -51,7 +60,8 @@ def test_the_examples_stand_ins_go_where_comfyui_finds_them(tmp_path, monkeypatc
     assert Image.open(comfyui / "input" / IMAGE_PLACEHOLDER).size == (512, 512)
     # A second run (or a real model already there) keeps what is there.
     second = run(comfyui)
-    assert second.returncode == 0 and "made: " not in second.stdout and second.stdout.count("kept: ") == len(made)
+    assert second.returncode == 0 and "made: " not in second.stdout and "copied: " not in second.stdout
+    assert second.stdout.count("kept: ") == len(made)
 
 
 def test_a_folder_that_is_not_comfyui_is_refused(tmp_path):
