@@ -625,15 +625,67 @@ def test_qwenimage_refusals_name_the_input(qwen, tiny):
     _write(str(cut), {k: v for k, v in full.items() if not k.endswith("attn.norm_q.weight")})
     with pytest.raises(InvalidInput, match=r"diffusion_model: .* lacks 'transformer_blocks.0.attn.norm_q.weight'"):
         jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
-    # Qwen-Image-Edit's files have Qwen-Image's shapes: 2511's is told by ComfyUI's flag, the others by their name,
-    # and refused rather than run without their images as Qwen-Image.
-    _write(str(cut), {**full, "__index_timestep_zero__": torch.tensor([])})
-    with pytest.raises(InvalidInput, match=r"diffusion_model: .* carries ComfyUI's __index_timestep_zero__ flag"):
-        jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
-    edit = "qwen_image_edit_2509_fp8_e4m3fn.safetensors"
-    os.symlink(models / "diffusion_models" / names["diffusion_model"], models / "diffusion_models" / edit)
-    with pytest.raises(InvalidInput, match=r"diffusion_model: .* is named as Qwen-Image-Edit's, .* without its images"):
-        jobs.validate_comfy_files(**{**names, "diffusion_model": edit})
+
+
+def test_qwenimage_edit_files_convert_into_the_edit_folder(qwen, tiny, tmp_path):
+    """ComfyUI's Qwen-Image-Edit files have Qwen-Image's keys and shapes: 2511's (told by ComfyUI's
+    ``__index_timestep_zero__`` flag) converts into a Qwen-Image-Edit Plus folder — the transformer tensor for tensor
+    Qwen-Image's without the flag, its ``zero_cond_t``, the edit pipeline's model_index.json, the processor written
+    from ComfyUI's tokenizer — whose one-shot QwenImageEditPlusPipeline equals the diffusers edit folder's; 2509's is
+    told by its name (``zero_cond_t`` off), and the first Edit's is refused by name, not run as Qwen-Image."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2Tokenizer
+
+    from parallel_runtime.families.flux_kontext.adapter import pil_images
+    from parallel_runtime.families.qwenimage_edit.tiny import as_edit_folder
+
+    _, models, _ = tiny
+    names, reference = qwen["bf16"]
+    transformers = models / "diffusion_models"
+    weights = load_file(str(transformers / names["diffusion_model"]))
+    _write(
+        str(transformers / "tiny_qwen_image_edit_2511.safetensors"),
+        {**weights, "__index_timestep_zero__": torch.tensor([])},
+    )
+    for name in ("tiny_qwen_image_edit_2509_bf16.safetensors", "tiny_qwen_image_edit_bf16.safetensors"):
+        os.symlink(transformers / names["diffusion_model"], transformers / name)
+    plan = jobs.validate_comfy_files(**{**names, "diffusion_model": "tiny_qwen_image_edit_2509_bf16.safetensors"})
+    assert (plan.family, plan.variant) == ("qwenimage_edit", "Qwen-Image-Edit-2509")
+    assert plan.configs["transformer"]["zero_cond_t"] is False
+    with pytest.raises(
+        InvalidInput, match=r"diffusion_model: .* the first Qwen-Image-Edit's .* without its image"
+    ) as e:
+        jobs.validate_comfy_files(**{**names, "diffusion_model": "tiny_qwen_image_edit_bf16.safetensors"})
+    assert e.value.widget == "diffusion_model"
+
+    name, plan = jobs.model_from_comfy_files(**{**names, "diffusion_model": "tiny_qwen_image_edit_2511.safetensors"})
+    assert (plan.family, plan.variant) == ("qwenimage_edit", "Qwen-Image-Edit-2511")
+    assert model_folders.resolve(name).family == "qwenimage_edit"
+    expected = str(tmp_path / "edit")
+    shutil.copytree(reference, expected)
+    as_edit_folder(expected, Qwen2Tokenizer.from_pretrained(os.path.join(expected, "tokenizer")), zero_cond_t=True)
+    ours, theirs = _component_tensors(plan.folder, "transformer"), _component_tensors(expected, "transformer")
+    assert set(ours) - set(theirs) == {"__index_timestep_zero__"}  # linked: kept in the file, no model's weight
+    assert all(ours[k].dtype == v.dtype and torch.equal(ours[k], v) for k, v in theirs.items())
+    with open(os.path.join(expected, "transformer", "config.json")) as f:
+        config = json.load(f)
+    assert config["zero_cond_t"] is True
+    assert all(config[k] == v for k, v in plan.configs["transformer"].items() if not k.startswith("_")), config
+
+    def edited(folder: str) -> torch.Tensor:
+        pipe = QwenImageEditPlusPipeline.from_pretrained(folder, dtype=torch.float32)
+        pixels = torch.rand(1, 40, 56, 3, generator=torch.Generator().manual_seed(11))
+        return pipe(
+            image=pil_images(pixels),
+            prompt=PROMPT,
+            num_inference_steps=STEPS,
+            height=64,
+            width=64,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        ).images
+
+    assert torch.equal(edited(plan.folder), edited(expected))
 
 
 @pytest.fixture(scope="module")
