@@ -25,6 +25,11 @@ The tokenizer is ComfyUI's own copy (``comfy/text_encoders/qwen25_tokenizer``). 
 Qwen-Image's published configuration, kept here as data: the transformer's 128-wide heads and rotary axes (16, 56,
 56), Qwen2.5-VL-7B's non-shape values (128-wide heads, multimodal RoPE sections, special-token ids, the vision tower's
 80-wide heads and windows), the VAE's latent statistics and the scheduler.
+
+Qwen-Image-Edit-2511's and -2509's transformer files have Qwen-Image's keys and shapes: the same three files convert
+into a Qwen-Image-Edit Plus folder (``edit_model`` tells them apart, by ComfyUI's flag or the name), which adds the
+``processor`` the edit pipeline's text encoder sees the images through (``write_processor``) and 2511's
+``zero_cond_t``.
 """
 
 from __future__ import annotations
