@@ -381,14 +381,16 @@ EDIT_2511, EDIT_2509 = "Qwen-Image-Edit-2511", "Qwen-Image-Edit-2509"
 
 def edit_model(transformer: SourceHeader) -> str | None:
     """Which Qwen-Image-Edit Plus ``transformer`` is, or None for Qwen-Image: its files have Qwen-Image's keys and
-    shapes, so 2511's is told by ComfyUI's flag (or its name) and 2509's by its name alone. The first Edit (one image,
-    ``QwenImageEditPipeline``, which the pack does not run) is refused rather than run as text-to-image, without its
-    image."""
+    shapes, so 2511's is told by ComfyUI's flag (or an edit name with 2511) and 2509's by its name alone; a name
+    without "edit" is Qwen-Image's. The first Edit (one image, ``QwenImageEditPipeline``, which the pack does not run)
+    is refused rather than run as text-to-image, without its image."""
     name = transformer.name.lower()
-    if EDIT_2511_FLAG in transformer.shapes or "2511" in name:
+    if EDIT_2511_FLAG in transformer.shapes:
         return EDIT_2511
     if "edit" not in name:
         return None
+    if "2511" in name:
+        return EDIT_2511
     if "2509" in name:
         return EDIT_2509
     raise InvalidInput(
