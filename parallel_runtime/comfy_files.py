@@ -524,7 +524,7 @@ def plan_files(
     stem = os.path.splitext(os.path.basename(transformer.path))[0]
     name = f"{stem}-{key}"
     return FilesPlan(
-        family=layout.family,
+        family=contents.family or layout.family,
         variant=contents.variant,
         transformer=transformer,
         text_encoders=contents.text_encoders,
@@ -658,6 +658,8 @@ def _write_folder(
         _write_tokenizer(out, comfy_dir, tokenizer)
     for made in contents.tokenizers_from_files:
         _write_tokenizer_from_file(out, made)
+    for made in contents.folders:
+        made.write(comfy_dir, os.path.join(out, made.folder))
     for component in contents.components:
         folder = os.path.join(out, component.name)
         _write_json(os.path.join(folder, "config.json"), component.config)
@@ -731,9 +733,12 @@ def _tensors(file: SourceFile, keys: list[str], keep_fp8: bool = False) -> Itera
 
 
 def _skipped(file: SourceFile, key: str) -> bool:
-    """ComfyUI's quantization bookkeeping and tokenizer data, which diffusers models do not have as weights."""
+    """ComfyUI's quantization bookkeeping, tokenizer data and flags (an empty tensor named ``__like_this__``:
+    Qwen-Image-Edit-2511's ``__index_timestep_zero__``), which diffusers models do not have as weights. A linked file
+    keeps them, and every loader ignores a key its model has no place for."""
     return (
         key == "scaled_fp8"
+        or (key.startswith("__") and key.endswith("__"))
         or key in _TOKENIZER_DATA
         or key.endswith((".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant"))
     )

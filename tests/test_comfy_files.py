@@ -629,15 +629,116 @@ def test_qwenimage_refusals_name_the_input(qwen, tiny):
     _write(str(cut), {k: v for k, v in full.items() if not k.endswith("attn.norm_q.weight")})
     with pytest.raises(InvalidInput, match=r"diffusion_model: .* lacks 'transformer_blocks.0.attn.norm_q.weight'"):
         jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
-    # Qwen-Image-Edit's files have Qwen-Image's shapes: 2511's is told by ComfyUI's flag, the others by their name,
-    # and refused rather than run without their images as Qwen-Image.
-    _write(str(cut), {**full, "__index_timestep_zero__": torch.tensor([])})
-    with pytest.raises(InvalidInput, match=r"diffusion_model: .* carries ComfyUI's __index_timestep_zero__ flag"):
-        jobs.validate_comfy_files(**{**names, "diffusion_model": cut.name})
-    edit = "qwen_image_edit_2509_fp8_e4m3fn.safetensors"
-    os.symlink(models / "diffusion_models" / names["diffusion_model"], models / "diffusion_models" / edit)
-    with pytest.raises(InvalidInput, match=r"diffusion_model: .* is named as Qwen-Image-Edit's, .* without its images"):
-        jobs.validate_comfy_files(**{**names, "diffusion_model": edit})
+
+
+# Qwen-Image-Edit's picture, as LoadImage makes one (8-bit pixels / 255).
+EDIT_PIXELS = torch.randint(0, 256, (1, 40, 56, 3), generator=torch.Generator().manual_seed(11)).float() / 255
+NEGATIVE = "a blue painting"
+
+
+@pytest.fixture(scope="module")
+def qwen_edit(qwen, tiny):
+    """ComfyUI's Qwen-Image-Edit transformer files of the tiny Qwen-Image: 2511's (its weights and ComfyUI's flag),
+    2509's and the first Edit's (its weights under their names). Returns the widgets' values of 2511's."""
+    _, models, _ = tiny
+    names, _ = qwen["bf16"]
+    transformers = models / "diffusion_models"
+    weights = load_file(str(transformers / names["diffusion_model"]))
+    flag = {"__index_timestep_zero__": torch.tensor([])}
+    _write(str(transformers / "tiny_qwen_image_edit_2511.safetensors"), {**weights, **flag})
+    for name in ("tiny_qwen_image_edit_2509_bf16.safetensors", "tiny_qwen_image_edit_bf16.safetensors"):
+        os.symlink(transformers / names["diffusion_model"], transformers / name)
+    return {**names, "diffusion_model": "tiny_qwen_image_edit_2511.safetensors"}
+
+
+def test_qwenimage_edit_files_convert_into_the_edit_folder(qwen, qwen_edit, tiny, tmp_path):
+    """ComfyUI's Qwen-Image-Edit files have Qwen-Image's keys and shapes: 2511's (told by ComfyUI's
+    ``__index_timestep_zero__`` flag) converts into a Qwen-Image-Edit Plus folder — the transformer tensor for tensor
+    Qwen-Image's without the flag, its ``zero_cond_t``, the edit pipeline's model_index.json, the processor written
+    from ComfyUI's tokenizer — whose one-shot QwenImageEditPlusPipeline equals the diffusers edit folder's; 2509's is
+    told by its name (``zero_cond_t`` off), and the first Edit's is refused by name, not run as Qwen-Image."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2Tokenizer
+
+    from parallel_runtime.families.flux_kontext.adapter import pil_images
+    from parallel_runtime.families.qwenimage_edit.tiny import as_edit_folder
+
+    _, models, _ = tiny
+    names, reference = qwen["bf16"]
+    plan = jobs.validate_comfy_files(**{**names, "diffusion_model": "tiny_qwen_image_edit_2509_bf16.safetensors"})
+    assert (plan.family, plan.variant) == ("qwenimage_edit", "Qwen-Image-Edit-2509")
+    assert plan.configs["transformer"]["zero_cond_t"] is False
+    with pytest.raises(
+        InvalidInput, match=r"diffusion_model: .* the first Qwen-Image-Edit's .* without its image"
+    ) as e:
+        jobs.validate_comfy_files(**{**names, "diffusion_model": "tiny_qwen_image_edit_bf16.safetensors"})
+    assert e.value.widget == "diffusion_model"
+    # The edit model's text encoder sees the pictures: one without the vision tower is refused by name.
+    encoders = models / "text_encoders"
+    text = load_file(str(encoders / names["text_encoder"]))
+    _write(str(encoders / "tiny_qwen_no_vision.safetensors"), {k: v for k, v in text.items() if "visual." not in k})
+    with pytest.raises(InvalidInput, match=r"text_encoder: .* has no vision tower .* qwen_2.5_vl_7b") as e:
+        jobs.validate_comfy_files(**{**qwen_edit, "text_encoder": "tiny_qwen_no_vision.safetensors"})
+
+    name, plan = jobs.model_from_comfy_files(**qwen_edit)
+    assert (plan.family, plan.variant) == ("qwenimage_edit", "Qwen-Image-Edit-2511")
+    assert model_folders.resolve(name).family == "qwenimage_edit"
+    expected = str(tmp_path / "edit")
+    shutil.copytree(reference, expected)
+    as_edit_folder(expected, Qwen2Tokenizer.from_pretrained(os.path.join(expected, "tokenizer")), zero_cond_t=True)
+    ours, theirs = _component_tensors(plan.folder, "transformer"), _component_tensors(expected, "transformer")
+    assert set(ours) - set(theirs) == {"__index_timestep_zero__"}  # linked: kept in the file, no model's weight
+    assert all(ours[k].dtype == v.dtype and torch.equal(ours[k], v) for k, v in theirs.items())
+    with open(os.path.join(expected, "transformer", "config.json")) as f:
+        config = json.load(f)
+    assert config["zero_cond_t"] is True
+    assert all(config[k] == v for k, v in plan.configs["transformer"].items() if not k.startswith("_")), config
+
+    def edited(folder: str) -> torch.Tensor:
+        pipe = QwenImageEditPlusPipeline.from_pretrained(folder, dtype=torch.float32)
+        return pipe(
+            image=pil_images(EDIT_PIXELS),
+            prompt=PROMPT,
+            num_inference_steps=STEPS,
+            height=64,
+            width=64,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        ).images
+
+    assert torch.equal(edited(plan.folder), edited(expected))
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_qwenimage_edit_converted_on_tensor_parallel(qwen_edit):
+    """The converted 2511 folder on 2 CPU ranks (the picture on the encoder, tensor parallel, true CFG) gives
+    QwenImageEditPlusPipeline's image on the same folder."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    from parallel_runtime.families.flux_kontext.adapter import pil_images
+
+    name, _ = jobs.model_from_comfy_files(**qwen_edit)
+    spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
+    positive = jobs.encode_prompt(spec, model=name, prompt=PROMPT, negative_prompt=NEGATIVE, image=EDIT_PIXELS)
+    transformer = jobs.plan_transformer(spec, model=name, strategy="tensor_parallel", tp_degree=2)
+    settings = {"width": 64, "height": 64, "true_cfg_scale": 4.0}
+    latent = jobs.sample(transformer, positive, seed=3, steps=STEPS, guidance_scale=1.0, **settings)
+    image = jobs.decode(spec, model=name, samples=latent)
+    pipe = QwenImageEditPlusPipeline.from_pretrained(model_folders.resolve(name).path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    expected = pipe(
+        image=pil_images(EDIT_PIXELS),
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        num_inference_steps=STEPS,
+        generator=[torch.Generator("cpu").manual_seed(3)],
+        output_type="pt",
+        **settings,
+    ).images.permute(0, 2, 3, 1)
+    diff = (image - expected).abs().max().item()
+    print(f"converted Qwen-Image-Edit-2511, tensor parallel: max |diff| vs one-shot {diff:.3g}")
+    assert diff <= 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,8 @@ STEPS = 2
 # FLUX.1 Kontext's reference image: a random IMAGE as LoadImage makes it (8-bit pixels / 255), square, so that the
 # pipeline runs it at 1024² (4096 tokens beside the output's 16).
 KONTEXT_IMAGE = torch.randint(0, 256, (1, 64, 64, 3), generator=torch.Generator().manual_seed(12)).float() / 255
+# Qwen-Image-Edit's picture, read by its text encoder (on EncodeOnBalancedGPUs) and its transformer (about 1024²).
+EDIT_IMAGE = torch.randint(0, 256, (1, 40, 56, 3), generator=torch.Generator().manual_seed(13)).float() / 255
 FAMILIES = {
     "flux": {
         "model": "tiny-flux",
@@ -71,6 +73,17 @@ FAMILIES = {
         "encode": {"max_sequence_length": 8, "negative_prompt": "a blue painting"},
         "sample": {"guidance_scale": 3.5, "true_cfg_scale": 4.0},
         "reference": {"max_sequence_length": 8, "negative_prompt": "a blue painting", "true_cfg_scale": 4.0},
+    },
+    # Qwen-Image-Edit's tiny transformer has Qwen-Image's classes and shapes: Qwen-Image's LoRAs fit it.
+    "qwenimage_edit": {
+        "model": "tiny-qwen-image-edit",
+        "encode": {"negative_prompt": "a blue painting", "image": EDIT_IMAGE},
+        "sample": {"guidance_scale": 1.0, "true_cfg_scale": 4.0},
+        "reference": {
+            "negative_prompt": "a blue painting",
+            "true_cfg_scale": 4.0,
+            "image": pil_images(EDIT_IMAGE)[0],
+        },
     },
 }
 # Layers of a FLUX.1 LoRA in BFL's layout: every diffusers layer a BFL layer fuses (q/k/v), AdaLN modulations, the
@@ -162,6 +175,10 @@ def loras(models_dir, loras_dir) -> dict:
         make_tiny_lora(models_dir / "tiny-qwenimage", "qwenimage", ranks={"img_in": 2}, seed=4),
         "qwenimage",
     )
+    # A second Qwen-Image LoRA, to stack on the first: other ranks, no alpha, in ComfyUI's layout.
+    qwen_b = make_tiny_lora(models_dir / "tiny-qwenimage", "qwenimage", rank=3, alpha=None, seed=10)
+    made["qwenimage_b.safetensors"] = qwen_b
+    save_qwenimage_lora(qwen_b, loras_dir / "qwenimage_b.safetensors", layout="comfyui")
     bfl = make_tiny_lora(flux, "flux", layers=FLUX_BFL_LAYERS, ranks={"transformer_blocks.0.attn.to_out.0": 2}, seed=5)
     for layout in ("kohya", "comfyui"):
         made[f"flux_{layout}.safetensors"] = bfl
@@ -326,6 +343,7 @@ def only(key: str, layout: str = "a", strength: float = 1.0) -> tuple:
     return ((f"{key}_{layout}.safetensors", strength),)
 
 
+QWEN_STACK = (("qwenimage_a.safetensors", 0.8), ("qwenimage_b.safetensors", -0.6))
 ULYSSES, RING = {"ulysses_degree": 2}, {"ring_degree": 2, "ulysses_degree": 1}
 SLOW = pytest.mark.slow
 DP = {"batch_size": 2, "tolerance": 1e-5}  # not bit-exact: CPU GEMM kernels block differently for another batch size
@@ -361,6 +379,9 @@ CASES = [
     # An edit model: the stacked LoRAs on its transformer, the reference image's 4096 tokens in its sequence (slow:
     # that sequence and the 1024² reference's VAE encode, on the ranks and in the one-shot pipeline).
     case("kontext_ulysses", "flux_kontext", "context_parallel", ULYSSES, marks=SLOW),
+    # Qwen-Image-Edit: two stacked Qwen-Image LoRAs (diffusers' and ComfyUI's layouts) on its transformer, beside the
+    # picture's tokens (slow for the same reasons).
+    case("qwenimage_edit_tp", "qwenimage_edit", "tensor_parallel", stack=QWEN_STACK, marks=SLOW),
     case("flux2_data_parallel", "flux2", "data_parallel", stack=only("flux2"), **DP, marks=SLOW),
     case("flux2_klein_ulysses", "flux2_klein", "context_parallel", ULYSSES, stack=only("flux2_klein"), marks=SLOW),
     case("qwenimage_data_parallel", "qwenimage", "data_parallel", stack=only("qwenimage"), **DP, marks=SLOW),

@@ -92,6 +92,20 @@ class TokenizerFromFile:
 
 
 @dataclasses.dataclass(frozen=True)
+class FolderFromComfy:
+    """A folder the family writes from ComfyUI's installation and the headers (nothing is downloaded): Qwen-Image-Edit's
+    ``processor``, its tokenizer ComfyUI's and its image processor's values Qwen2.5-VL's.
+
+    Args:
+        folder: the pipeline's component ("processor").
+        write: (ComfyUI's ``comfy`` package folder, the folder to write) → None.
+    """
+
+    folder: str
+    write: Callable[[str, str], None]
+
+
+@dataclasses.dataclass(frozen=True)
 class Component:
     """One component of the diffusers folder and how its weights are made from one source file.
 
@@ -138,6 +152,8 @@ class FilesContents:
         components: written in this order (progress follows it).
         text_encoders: the text-encoder files in the pipeline's order (whatever widget picked them).
         tokenizers_from_files: tokenizers made from data the picked files carry.
+        folders: other folders the family writes (a processor).
+        family: the adapter's key when it is not the layout's (Qwen-Image-Edit's files are Qwen-Image's layout).
     """
 
     variant: str
@@ -147,6 +163,8 @@ class FilesContents:
     components: tuple[Component, ...]
     text_encoders: tuple[SourceHeader, ...]
     tokenizers_from_files: tuple[TokenizerFromFile, ...] = ()
+    folders: tuple[FolderFromComfy, ...] = ()
+    family: str | None = None
 
 
 class FilesLayout(abc.ABC):

@@ -25,16 +25,33 @@ The tokenizer is ComfyUI's own copy (``comfy/text_encoders/qwen25_tokenizer``). 
 Qwen-Image's published configuration, kept here as data: the transformer's 128-wide heads and rotary axes (16, 56,
 56), Qwen2.5-VL-7B's non-shape values (128-wide heads, multimodal RoPE sections, special-token ids, the vision tower's
 80-wide heads and windows), the VAE's latent statistics and the scheduler.
+
+Qwen-Image-Edit-2511's and -2509's transformer files have Qwen-Image's keys and shapes: the same three files convert
+into a Qwen-Image-Edit Plus folder (``edit_model`` tells them apart, by ComfyUI's flag or the name), which adds the
+``processor`` the edit pipeline's text encoder sees the images through (``write_processor``) and 2511's
+``zero_cond_t``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Mapping
 from typing import ClassVar
 
 from ...errors import InvalidInput
-from ..files import Component, FilesContents, FilesLayout, Shapes, SourceHeader, Tokenizer, configs_from_shapes, count
+from ..files import (
+    Component,
+    FilesContents,
+    FilesLayout,
+    FolderFromComfy,
+    Shapes,
+    SourceHeader,
+    Tokenizer,
+    configs_from_shapes,
+    count,
+)
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json: dynamic shifting over a long reference sequence, to a terminal
 # sigma.
@@ -119,6 +136,15 @@ MODEL_INDEX = {
     "transformer": ["diffusers", "QwenImageTransformer2DModel"],
     "vae": ["diffusers", "AutoencoderKLQwenImage"],
 }
+# Qwen-Image-Edit Plus (2509, 2511): the same components, and the processor through which its text encoder sees the
+# images.
+EDIT_MODEL_INDEX = MODEL_INDEX | {
+    "_class_name": "QwenImageEditPlusPipeline",
+    "processor": ["transformers", "Qwen2VLProcessor"],
+}
+# Qwen2.5-VL-7B-Instruct's preprocessor_config.json values the weights do not carry (its patch, merge and temporal
+# sizes are the vision tower's, read from the file): the pixel bounds an image is resized within.
+IMAGE_PIXELS = {"shortest_edge": 56 * 56, "longest_edge": 12845056}
 
 
 # -- the transformer ---------------------------------------------------------------------------------------------
@@ -259,7 +285,7 @@ class QwenImageFiles(FilesLayout):
     family = "qwenimage"
     name = "Qwen-Image"
     text_encoder_widgets = ("text_encoder",)
-    variants = "Qwen-Image"
+    variants = "Qwen-Image, Qwen-Image-Edit-2509 and -2511"
     transformer_layout = "in diffusers' layout"
     gguf_architectures = ("qwen_image",)
     widget_files: ClassVar[Mapping[str, str]] = {
@@ -274,7 +300,7 @@ class QwenImageFiles(FilesLayout):
     def contents(
         self, variant: str, transformer: SourceHeader, text_encoders: list[SourceHeader], vae: SourceHeader
     ) -> FilesContents:
-        _refuse_edit_files(transformer)
+        edit = edit_model(transformer)
         (encoder,) = text_encoders
         if not is_text_encoder(encoder.shapes):
             raise InvalidInput(
@@ -316,9 +342,23 @@ class QwenImageFiles(FilesLayout):
                 f"{vae.name!r} has {configs['vae']['z_dim']} latent channels, but the transformer takes "
                 f"{configs['transformer']['in_channels'] // 4}: pick qwen_image_vae.safetensors",
             )
+        folders = ()
+        if edit is not None:
+            if not configs["text_encoder"]["vision_config"]["depth"]:
+                raise InvalidInput(
+                    encoder.widget,
+                    f"{encoder.name!r} has no vision tower (no visual.blocks weights), and {edit}'s text encoder sees "
+                    "the images: pick ComfyUI's complete qwen_2.5_vl_7b.safetensors (or its fp8 version)",
+                )
+            variant = edit
+            configs["transformer"]["zero_cond_t"] = edit == EDIT_2511
+            vision = configs["text_encoder"]["vision_config"]
+            folders = (FolderFromComfy("processor", functools.partial(write_processor, vision=vision)),)
         return FilesContents(
             variant=variant,
-            model_index=MODEL_INDEX,
+            family="qwenimage_edit" if edit is not None else None,
+            folders=folders,
+            model_index=MODEL_INDEX if edit is None else EDIT_MODEL_INDEX,
             scheduler=SCHEDULER,
             tokenizers=(TOKENIZER,),
             components=(
@@ -336,22 +376,51 @@ class QwenImageFiles(FilesLayout):
 EDIT_2511_FLAG = "__index_timestep_zero__"
 
 
-def _refuse_edit_files(transformer: SourceHeader) -> None:
-    """Qwen-Image-Edit's transformer files (the first Edit, 2509, 2511) have Qwen-Image's keys and shapes: converted as
-    Qwen-Image they would run text-to-image, ignoring the images they are for. 2511's carries ComfyUI's flag; the
-    others are told by their name alone."""
+EDIT_2511, EDIT_2509 = "Qwen-Image-Edit-2511", "Qwen-Image-Edit-2509"
+
+
+def edit_model(transformer: SourceHeader) -> str | None:
+    """Which Qwen-Image-Edit Plus ``transformer`` is, or None for Qwen-Image: its files have Qwen-Image's keys and
+    shapes, so 2511's is told by ComfyUI's flag (or an edit name with 2511) and 2509's by its name alone; a name
+    without "edit" is Qwen-Image's. The first Edit (one image, ``QwenImageEditPipeline``, which the pack does not run)
+    is refused rather than run as text-to-image, without its image."""
+    name = transformer.name.lower()
     if EDIT_2511_FLAG in transformer.shapes:
-        told = f"carries ComfyUI's {EDIT_2511_FLAG} flag: it is Qwen-Image-Edit-2511's"
-    elif "edit" in transformer.name.lower():
-        told = "is named as Qwen-Image-Edit's"
-    else:
-        return
+        return EDIT_2511
+    if "edit" not in name:
+        return None
+    if "2511" in name:
+        return EDIT_2511
+    if "2509" in name:
+        return EDIT_2509
     raise InvalidInput(
         transformer.widget,
-        f"{transformer.name!r} {told}, whose weights have Qwen-Image's shapes, so it would run as Qwen-Image, "
-        "without its images; use the Qwen-Image-Edit diffusers folder (Qwen/Qwen-Image-Edit-2511 or -2509; README, "
-        "Edit models) in the model widgets instead",
+        f"{transformer.name!r} is named as the first Qwen-Image-Edit's (neither 2509 nor 2511), which this pack does "
+        "not run; its weights have Qwen-Image's shapes, so it would run as Qwen-Image, without its image. Pick "
+        "qwen_image_edit_2509_*.safetensors or qwen_image_edit_2511_*.safetensors (a 2509 file is told by its name: "
+        "keep 2509 in it)",
     )
+
+
+def write_processor(comfy_dir: str, folder: str, vision: dict) -> None:
+    """The ``processor`` folder Qwen-Image-Edit's pipeline reads, which ComfyUI's files do not carry, written as
+    transformers' ``Qwen2VLProcessor`` saves it: ComfyUI's Qwen2.5 tokenizer (its vision tokens included) and
+    Qwen2.5-VL's image processor at the vision tower's patch, merge and temporal sizes (``vision``, the text encoder's
+    ``vision_config``) with the published pixel bounds; nothing downloaded."""
+    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    sizes = {
+        "patch_size": vision["patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+    }
+    tokenizer = Qwen2Tokenizer.from_pretrained(os.path.join(comfy_dir, *TOKENIZER.source.split("/")))
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=IMAGE_PIXELS, **sizes),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**sizes),
+    )
+    processor.save_pretrained(folder)
 
 
 def _what_encoder(shapes: Shapes) -> str:

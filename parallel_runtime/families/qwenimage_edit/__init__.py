@@ -1,7 +1,7 @@
 """Qwen-Image-Edit (Plus: 2509, 2511), in one folder: its adapter (``adapter.py``, Qwen-Image's with the images its
 text encoder reads and its transformer edits) and its tiny builder (``tiny.py``: tests import it, the adapter never
-does). Its ComfyUI transformer file has Qwen-Image's layout, so it has no ``files.py`` of its own (adapter.py says
-why)."""
+does). Its ComfyUI transformer files have Qwen-Image's layout, so Qwen-Image's ``files.py`` converts them (adapter.py
+says how they are told apart)."""
 
 from .adapter import QwenImageEdit
 

@@ -18,8 +18,9 @@ one-shot call. The pipeline takes one prompt at a time (its ``batch_size`` must 
 A diffusers folder is told from Qwen-Image's by ``model_index.json``'s ``_class_name``. ComfyUI's transformer files
 (``qwen_image_edit_2509_*.safetensors``, ``qwen_image_edit_2511_*``) have Qwen-Image's keys and shapes (2511's
 ``zero_cond_t`` is a config switch, not a weight); only 2511's carries a flag, ComfyUI's empty
-``__index_timestep_zero__`` tensor. Qwen-Image's layout (``qwenimage/files.py``) refuses a file with that flag or an
-edit model's name, instead of running it as text-to-image.
+``__index_timestep_zero__`` tensor. So Qwen-Image's layout (``qwenimage/files.py``) converts them: into this family's
+folder when the file carries that flag or its name says 2511 or 2509 (``zero_cond_t`` for 2511), and the first Edit,
+which this family does not run, is refused by its name rather than run as text-to-image.
 """
 
 from __future__ import annotations

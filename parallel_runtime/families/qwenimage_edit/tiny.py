@@ -9,7 +9,7 @@ import json
 import os
 
 from diffusers import QwenImageEditPlusPipeline
-from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
 from ..qwenimage.tiny import make_tiny_model as make_tiny_qwenimage
 from ..qwenimage.tiny import qwen2_tokenizer
@@ -32,6 +32,13 @@ def make_tiny_model(out_dir: str, seed: int = 0, zero_cond_t: bool = True) -> st
     )
     tokenizer = qwen2_tokenizer(empty.prompt_template_encode.format(""))
     make_tiny_qwenimage(out_dir, seed, tokenizer)
+    return as_edit_folder(out_dir, tokenizer, zero_cond_t)
+
+
+def as_edit_folder(out_dir: str, tokenizer: Qwen2Tokenizer, zero_cond_t: bool = True) -> str:
+    """Make the Qwen-Image folder ``out_dir`` (a vision tower in its text encoder) Qwen-Image-Edit's: the processor
+    around ``tokenizer``, the transformer's ``zero_cond_t`` (2511's; False: 2509's) and the edit pipeline's
+    ``model_index.json``."""
     # Qwen2.5-VL's image processor as published (14-pixel patches merged 2×2, CLIP's mean and std); it holds no
     # weights, so the tiny model's is the real one.
     processor = Qwen2VLProcessor(
