@@ -206,6 +206,40 @@ def test_stacked_loras_on_fp8_under_tensor_parallel(spec, flux):
     assert (image - one_shot(3, 64, 64)).abs().max() > 1e-2
 
 
+@pytest.mark.multirank
+def test_peft_adapters_on_fp8_are_refused_by_name_and_its_fixes_agree(spec, flux):
+    """``lora_mode: peft`` on a transformer held in fp8 is refused naming lora_mode (PEFT would cast the adapters to
+    fp8), and the backend stays usable: both fixes the refusal names — auto (merged per layer into the fp8 layers'
+    computed weights) and PEFT adapters on the weights held ``as dtype`` — give the same image, the LoRA's."""
+    import dataclasses
+
+    from parallel_runtime import OpFailed
+    from parallel_runtime.wire import LoraMode
+
+    name, one_shot = flux["fp8"]
+    lora = "fp8_peft.safetensors"
+    make = make_tiny_lora(_folder(name), "flux", layers=LORA_LAYERS, seed=13, size=1.0)
+    save_diffusers_lora(make, os.path.join(os.environ["COMFY_PARALLEL_LORAS"], lora), "flux")
+    positive = jobs.encode_prompt(spec, model=name, prompt=PROMPT, max_sequence_length=TOKENS)
+
+    def image(mode: LoraMode, weights: str = "as stored") -> torch.Tensor:
+        handle = jobs.plan_transformer(spec, model=name, strategy="data_parallel", weights=weights)
+        handle, _ = jobs.add_lora(handle, lora_name=lora, strength=0.8)
+        handle = dataclasses.replace(handle, spec=dataclasses.replace(handle.spec, lora_mode=mode))
+        latent = jobs.sample(
+            handle, positive, seed=3, steps=STEPS, guidance_scale=3.5, width=64, height=64, batch_size=2
+        )
+        return jobs.decode(spec, model=name, samples=latent)
+
+    with pytest.raises((InvalidInput, OpFailed), match=r"lora_mode: peft .* held in fp8 the LoRA would be rounded"):
+        image(LoraMode.PEFT)
+    fused, adapters = image(LoraMode.AUTO), image(LoraMode.PEFT, weights="as dtype")
+    diff = (fused - adapters).abs().max().item()
+    print(f"a LoRA on plain fp8: fused per layer vs PEFT on the weights as dtype, max |diff| {diff:.3g}")
+    assert diff <= 1e-4
+    assert (fused - one_shot(3, 64, 64, 2)).abs().max() > 1e-2
+
+
 AS_DTYPE_CASES = [
     # The default run's case: scaled fp8, a replica per rank read by tensor parallel's slice reader, which applies
     # the scales in the dtype as it reads (nothing else in the default run takes ``as dtype``).

@@ -81,7 +81,17 @@ def _wanted(loras: tuple[LoraRef, ...]) -> list[_Wanted]:
 def resolved_mode(spec: TransformerSpec, transformer: torch.nn.Module) -> LoraMode:
     """``auto`` is FUSED, except on a GGUF transformer: its weights are packed (merging a delta into them would
     quantize the delta away), so its LoRAs are PEFT adapters, a side branch in the compute dtype beside each
-    dequantized layer, and an explicit ``fused`` is refused."""
+    dequantized layer, and an explicit ``fused`` is refused. On a transformer holding fp8 layers ``peft`` is refused:
+    PEFT casts each adapter, and the input it takes, to its base layer's weight dtype, which is the held fp8 one, so
+    the LoRA would be rounded to fp8 (and CPUs have no fp8 matmul to run it) — a silent precision loss the fused mode,
+    merging in float32 into the weight each layer computes with, does not have."""
+    if spec.lora_mode is LoraMode.PEFT and any(fp8_weights.held_hook(m) is not None for m in transformer.modules()):
+        raise WidgetError(
+            "lora_mode",
+            "peft wraps each layer in an adapter that PEFT casts, with its input, to the layer's stored dtype: on a "
+            "transformer held in fp8 the LoRA would be rounded to fp8; use auto (each LoRA merged in float32 into "
+            "the weight its fp8 layer computes with), or the weights widget's 'as dtype' for adapters",
+        )
     if is_gguf_model(transformer):
         if spec.lora_mode is LoraMode.FUSED:
             raise WidgetError(
