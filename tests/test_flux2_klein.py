@@ -13,6 +13,7 @@ from diffusers import Flux2KleinPipeline
 from helpers import PROMPT, STEPS, TOKENS
 
 from parallel_runtime import default_spec, jobs
+from parallel_runtime.errors import InvalidInput
 from parallel_runtime.families import family
 from parallel_runtime.families.tiny import family_tiny, make_tiny_model
 from parallel_runtime.wire import Sampling
@@ -116,7 +117,8 @@ def test_klein_folder_is_its_own_family(klein_dir):
 
 def test_distilled_klein_refuses_cfg(klein_dir):
     """A step-distilled [klein] takes no guidance (the pipeline would ignore it, and cfg_parallel's second half would
-    wait for a pass that never comes): asked for CFG, it names the widget and the fix before any step runs."""
+    wait for a pass that never comes): asked for CFG, it names the widget and the fix, on the client before anything
+    loads and on the ranks before any step runs."""
     from diffusers import Flux2Transformer2DModel
 
     transformer = Flux2Transformer2DModel.from_pretrained(klein_dir / KLEIN, subfolder="transformer")
@@ -126,6 +128,16 @@ def test_distilled_klein_refuses_cfg(klein_dir):
         ValueError, match=r"true_cfg_scale: 3.0 asks for CFG, but this FLUX.2 \[klein\] is step-distilled"
     ):
         family("flux2_klein").denoise(str(klein_dir / KLEIN), transformer, embeds, sampling)
+    # The client asks the same before anything loads, once the conditioning holds a negative prompt; a base model's
+    # CFG passes.
+    conditioning = jobs.Conditioning(None, (PROMPT,), embeds, source="a test")
+    widgets = {"steps": 4, "width": WIDTH, "height": HEIGHT, "batch_size": 1, "true_cfg_scale": CFG}
+    with pytest.raises(InvalidInput, match=r"3.0 asks for CFG, but this FLUX.2 \[klein\] is step-distilled") as e:
+        jobs.validate_sample(jobs.plan_transformer(spec(), model=KLEIN, strategy="device_map"), conditioning, **widgets)
+    assert e.value.widget == "true_cfg_scale"
+    jobs.validate_sample(
+        jobs.plan_transformer(spec(), model=KLEIN_BASE, strategy="device_map"), conditioning, **widgets
+    )
 
 
 def test_klein_img2img_runs_the_pipelines_schedule(klein_dir):

@@ -204,6 +204,12 @@ class FamilyAdapter(abc.ABC):
         loader, clip_type, prompt_nodes = cls.comfy_text_encoder
         return f"{loader} (type {clip_type}) into {prompt_nodes}"
 
+    def cfg_refusal(self, model_dir: str, true_cfg_scale: float) -> str | None:
+        """Why the model in ``model_dir`` takes no true CFG at ``true_cfg_scale`` although its family does (a
+        step-distilled checkpoint), with the fix; None when it takes it. Read from the folder's configs only, so the
+        client asks before anything loads and the ranks again before they run."""
+        return None
+
     def reference_size(self, width: int, height: int) -> tuple[int, int]:
         """The (width, height) a reference image of this size runs at (families with ``reference_images``): the
         pipeline's own resizing. ValueError, with the reason and the fix, for a size the pipeline refuses."""

@@ -454,6 +454,10 @@ def validate_sample(
             f"has no negative prompt for true CFG; re-encode it with "
             f"{handle.spec.model.name}, or set true_cfg_scale to 1",
         )
+    if conditioning is not None and true_cfg_scale > 1 and "negative_prompt_embeds" in conditioning.tensors:
+        refusal = family.cfg_refusal(handle.spec.model.path, true_cfg_scale)
+        if refusal is not None:
+            raise InvalidInput("true_cfg_scale", refusal)
     if plan.splits_cfg and not (family.true_cfg and true_cfg_scale > 1):
         raise InvalidInput(
             "true_cfg_scale",

@@ -19,6 +19,8 @@ transformer's missing guidance embedding and the Qwen3 text encoder (``files.py`
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
@@ -54,6 +56,14 @@ class Flux2Klein(Flux2):
             out["negative_prompt_embeds"] = _encode(pipe, prompts.negative_prompts, prompts.max_sequence_length)
         return out
 
+    def cfg_refusal(self, model_dir: str, true_cfg_scale: float) -> str | None:
+        if not _distilled(model_dir):
+            return None
+        return (
+            f"{true_cfg_scale} asks for CFG, but this {self.name} is step-distilled (model_index.json's is_distilled) "
+            "and takes no guidance; set true_cfg_scale to 1, or use a [klein] base model"
+        )
+
     @torch.no_grad()
     def denoise(
         self,
@@ -79,14 +89,11 @@ class Flux2Klein(Flux2):
 
         check_size(self, sampling)
         references = self.reference_pictures(latent_image, image, image_2, image_3)
-        distilled = bool(Flux2KleinPipeline.load_config(model_dir).get("is_distilled", False))
+        distilled = _distilled(model_dir)
         cfg_scale = sampling.true_cfg_scale or 1.0
         cfg = cfg_scale > 1 and "negative_prompt_embeds" in embeds
-        if cfg and distilled:
-            raise ValueError(
-                f"true_cfg_scale: {cfg_scale} asks for CFG, but this {self.name} is step-distilled (model_index.json's "
-                "is_distilled) and takes no guidance; set true_cfg_scale to 1, or use a [klein] base model"
-            )
+        if cfg and (refusal := self.cfg_refusal(model_dir, cfg_scale)):
+            raise ValueError(f"true_cfg_scale: {refusal}")
         scheduler = scheduler_for(model_dir, sampling)
         # The pipeline de-normalises its result with the VAE's batch-norm statistics, even for output_type="latent".
         vae = self.load_vae(model_dir, transformer.dtype, str(transformer.device))
@@ -135,3 +142,9 @@ def _encode(pipe: Any, prompts: tuple[str, ...], max_sequence_length: int) -> to
     prompt_embeds, _text_ids = pipe.encode_prompt(prompt=list(prompts), max_sequence_length=max_sequence_length)
     # `_text_ids` are position ids derived from the sequence length; the denoise stage rebuilds them.
     return prompt_embeds.cpu()
+
+
+def _distilled(model_dir: str) -> bool:
+    """The folder's ``is_distilled`` (``Flux2KleinPipeline``'s flag: a step-distilled model takes no guidance)."""
+    with open(os.path.join(model_dir, "model_index.json")) as f:
+        return bool(json.load(f).get("is_distilled", False))
