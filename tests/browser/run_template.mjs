@@ -75,6 +75,8 @@ try {
   await page.getByRole("button", { name: PACK, exact: true }).click();
   // The card's thumbnail is example_workflows/<template>.jpg (make_thumbnails.py); null while there is none.
   const card = page.getByRole("img", { name: template, exact: true });
+  // The pack's cards fill more than one screen, and the browser shows only those in view: search for the one we run.
+  await page.getByPlaceholder("Search").first().fill(template);
   report.card_thumbnail_width = await card
     .evaluate((img) => new Promise((done) => {
       if (img.complete) done(img.naturalWidth || null);
