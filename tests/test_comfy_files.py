@@ -425,13 +425,43 @@ def test_refusals_name_the_input(tiny):
     with pytest.raises(InvalidInput, match=r"diffusion_model: .* is a VAE or a text encoder"):
         jobs.validate_comfy_files(**{**names, "diffusion_model": "ae-linked.safetensors"})
     assert "flux1-dev-Q4_K_S.gguf" in comfy_files.list_files("diffusion_model")  # listed, so that picking it says why
-    # FLUX.1 Kontext's file has FLUX.1-dev's shapes: told by its name alone, and refused rather than run without its
-    # image as FLUX.1-dev.
-    kontext = "flux1-dev-kontext_fp8_scaled.safetensors"
+
+
+def test_a_kontext_file_converts_into_the_kontext_folder(tiny):
+    """ComfyUI's FLUX.1 Kontext file has FLUX.1-dev's keys and shapes, so its name tells it: it converts into a folder
+    whose model_index names FluxKontextPipeline (the flux_kontext family runs it, with its image), every component
+    tensor for tensor the FLUX.1-dev conversion of the same weights."""
+    _, models, made = tiny
+    names, _ = made["bf16"]
+    kontext = "flux1-dev-kontext_tiny.safetensors"
     os.symlink(models / "diffusion_models" / names["diffusion_model"], models / "diffusion_models" / kontext)
-    with pytest.raises(InvalidInput, match=r"diffusion_model: .*kontext.* cannot be told from FLUX.1-dev's") as e:
-        jobs.validate_comfy_files(**{**names, "diffusion_model": kontext})
-    assert e.value.widget == "diffusion_model"
+    name, plan = jobs.model_from_comfy_files(**{**names, "diffusion_model": kontext})
+    assert (plan.family, plan.variant) == ("flux_kontext", "FLUX.1 Kontext [dev]")
+    assert model_folders.resolve(name).family == "flux_kontext"
+    with open(os.path.join(plan.folder, "model_index.json")) as f:
+        assert json.load(f)["_class_name"] == "FluxKontextPipeline"
+    _, dev = jobs.model_from_comfy_files(**names)
+    for component in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        ours, theirs = _component_tensors(plan.folder, component), _component_tensors(dev.folder, component)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], v) for k, v in theirs.items()), component
+    # FluxKontextPipeline reads the converted folder and edits with it.
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+
+    pipe = FluxKontextPipeline.from_pretrained(plan.folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(
+        prompt="a cat",
+        image=Image.new("RGB", (32, 32), (200, 40, 40)),
+        num_inference_steps=1,
+        width=32,
+        height=32,
+        max_area=32 * 32,
+        _auto_resize=False,
+        max_sequence_length=32,
+        output_type="pt",
+    ).images
+    assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
 
 
 def test_flux1_files_that_would_fail_after_converting_are_refused_by_name(tiny):

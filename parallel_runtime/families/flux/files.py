@@ -256,15 +256,19 @@ MODEL_INDEX = {
     "transformer": ["diffusers", "FluxTransformer2DModel"],
     "vae": ["diffusers", "AutoencoderKL"],
 }
+# FLUX.1 Kontext [dev]: FLUX.1-dev's components under FluxKontextPipeline (its file is told by its name).
+KONTEXT = "FLUX.1 Kontext [dev]"
+KONTEXT_MODEL_INDEX = MODEL_INDEX | {"_class_name": "FluxKontextPipeline"}
 
 
 class Flux1Files(FilesLayout):
-    """FLUX.1-dev and -schnell: the BFL transformer, CLIP-L and T5-XXL (either widget each), the LDM-layout VAE."""
+    """FLUX.1-dev and -schnell: the BFL transformer, CLIP-L and T5-XXL (either widget each), the LDM-layout VAE; a
+    FLUX.1-dev-shaped transformer whose file name says Kontext converts into a FLUX.1 Kontext [dev] folder."""
 
     family = "flux"
     name = "FLUX.1"
     text_encoder_widgets = ("text_encoder", "text_encoder_2")
-    variants = "FLUX.1 (dev and schnell)"
+    variants = "FLUX.1 (dev, schnell, and Kontext [dev] told by its file's name)"
     transformer_layout = "in Black Forest Labs' layout"
     gguf_architectures = ("flux",)
     widget_files: ClassVar[Mapping[str, str]] = {
@@ -282,14 +286,14 @@ class Flux1Files(FilesLayout):
     def contents(
         self, variant: str, transformer: SourceHeader, text_encoders: list[SourceHeader], vae: SourceHeader
     ) -> FilesContents:
-        if "kontext" in transformer.name.lower():
-            # Kontext's file has FLUX.1-dev's keys and shapes: only its name tells it, and converted as FLUX.1-dev it
-            # would run text-to-image, ignoring the image it is for.
+        # Kontext's file has FLUX.1-dev's keys and shapes: only its name tells it (as ComfyUI names it,
+        # flux1-dev-kontext_*), and converted as FLUX.1-dev it would run text-to-image, ignoring the image it is for.
+        kontext = "kontext" in transformer.name.lower()
+        if kontext and variant != "FLUX.1-dev":
             raise InvalidInput(
                 transformer.widget,
-                f"{transformer.name!r} is named as FLUX.1 Kontext's, whose weights have FLUX.1-dev's shapes, so its "
-                "file cannot be told from FLUX.1-dev's and would run as FLUX.1-dev, without the image; use the "
-                "FLUX.1-Kontext-dev diffusers folder (README, Edit models) in the model widgets instead",
+                f"{transformer.name!r} is named as FLUX.1 Kontext's, but has FLUX.1-schnell's shapes (no guidance "
+                "embedding): pick ComfyUI's flux1-dev-kontext file, or rename this one if it is not Kontext",
             )
         clip = [f for f in text_encoders if is_clip(f.shapes)]
         t5 = [f for f in text_encoders if is_t5(f.shapes)]
@@ -361,8 +365,9 @@ class Flux1Files(FilesLayout):
                 f"{transformer.name!r} lacks {missing[0]} (cut short, or not FLUX.1); pick FLUX.1's complete file",
             )
         return FilesContents(
-            variant=variant,
-            model_index=MODEL_INDEX,
+            variant=KONTEXT if kontext else variant,
+            family="flux_kontext" if kontext else None,
+            model_index=KONTEXT_MODEL_INDEX if kontext else MODEL_INDEX,
             scheduler=SCHEDULER_DEV if variant == "FLUX.1-dev" else SCHEDULER_SCHNELL,
             tokenizers=(
                 # ComfyUI's CLIP tokenizer says 8192 (it chunks prompts itself); FluxPipeline pads and cuts to CLIP's
