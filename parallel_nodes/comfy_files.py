@@ -51,9 +51,9 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                     tooltip=(
                         "The transformer from models/diffusion_models (or unet): "
                         f"{', '.join(_picked('diffusion_model'))}, or their fp8 or GGUF (.gguf) versions. The family "
-                        "(and its variant, such as dev or schnell) is told from its weights; Qwen-Image-Edit-2509's, "
-                        "whose weights are Qwen-Image's, only by its name: keep 2509 in it (2511's carries ComfyUI's "
-                        "flag)."
+                        "(and its variant, such as dev or schnell) is told from its weights; FLUX.1 Kontext's and "
+                        "Qwen-Image-Edit-2509's, whose weights are FLUX.1-dev's and Qwen-Image's, only by their names: "
+                        "keep kontext or 2509 in them (2511's carries ComfyUI's flag)."
                     ),
                 ),
                 io.Combo.Input(
