@@ -441,6 +441,7 @@ def test_a_kontext_file_converts_into_the_kontext_folder(tiny):
     with open(os.path.join(plan.folder, "model_index.json")) as f:
         assert json.load(f)["_class_name"] == "FluxKontextPipeline"
     _, dev = jobs.model_from_comfy_files(**names)
+    assert dev.family == "flux" and dev.folder != plan.folder  # the same weights, each model's own folder
     for component in ("transformer", "text_encoder", "text_encoder_2", "vae"):
         ours, theirs = _component_tensors(plan.folder, component), _component_tensors(dev.folder, component)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], v) for k, v in theirs.items()), component
