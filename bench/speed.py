@@ -212,7 +212,7 @@ def bench_vae(spec, args) -> None:
         single_seconds = single_seconds or seconds
         peaks = result.peak_bytes_per_rank
         single_peak = single_peak or (peaks[0] if peaks else None)
-        shown = " ".join(f"{p / single_peak:.2f}" for p in peaks) if peaks else "n/a (CUDA only)"
+        shown = " ".join(f"{p / single_peak:.2f}" for p in peaks)
         tiles = " ".join(map(str, result.tiles_per_rank)) or "whole"
         print(f"  {name:20} {seconds / single_seconds:>15.2f} {tiles:>15} {shown:>32}")
 

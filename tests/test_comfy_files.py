@@ -691,7 +691,7 @@ def test_qwenimage_edit_files_convert_into_the_edit_folder(qwen, qwen_edit, tiny
     from diffusers import QwenImageEditPlusPipeline
     from transformers import Qwen2Tokenizer
 
-    from parallel_runtime.families.flux_kontext.adapter import pil_images
+    from parallel_runtime.families.base import pil_images
     from parallel_runtime.families.qwenimage_edit.tiny import as_edit_folder
 
     _, models, _ = tiny
@@ -747,7 +747,7 @@ def test_qwenimage_edit_converted_on_tensor_parallel(qwen_edit):
     QwenImageEditPlusPipeline's image on the same folder."""
     from diffusers import QwenImageEditPlusPipeline
 
-    from parallel_runtime.families.flux_kontext.adapter import pil_images
+    from parallel_runtime.families.base import pil_images
 
     name, _ = jobs.model_from_comfy_files(**qwen_edit)
     spec = default_spec(ranks=2, device="cpu", memory_policy="staged")

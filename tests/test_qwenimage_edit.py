@@ -18,7 +18,7 @@ from PIL import Image
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import family
-from parallel_runtime.families.flux_kontext.adapter import pil_images
+from parallel_runtime.families.base import pil_images
 from parallel_runtime.families.tiny import make_tiny_model
 
 EDIT, QWEN = "tiny-qwen-image-edit", "tiny-qwenimage"

@@ -49,7 +49,7 @@ from . import files as flux_files
 # FLUX.1-dev's scheduler config (files.py holds it, for pipelines built from ComfyUI's files):
 # resolution-dependent ("dynamic") shifting of the sigmas, so the tiny pipeline exercises the same `mu` computation as
 # the real one.
-_FLUX_SCHEDULER_CONFIG = {k: v for k, v in flux_files.SCHEDULER_DEV.items() if not k.startswith("_")}
+SCHEDULER_CONFIG = {k: v for k, v in flux_files.SCHEDULER_DEV.items() if not k.startswith("_")}
 
 
 # FLUX.1's VAE normalisation constants (diffusers: `latents / scaling_factor + shift_factor` before decoding).
@@ -126,7 +126,7 @@ def make_tiny_model(out_dir: str, seed: int = 0, latent_channels: int = 16) -> s
         )
 
     pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER_CONFIG),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,

@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from ..flux.files import SCHEDULER_DEV
+from ..flux.tiny import SCHEDULER_CONFIG
 from ..tiny import (
     FORMATS,
     WORDS,
@@ -43,9 +43,8 @@ from ..tiny import (
 )
 from . import files as flux2_files
 
-# The tiny FLUX.2 pipeline schedules as the tiny FLUX.1 does (FLUX.1-dev's config, families/flux/files.py):
-# Flux2Pipeline computes the shift ``mu`` itself, the scheduler only needs dynamic shifting enabled to accept it.
-_FLUX_SCHEDULER_CONFIG = {k: v for k, v in SCHEDULER_DEV.items() if not k.startswith("_")}
+# The tiny FLUX.2 pipeline schedules as the tiny FLUX.1 does (SCHEDULER_CONFIG, FLUX.1-dev's): Flux2Pipeline computes
+# the shift ``mu`` itself, the scheduler only needs dynamic shifting enabled to accept it.
 
 
 # Mistral's special tokens as FLUX.2's chat template and PixtralProcessor use them.
@@ -198,7 +197,7 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     pipe = Flux2Pipeline(
         # Flux2Pipeline computes the shift `mu` itself (`compute_empirical_mu`); the scheduler only needs dynamic
         # shifting enabled to accept it.
-        scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER_CONFIG),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=processor,

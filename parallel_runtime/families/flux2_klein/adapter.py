@@ -92,8 +92,8 @@ class Flux2Klein(Flux2):
         distilled = _distilled(model_dir)
         cfg_scale = sampling.true_cfg_scale or 1.0
         cfg = cfg_scale > 1 and "negative_prompt_embeds" in embeds
-        if cfg and (refusal := self.cfg_refusal(model_dir, cfg_scale)):
-            raise ValueError(f"true_cfg_scale: {refusal}")
+        if cfg and distilled:
+            raise ValueError(f"true_cfg_scale: {self.cfg_refusal(model_dir, cfg_scale)}")
         scheduler = scheduler_for(model_dir, sampling)
         # The pipeline de-normalises its result with the VAE's batch-norm statistics, even for output_type="latent".
         vae = self.load_vae(model_dir, transformer.dtype, str(transformer.device))

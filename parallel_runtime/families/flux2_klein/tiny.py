@@ -18,9 +18,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
 from tokenizers import pre_tokenizers
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from ..flux.tiny import SCHEDULER_CONFIG
 from ..flux2 import files as flux2_files
 from ..flux2.tiny import (
-    _FLUX_SCHEDULER_CONFIG,
     BFL_LORA_LAYERS,
     LORA_LAYERS,
     files_transformer,
@@ -92,7 +92,7 @@ def make_tiny_model(out_dir: str, seed: int = 0, distilled: bool = True) -> str:
         transformer = tiny_transformer(guidance_embeds=False)
         vae = tiny_vae()
     pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER_CONFIG),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,

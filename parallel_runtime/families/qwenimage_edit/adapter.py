@@ -30,8 +30,16 @@ from typing import Any, ClassVar
 import torch
 
 from ...wire import Prompts, Sampling
-from ..base import OnStep, check_size, expand_batch, generators, latent_statistics, scheduler_for, step_callback
-from ..flux_kontext.adapter import pil_images
+from ..base import (
+    OnStep,
+    check_size,
+    expand_batch,
+    generators,
+    latent_statistics,
+    pil_images,
+    scheduler_for,
+    step_callback,
+)
 from ..qwenimage.adapter import QwenImage, comfy_latents, pipeline_conditioning
 
 

@@ -25,8 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..base import Placement, load_placed
-from ..flux_kontext.adapter import pil_images
+from ..base import Placement, load_placed, pil_images
 from ..wan.adapter import Wan
 
 
