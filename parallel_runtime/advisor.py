@@ -394,7 +394,7 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
             add(
                 f"tensor_parallel tp {n}",
                 p,
-                whole * weights_share(p),
+                whole * weights_share(p, families.tp_sharded_share(config)),
                 n,
                 passes * per_pass["tensor_parallel"],
                 "splits weights and compute; all-reduces in every block, so it needs a fast link",
@@ -424,7 +424,7 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
             add(
                 f"tp_cp tp 2 × ulysses {cp}",
                 p,
-                whole * weights_share(p),
+                whole * weights_share(p, families.tp_sharded_share(config)),
                 n,
                 passes * (tp_bytes + cp_bytes),
                 "TP in pairs of GPUs, the tokens split across the pairs",

@@ -8,7 +8,8 @@ Memory (measured on the tiny models in fp32 on CPU: peak RSS growth over the loa
   attention output, the MLP's 4× hidden layer, norms and modulation; measured 28 to 31). Context parallelism splits
   the tokens over its degree; tensor parallelism splits everything but the residual stream
   (``TP_REPLICATED_COPIES``); data parallelism gives each rank its share of the batch;
-- tensor parallelism splits ``TP_SHARDED_WEIGHTS`` of a DiT's weights (its ``_tp_plan``), the rest is replicated;
+- tensor parallelism splits each model's own share of its weights (its plan's layers: ``families.tp_sharded_share``),
+  the rest is replicated;
 - a VAE decode holds about ``VAE_COPIES`` copies of its first-level feature map per pixel (measured 5 to 7).
 
 Traffic (bf16 activations, batch 1, one pass) in the collectives diffusers 0.42 runs, read from its code:
@@ -33,7 +34,6 @@ from .strategy import StrategyPlan
 ACTIVATION_COPIES = 32
 TP_REPLICATED_COPIES = 8
 VAE_COPIES = 8
-TP_SHARDED_WEIGHTS = 0.7  # the share of a DiT's weights its _tp_plan splits (FLUX.1-dev: 14.2 of 22.2 GiB at tp 2)
 HEADROOM = 0.9  # of the free memory an estimate may use
 BF16 = 2
 
@@ -52,10 +52,11 @@ def activation_bytes(plan: StrategyPlan, hidden: int, tokens: int, images: int, 
     return int(images * math.ceil(tokens / plan.cp_degree) * hidden * itemsize * copies)
 
 
-def weights_share(plan: StrategyPlan) -> float:
-    """The share of the transformer's weights one rank of ``plan`` holds (1: a whole replica)."""
+def weights_share(plan: StrategyPlan, sharded: float) -> float:
+    """The share of the transformer's weights one rank of ``plan`` holds (1: a whole replica), ``sharded`` being the
+    share its tensor-parallel plan splits (``families.tp_sharded_share``)."""
     if plan.shards_weights:
-        return 1 - TP_SHARDED_WEIGHTS + TP_SHARDED_WEIGHTS / plan.tp_degree
+        return 1 - sharded + sharded / plan.tp_degree
     return 1.0
 
 

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -35,6 +34,8 @@ from .families.files import Move, apply_moves, group_moves
 
 if TYPE_CHECKING:
     import torch
+
+    from .families.base import TensorParallelPlan
 
 GGUF_SUFFIX = ".gguf"
 GGUF_WEIGHTS = "diffusion_pytorch_model.gguf"  # the converted transformer folder's link to the file
@@ -223,18 +224,9 @@ class TensorParallelShare:
     dequantized_weights: int
 
 
-def _plan_style(key: str, layers: dict) -> tuple[object, str] | None:
-    """(the plan's style, "weight" / "bias") of a model key that a plan's glob names, else None."""
-    module, _, name = key.rpartition(".")
-    for pattern, style in layers.items():
-        if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), module):
-            return style, name
-    return None
-
-
-def tensor_parallel_share(folder: str, layers: dict, ranks: int, itemsize: int) -> TensorParallelShare:
+def tensor_parallel_share(folder: str, plan: TensorParallelPlan, ranks: int, itemsize: int) -> TensorParallelShare:
     """An estimate, from the file's header and the folder's moves alone, of what a rank holds of the GGUF transformer
-    in ``folder`` under a tensor-parallel plan's ``layers`` (diffusers' ``_tp_plan`` form) over ``ranks``, computing
+    in ``folder`` under a tensor-parallel ``plan`` over ``ranks``, computing
     in a dtype of ``itemsize`` bytes, by ``slices_packed``'s rule. A packed rowwise style whose blocks the model sets
     in its ``__init__`` (FLUX.1's single blocks' ``proj_out``) is taken as one block here; the ranks apply the exact
     blocks."""
@@ -246,7 +238,7 @@ def tensor_parallel_share(folder: str, layers: dict, ranks: int, itemsize: int) 
         shape = (rows, *shape[1:])
         values, size = block_shape(qtype)
         whole = math.prod(shape) // values * size
-        found = _plan_style(move.target, layers)
+        found = plan.style_of(move.target)
         if found is None:
             packed += whole
             continue

@@ -19,6 +19,7 @@ from helpers import generate, generate_family, one_shot_images
 
 from parallel_runtime import InvalidInput, default_spec, get_backend, jobs, model_folders
 from parallel_runtime.estimates import gguf_bytes
+from parallel_runtime.families import tp_plan
 from parallel_runtime.families.flux.tiny import bfl_transformer
 from parallel_runtime.families.tiny import count_blocks, quantize_q4_k, write_gguf, write_gguf_formats
 from parallel_runtime.gguf_files import gguf_weights, load_gguf_transformer, read_gguf, tensor_parallel_share
@@ -290,7 +291,7 @@ def test_flux_gguf_strategies(flux_models, qtype, strategy, args, batch):
         # Each rank holds its share of the file: its slices (packed, or dequantized where the rule says), the rest
         # whole, as the node's estimate counts them; well under the whole file.
         folder = os.path.join(os.environ["COMFY_PARALLEL_CONVERTED"], name, "transformer")
-        share = tensor_parallel_share(folder, FluxTransformer2DModel._tp_plan, 2, 4)
+        share = tensor_parallel_share(folder, tp_plan("FluxTransformer2DModel"), 2, 4)
         assert (share.dequantized_weights > 0) is (qtype == "Q4_K")
         assert [m.parameter_bytes for m in held] == [share.packed_bytes + share.dequantized_bytes] * 2
         file = os.path.getsize(gguf_weights(folder))

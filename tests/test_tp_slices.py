@@ -132,3 +132,37 @@ def test_a_rank_never_holds_the_whole_model_while_loading(results, wide_flux):
         # And the peak is what the rank keeps (measured: within 0.012 ×): no temporaries held on the way. diffusers'
         # load keeps 0.07-0.6 × more than it holds, as glibc's heap keeps its freed casts.
         assert peak - held < 0.05, f"rank {rank} peaked {peak - held:.3f} × the whole model above what it holds"
+
+
+@pytest.mark.parametrize(
+    ("model", "class_name", "share"),
+    [("FLUX.1-schnell", "FluxTransformer2DModel", 0.72), ("FLUX.2-dev", "Flux2Transformer2DModel", 0.97)],
+)
+def test_the_estimates_share_is_what_diffusers_splits(model, class_name, share):
+    """The memory check's and the advisor's tensor-parallel share of a published model (``tp_sharded_share``, by the
+    pack's plan matching) gives a rank the bytes diffusers' own shard specs give it, on the meta device; and it is the
+    model's own (FLUX.2-dev's is not FLUX.1's)."""
+    from diffusers import Flux2Transformer2DModel
+
+    from parallel_runtime.estimates import weights_share
+    from parallel_runtime.families import tp_plan, tp_sharded_share
+    from parallel_runtime.strategy import StrategyPlan, TransformerFacts
+    from parallel_runtime.worker.tp_slices import shard_specs
+
+    path = Path(__file__).parent / "data" / "published" / model / "transformer_config.json"
+    published = {"_class_name": class_name, **json.loads(path.read_text())}  # FLUX.2-dev's file does not name it
+    cls = {"FluxTransformer2DModel": FluxTransformer2DModel, "Flux2Transformer2DModel": Flux2Transformer2DModel}
+    with torch.device("meta"):
+        transformer = cls[class_name].from_config(published)
+    sharded = tp_sharded_share(published)
+    assert sharded == pytest.approx(share, abs=0.01)
+    facts = TransformerFacts.from_config(published, tp_plan(published["_class_name"]))
+    whole = sum(p.numel() for p in transformer.parameters())
+    for ranks in (2, 4):
+        specs = shard_specs(transformer, ranks)
+        held = sum(
+            p.numel() // ranks if name in specs and specs[name].dim is not None else p.numel()
+            for name, p in transformer.named_parameters()
+        )
+        plan = StrategyPlan.from_widgets(facts, ranks, strategy="tensor_parallel")
+        assert whole * weights_share(plan, sharded) == pytest.approx(held, rel=1e-6)

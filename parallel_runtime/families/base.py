@@ -16,6 +16,7 @@ import abc
 import dataclasses
 import inspect
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -118,6 +119,23 @@ class TensorParallelPlan:
     head_norms: tuple[str, ...] = ()
     head_counts: tuple[str, ...] = ()
     widths: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def style_of(self, key: str) -> tuple[Any, str] | None:
+        """(the plan's style, "weight" / "bias") of a model key whose layer a glob of ``layers`` names, else None."""
+        module, _, name = key.rpartition(".")
+        for pattern, style in self.layers.items():
+            if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), module):
+                return style, name
+        return None
+
+    def splits(self, key: str) -> bool:
+        """Whether a rank holds only its slice of ``key``: a planned layer's weight, and its bias unless the layer is
+        rowwise (a rowwise bias is added after the all-reduce, so every rank keeps it whole)."""
+        found = self.style_of(key)
+        if found is None:
+            return False
+        style, name = found
+        return name == "weight" or not (style == "rowwise" or type(style).__name__ == "PackedRowwiseParallel")
 
 
 class FamilyAdapter(abc.ABC):

@@ -131,8 +131,8 @@ def _describe_gguf(folders: list[str], dtype: str, plan: StrategyPlan) -> str:
     packed = dequantized = count = 0
     for folder in folders:
         with open(os.path.join(folder, "config.json")) as f:
-            layers = families.tp_plan(json.load(f)["_class_name"]).layers
-        share = tensor_parallel_share(folder, layers, plan.tp_degree, _ITEMSIZE[dtype])
+            tp_plan = families.tp_plan(json.load(f)["_class_name"])
+        share = tensor_parallel_share(folder, tp_plan, plan.tp_degree, _ITEMSIZE[dtype])
         packed, dequantized = packed + share.packed_bytes, dequantized + share.dequantized_bytes
         count += share.dequantized_weights
     text = f"weights: {_gib(packed)} packed as GGUF on a rank (its tensor-parallel slices), {how}"
@@ -171,7 +171,11 @@ def describe_weights(
                     fp8 += n
                 elif not key.endswith(FP8_SCALE_SUFFIX):
                     other += n
-    itemsize, share = _ITEMSIZE[dtype], weights_share(plan)
+    sharded = 0.0
+    if plan.shards_weights:
+        with open(os.path.join(folders[0], "config.json")) as f:
+            sharded = families.tp_sharded_share(json.load(f))
+    itemsize, share = _ITEMSIZE[dtype], weights_share(plan, sharded)
     where = "a rank" if share == 1 else "a rank (its tensor-parallel share)"
     if not fp8:
         return f"weights: {_gib(int(other * itemsize * share))} in {dtype} on {where}"

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from ..estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, weights_share
-from ..families import FamilyAdapter
+from ..families import FamilyAdapter, tp_sharded_share
 from ..families.base import image_tokens
 from ..gguf_files import gguf_weights
 from ..strategy import StrategyPlan
@@ -147,6 +147,14 @@ def step_activations(
     return activation_bytes(plan, hidden_size(config), tokens, images, dtype.itemsize)
 
 
+def _sharded_share(plan: StrategyPlan, folder: str) -> float:
+    """The share of the transformer in ``folder`` that ``plan`` splits (read only under tensor parallelism)."""
+    if not plan.shards_weights:
+        return 0.0
+    with open(os.path.join(folder, "config.json")) as f:
+        return tp_sharded_share(json.load(f))
+
+
 def check_denoise(
     family: FamilyAdapter,
     model_dir: str,
@@ -172,7 +180,7 @@ def check_denoise(
         # Every expert of a model with several (Wan 2.2 A14B) stays resident: the step switches between them.
         experts = family.transformer_subfolders(model_dir)
         held = sum(weight_bytes_in(os.path.join(model_dir, subfolder), dtype, fp8_as_stored) for subfolder in experts)
-        weights = held * weights_share(plan)
+        weights = held * weights_share(plan, _sharded_share(plan, os.path.join(model_dir, experts[0])))
     free, sharing = _free(device, local_ranks if plan.spmd else 1)
     need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
     if need > have:
