@@ -53,7 +53,9 @@ class EncodeOnBalancedGPUs(io.ComfyNode):
                     tooltip=(
                         "Longest prompt in text-encoder tokens (a family's system prompt included); longer prompts "
                         f"are cut. {names(lambda f: f.pads_text)} pad to it. At most "
-                        f"{join_words([f'{f.max_sequence_length} for {f.name}' for f in REGISTRY])}."
+                        f"{join_words([f'{f.max_sequence_length} for {f.name}' for f in REGISTRY])}. "
+                        f"It cuts nothing for {names(lambda f: f.encoder_images)}, whose embeddings hold the "
+                        "pictures' tokens beside the prompt: there it is only that limit."
                     ),
                 ),
                 max_memory_input(),
