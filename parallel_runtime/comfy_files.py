@@ -93,7 +93,8 @@ _FLOATS = ("F32", "F16", "BF16", *FLOAT8_DTYPES)
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F64": 8}
 _STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "first_stage_model.", "vae.")
 # Tokenizer data ComfyUI keeps inside a text encoder file (uint8 tensors): read by a family's tokenizer, never weights.
-# (Integer tensors a format check lets through besides: ComfyUI's ``comfy_quant`` records, BatchNorm's step count.)
+# (Integer tensors a format check lets through besides: ComfyUI's ``comfy_quant`` records, BatchNorm's step count, and
+# the position index older transformers saved in a CLIP vision file, ``embeddings.position_ids``, which loaders skip.)
 _TOKENIZER_DATA = ("tekken_model", "spiece_model")
 _TEXT_PREFIXES = ("cond_stage_model.transformer.", "transformer.", "te.", "text_encoders.t5xxl.transformer.")
 
@@ -318,7 +319,9 @@ def _check_format(file: SourceFile) -> None:
         {
             d
             for k, d in keys.items()
-            if d not in _FLOATS and not k.endswith(("comfy_quant", "num_batches_tracked")) and k not in _TOKENIZER_DATA
+            if d not in _FLOATS
+            and not k.endswith(("comfy_quant", "num_batches_tracked", "position_ids"))
+            and k not in _TOKENIZER_DATA
         }
     )
     if odd:
@@ -747,14 +750,16 @@ def _tensors(file: SourceFile, keys: list[str], keep_fp8: bool = False) -> Itera
 
 
 def _skipped(file: SourceFile, key: str) -> bool:
-    """ComfyUI's quantization bookkeeping, tokenizer data and flags (an empty tensor named ``__like_this__``:
-    Qwen-Image-Edit-2511's ``__index_timestep_zero__``), which diffusers models do not have as weights. A linked file
-    keeps them, and every loader ignores a key its model has no place for."""
+    """ComfyUI's quantization bookkeeping, tokenizer data, CLIP's position index and flags (an empty tensor named
+    ``__like_this__``: Qwen-Image-Edit-2511's ``__index_timestep_zero__``), which diffusers models do not have as
+    weights. A linked file keeps them, and every loader ignores a key its model has no place for."""
     return (
         key == "scaled_fp8"
         or (key.startswith("__") and key.endswith("__"))
         or key in _TOKENIZER_DATA
-        or key.endswith((".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant"))
+        or key.endswith(
+            (".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant", "position_ids")
+        )
     )
 
 

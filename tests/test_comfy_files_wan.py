@@ -26,6 +26,7 @@ from parallel_runtime.comfy_files import apply_moves, group_moves
 from parallel_runtime.families.wan import files as wan_files
 
 PROMPT = "a photo of a cat on a red house"
+POSITION_IDS = "vision_model.embeddings.position_ids"
 
 
 def _environment(models, converted):
@@ -451,23 +452,26 @@ def test_clip_vision_config_is_comfyuis_vit_h(comfyui_dir):
 
 def test_wan21_i2v_converts_and_runs_as_the_diffusers_folder(tiny, tiny_i2v):
     """Wan 2.1 I2V from its four files: a WanImageToVideoPipeline folder the pack's Wan I2V runs, its image encoder
-    bit for bit the reference's from either layout of the CLIP vision file (transformers' linked, open_clip's
-    converted: each its own cached folder), its config and image processor the reference's, and the video from a
-    start image equal to the diffusers folder's."""
+    bit for bit the reference's from either layout of the CLIP vision file (transformers' linked, also with the int64
+    ``position_ids`` older transformers saved; open_clip's converted: each its own cached folder), its config and image
+    processor the reference's, and the video from a start image equal to the diffusers folder's."""
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
 
     from parallel_runtime import model_folders
 
-    base, _, _, _ = tiny
+    base, models, _, _ = tiny
     names, reference, open_clip = tiny_i2v
+    clip = load_file(os.path.join(models, "clip_vision", names["clip_vision"]))
+    positions = torch.arange(clip["vision_model.embeddings.position_embedding.weight"].shape[0]).unsqueeze(0)
+    old = _write(models, "clip_vision", "old_clip_vision.safetensors", {**clip, POSITION_IDS: positions})
     folders = []
-    for clip_vision in (names["clip_vision"], open_clip):
+    for clip_vision in (names["clip_vision"], open_clip, old):
         name, plan = jobs.model_from_comfy_files(**{**names, "clip_vision": clip_vision})
         assert (plan.variant, model_folders.resolve(name).family) == ("Wan 2.1 I2V (2 layers, 256 wide)", "wan_i2v")
         folder = os.path.join(base, "converted", name)
         ours, theirs = _tensors(folder, "image_encoder"), _tensors(reference, "image_encoder")
-        assert set(ours) == set(theirs)
+        assert set(ours) - set(theirs) == ({POSITION_IDS} if clip_vision == old else set())
         assert all(ours[k].dtype == v.dtype and torch.equal(ours[k], v) for k, v in theirs.items())
         config, expected = _config(folder, "image_encoder"), _config(reference, "image_encoder")
         assert config == {k: expected[k] for k in config}
@@ -479,6 +483,11 @@ def test_wan21_i2v_converts_and_runs_as_the_diffusers_folder(tiny, tiny_i2v):
             index = json.load(f)
         assert index["image_encoder"] == ["transformers", "CLIPVisionModelWithProjection"]
         folders.append(folder)
+    from transformers import CLIPVisionModelWithProjection
+
+    # transformers takes the old file's index as its own (a buffer it makes), and loads every weight.
+    encoder = CLIPVisionModelWithProjection.from_pretrained(os.path.join(folders[2], "image_encoder"))
+    assert all(torch.equal(encoder.state_dict()[k], v) for k, v in _tensors(reference, "image_encoder").items())
     linked = os.path.join(folders[0], "image_encoder", "model.safetensors")
     assert os.path.islink(linked) and not os.path.islink(os.path.join(folders[1], "image_encoder", "model.safetensors"))
     image = Image.fromarray((torch.arange(40 * 56 * 3) % 251).reshape(40, 56, 3).to(torch.uint8).numpy())
