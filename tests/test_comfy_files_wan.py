@@ -457,6 +457,7 @@ def test_wan21_i2v_converts_and_runs_as_the_diffusers_folder(tiny, tiny_i2v):
     processor the reference's, and the video from a start image equal to the diffusers folder's."""
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
+    from transformers import CLIPVisionModelWithProjection
 
     from parallel_runtime import model_folders
 
@@ -483,8 +484,6 @@ def test_wan21_i2v_converts_and_runs_as_the_diffusers_folder(tiny, tiny_i2v):
             index = json.load(f)
         assert index["image_encoder"] == ["transformers", "CLIPVisionModelWithProjection"]
         folders.append(folder)
-    from transformers import CLIPVisionModelWithProjection
-
     # transformers takes the old file's index as its own (a buffer it makes), and loads every weight.
     encoder = CLIPVisionModelWithProjection.from_pretrained(os.path.join(folders[2], "image_encoder"))
     assert all(torch.equal(encoder.state_dict()[k], v) for k, v in _tensors(reference, "image_encoder").items())
