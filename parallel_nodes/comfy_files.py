@@ -97,8 +97,8 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                     default=comfy_files.NO_FILE,
                     optional=True,
                     tooltip=(
-                        f"The image encoder from models/clip_vision: {join_words(_picked('clip_vision'), 'or')}; none "
-                        "for every other model."
+                        f"From models/clip_vision, for {join_words(_picked('clip_vision'), 'or')}; none for every "
+                        "other model."
                     ),
                 ),
             ],

@@ -422,7 +422,7 @@ class WanFiles(FilesLayout):
     family = "wan"
     name = "Wan"
     text_encoder_widgets = ("text_encoder",)
-    variants = "Wan 2.1 T2V (1.3B, 14B) and I2V (with its clip_vision), Wan 2.2 A14B (T2V and I2V, both experts)"
+    variants = "Wan (2.1 T2V 1.3B and 14B, 2.1 I2V with its clip_vision, 2.2 A14B T2V and I2V with both experts)"
     transformer_layout = "in Wan's original layout"
     widget_files: ClassVar[Mapping[str, str]] = {
         "diffusion_model": (
