@@ -36,7 +36,8 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
             category=CATEGORY,
             description=(
                 "Assembles a model from the files ComfyUI already has (the transformer in models/diffusion_models, "
-                "the text encoders in models/text_encoders, the VAE in models/vae) for the model input of Encode on "
+                "the text encoders in models/text_encoders, the VAE in models/vae, Wan 2.1 I2V's image encoder in "
+                "models/clip_vision) for the model input of Encode on "
                 "Balanced GPUs, Load Sharded Transformer and VAE Decode (single GPU): link its output into each. "
                 f"{join_words([layout.variants for layout in FILES_LAYOUTS])}; bf16 / fp16, fp8 and ComfyUI's scaled "
                 "fp8 files, and ComfyUI-GGUF's .gguf transformers (held packed on every rank; under tensor parallel "
@@ -88,6 +89,16 @@ class ParallelModelFromComfyFiles(io.ComfyNode):
                         "A second transformer from models/diffusion_models (or unet): "
                         f"{join_words(_picked('diffusion_model_2'), 'or')}, with the high-noise expert in "
                         "diffusion_model; none for every other model."
+                    ),
+                ),
+                io.Combo.Input(
+                    "clip_vision",
+                    options=comfy_files.widget_options("clip_vision"),
+                    default=comfy_files.NO_FILE,
+                    optional=True,
+                    tooltip=(
+                        f"From models/clip_vision, for {join_words(_picked('clip_vision'), 'or')}; none for every "
+                        "other model."
                     ),
                 ),
             ],

@@ -218,13 +218,18 @@ def read_model(model: str, widget: str = "--model") -> ModelSize:
 
 
 def read_files(
-    diffusion_model: str, text_encoder: str, text_encoder_2: str, vae: str, diffusion_model_2: str = NO_FILE
+    diffusion_model: str,
+    text_encoder: str,
+    text_encoder_2: str,
+    vae: str,
+    diffusion_model_2: str = NO_FILE,
+    clip_vision: str = NO_FILE,
 ) -> ModelSize:
     """ComfyUI's single files, the widget values ParallelModelFromComfyFiles takes (names in ComfyUI's model folders),
     measured from their headers (``comfy_files.plan_files``: nothing is loaded or converted). A safetensors file
     counts its weights' parameters and stored bytes (ComfyUI's scales and tokenizer data are not weights); a GGUF
     transformer its shapes' parameters and the file's size."""
-    plan = plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2)
+    plan = plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2, clip_vision)
     family = families.family(plan.family)
     parameters: dict[str, int] = {}
     stored: dict[str, int] = {}

@@ -83,6 +83,7 @@ FOLDERS = {
     "text_encoder_2": ("text_encoders", "clip"),
     "vae": ("vae",),
     "diffusion_model_2": ("diffusion_models", "unet"),
+    "clip_vision": ("clip_vision",),
 }
 USE_INSTEAD = "use the bf16 / fp16 file, or an fp8 one (plain or ComfyUI's scaled fp8), or a diffusers folder"
 SHARD_BYTES = 2 << 30  # the converted transformer's shards: what the conversion holds in memory at most
@@ -92,7 +93,8 @@ _FLOATS = ("F32", "F16", "BF16", *FLOAT8_DTYPES)
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F64": 8}
 _STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "first_stage_model.", "vae.")
 # Tokenizer data ComfyUI keeps inside a text encoder file (uint8 tensors): read by a family's tokenizer, never weights.
-# (Integer tensors a format check lets through besides: ComfyUI's ``comfy_quant`` records, BatchNorm's step count.)
+# (Integer tensors a format check lets through besides: ComfyUI's ``comfy_quant`` records, BatchNorm's step count, and
+# the position index older transformers saved in a CLIP vision file, ``embeddings.position_ids``, which loaders skip.)
 _TOKENIZER_DATA = ("tekken_model", "spiece_model")
 _TEXT_PREFIXES = ("cond_stage_model.transformer.", "transformer.", "te.", "text_encoders.t5xxl.transformer.")
 
@@ -317,7 +319,9 @@ def _check_format(file: SourceFile) -> None:
         {
             d
             for k, d in keys.items()
-            if d not in _FLOATS and not k.endswith(("comfy_quant", "num_batches_tracked")) and k not in _TOKENIZER_DATA
+            if d not in _FLOATS
+            and not k.endswith(("comfy_quant", "num_batches_tracked", "position_ids"))
+            and k not in _TOKENIZER_DATA
         }
     )
     if odd:
@@ -362,10 +366,11 @@ class FilesPlan:
 
 # The value of a widget its family does not use (ComfyUI's combos need a value).
 NO_FILE = "none"
-# The widgets a family may leave at NO_FILE: a second text encoder, a second transformer (Wan 2.2 A14B's two experts).
-OPTIONAL_WIDGETS = ("text_encoder_2", "diffusion_model_2")
+# The widgets a family may leave at NO_FILE: a second text encoder, a second transformer (Wan 2.2 A14B's two experts),
+# an image encoder (Wan 2.1 I2V's CLIP vision file).
+OPTIONAL_WIDGETS = ("text_encoder_2", "diffusion_model_2", "clip_vision")
 # ParallelModelFromComfyFiles' file widgets, in ``plan_files``' order (``comfy-parallel advise`` takes the same).
-WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae", "diffusion_model_2")
+WIDGETS = ("diffusion_model", "text_encoder", "text_encoder_2", "vae", "diffusion_model_2", "clip_vision")
 
 
 def widget_options(widget: str) -> list[str]:
@@ -491,20 +496,30 @@ def _text_encoders(layout: FilesLayout, picked: dict[str, str]) -> list[SourceFi
     return files
 
 
-def _second_transformer(layout: FilesLayout, value: str) -> SourceFile | None:
-    """``diffusion_model_2``'s file, read, for a layout that takes one; a layout that does not takes "none"."""
+# What a layout that does not take an optional file widget tells the user to do instead.
+_NOT_TAKEN = {
+    "diffusion_model_2": "takes one transformer, in diffusion_model",
+    "clip_vision": "reads no CLIP vision file (Wan 2.1 I2V does)",
+}
+
+
+def _optional_file(layout: FilesLayout, widget: str, value: str) -> SourceFile | None:
+    """An optional widget's file (``diffusion_model_2``, ``clip_vision``), read, for a layout that takes one; a layout
+    that does not takes "none"."""
     if value in ("", NO_FILE):
         return None
-    if "diffusion_model_2" not in layout.widget_files:
-        raise InvalidInput(
-            "diffusion_model_2",
-            f"{layout.name} takes one transformer, in diffusion_model; set diffusion_model_2 to none",
-        )
-    return read_file("diffusion_model_2", value, "diffusion_model_2")
+    if widget not in layout.widget_files:
+        raise InvalidInput(widget, f"{layout.name} {_NOT_TAKEN[widget]}; set {widget} to none")
+    return read_file(widget, value, widget)
 
 
 def plan_files(
-    diffusion_model: str, text_encoder: str, text_encoder_2: str, vae: str, diffusion_model_2: str = NO_FILE
+    diffusion_model: str,
+    text_encoder: str,
+    text_encoder_2: str,
+    vae: str,
+    diffusion_model_2: str = NO_FILE,
+    clip_vision: str = NO_FILE,
 ) -> FilesPlan:
     """The widgets' files read (headers only) and checked, the family told by the transformer's keys (its
     ``FilesLayout`` says what the folder holds), and the cache folder named. Raises InvalidInput naming the widget and
@@ -513,13 +528,15 @@ def plan_files(
     layout, variant = _layout_of(transformer)
     encoders = _text_encoders(layout, {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2})
     vae_file = read_file("vae", vae, "vae")
-    transformer_2 = _second_transformer(layout, diffusion_model_2)
-    if transformer_2 is None:  # the layouts of one transformer are never given a second
-        contents = layout.contents(variant, transformer, encoders, vae_file)
-    else:
-        contents = layout.contents(variant, transformer, encoders, vae_file, transformer_2=transformer_2)
-    # A second transformer is the last identity, so a folder converted before it existed keeps its name.
-    files = (transformer, *contents.text_encoders, vae_file, *([transformer_2] if transformer_2 else []))
+    transformer_2 = _optional_file(layout, "diffusion_model_2", diffusion_model_2)
+    image_encoder = _optional_file(layout, "clip_vision", clip_vision)
+    # A layout is given only the optional files its widgets name (the layouts of one transformer never a second).
+    optional = {"transformer_2": transformer_2, "clip_vision": image_encoder}
+    contents = layout.contents(
+        variant, transformer, encoders, vae_file, **{k: v for k, v in optional.items() if v is not None}
+    )
+    # The optional files are the last identities, so a folder converted before they existed keeps its name.
+    files = (transformer, *contents.text_encoders, vae_file, *(f for f in optional.values() if f is not None))
     key = hashlib.sha256(json.dumps([CONVERSION_VERSION, [f.identity for f in files]]).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(transformer.path))[0]
     name = f"{stem}-{key}"
@@ -733,14 +750,16 @@ def _tensors(file: SourceFile, keys: list[str], keep_fp8: bool = False) -> Itera
 
 
 def _skipped(file: SourceFile, key: str) -> bool:
-    """ComfyUI's quantization bookkeeping, tokenizer data and flags (an empty tensor named ``__like_this__``:
-    Qwen-Image-Edit-2511's ``__index_timestep_zero__``), which diffusers models do not have as weights. A linked file
-    keeps them, and every loader ignores a key its model has no place for."""
+    """ComfyUI's quantization bookkeeping, tokenizer data, CLIP's position index and flags (an empty tensor named
+    ``__like_this__``: Qwen-Image-Edit-2511's ``__index_timestep_zero__``), which diffusers models do not have as
+    weights. A linked file keeps them, and every loader ignores a key its model has no place for."""
     return (
         key == "scaled_fp8"
         or (key.startswith("__") and key.endswith("__"))
         or key in _TOKENIZER_DATA
-        or key.endswith((".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant"))
+        or key.endswith(
+            (".scale_weight", ".weight_scale", ".scale_input", ".input_scale", "comfy_quant", "position_ids")
+        )
     )
 
 

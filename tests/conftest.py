@@ -88,12 +88,16 @@ def comfyui_loras_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("comfyui-loras")
 
 
+# ComfyUI's model folders that ParallelModelFromComfyFiles lists.
+COMFY_FILE_KINDS = ("diffusion_models", "text_encoders", "vae", "clip_vision")
+
+
 @pytest.fixture(scope="session")
 def comfyui_files_dir(tmp_path_factory):
-    """A ComfyUI-style models folder whose ``diffusion_models``, ``text_encoders`` and ``vae`` the server lists (put
-    ComfyUI's own files there); the server converts them below its ``converted``."""
+    """A ComfyUI-style models folder whose ``diffusion_models``, ``text_encoders``, ``vae`` and ``clip_vision`` the
+    server lists (put ComfyUI's own files there); the server converts them below its ``converted``."""
     root = tmp_path_factory.mktemp("comfyui-files")
-    for kind in ("diffusion_models", "text_encoders", "vae"):
+    for kind in COMFY_FILE_KINDS:
         (root / kind).mkdir()
     return root
 
@@ -145,7 +149,7 @@ def comfyui_server(comfyui_dir, comfyui_models_dir, comfyui_loras_dir, comfyui_f
         extra_packs={"parallel_diffusers_test_nodes": Path(__file__).parent / "comfyui_test_nodes"},
         diffusers_dir=comfyui_models_dir,
         loras_dir=comfyui_loras_dir,
-        extra_model_paths={kind: comfyui_files_dir / kind for kind in ("diffusion_models", "text_encoders", "vae")},
+        extra_model_paths={kind: comfyui_files_dir / kind for kind in COMFY_FILE_KINDS},
         env={"COMFY_PARALLEL_CONVERTED": str(comfyui_files_dir / "converted")},
     )
     server.start()

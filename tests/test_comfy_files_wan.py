@@ -2,7 +2,9 @@
 against diffusers' own converter and the conversion's moves against the same converter, the converted folder bit for
 bit against the diffusers folder of the same model in every weight format, the tokenizer made from the file's
 SentencePiece model giving ComfyUI's token ids, ``WanPipeline`` on the converted folder equal to the diffusers folder's
-(Wan 2.1, and Wan 2.2 A14B's two experts from two files), and refusals that name the input.
+(Wan 2.1, and Wan 2.2 A14B's two experts from two files), Wan 2.1 I2V with its CLIP vision file in either layout
+ComfyUI reads (checked against ComfyUI's own reading of it, in a process of its own:
+tests/_comfy_clip_vision_check.py), and refusals that name the input.
 
 The tiny files come from ``parallel_runtime.families.wan.comfy_tiny.make_tiny_wan_files``.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from parallel_runtime.comfy_files import apply_moves, group_moves
 from parallel_runtime.families.wan import files as wan_files
 
 PROMPT = "a photo of a cat on a red house"
+POSITION_IDS = "vision_model.embeddings.position_ids"
 
 
 def _environment(models, converted):
@@ -53,6 +58,21 @@ def tiny(tmp_path_factory):
     saved = _environment(models, base / "converted")
     yield base, models, made, experts["bf16"]
     _restore(saved)
+
+
+@pytest.fixture(scope="module")
+def tiny_i2v(tiny):
+    """A tiny Wan 2.1 I2V as ComfyUI's files beside the module's others (its CLIP vision file in transformers' names,
+    as clip_vision_h; and again in open_clip's), with its reference diffusers folder."""
+    from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files, open_clip_vision
+
+    base, models, _, _ = tiny
+    names, reference = make_tiny_wan_files(str(models), str(base / "reference"), seed=3, formats=("bf16",), i2v=True)[
+        "bf16"
+    ]
+    source = load_file(os.path.join(models, "clip_vision", names["clip_vision"]))
+    open_clip = _write(models, "clip_vision", "tiny_open_clip_vit_h.safetensors", open_clip_vision(source))
+    return names, reference, open_clip
 
 
 def _transformer_sd(image: bool) -> dict[str, torch.Tensor]:
@@ -322,9 +342,6 @@ def test_wan_refusals_name_the_input(tiny):
         other = {**transformer, key: torch.zeros(1, dtype=torch.bfloat16)}
         _refused({**names, "diffusion_model": _write(models, "diffusion_models", "other.safetensors", other)},
                  "diffusion_model", model)  # fmt: skip
-    image = {**transformer, "img_emb.proj.0.weight": torch.zeros(1280, dtype=torch.bfloat16)}
-    _refused({**names, "diffusion_model": _write(models, "diffusion_models", "wan21_i2v.safetensors", image)},
-             "diffusion_model", "clip_vision_h")  # fmt: skip
     ti2v = {**transformer, "patch_embedding.weight": torch.zeros(256, 48, 1, 2, 2, dtype=torch.bfloat16)}
     _refused({**names, "diffusion_model": _write(models, "diffusion_models", "ti2v.safetensors", ti2v)},
              "diffusion_model", "TI2V-5B")  # fmt: skip
@@ -356,3 +373,154 @@ def test_wan22_i2v_experts_convert_and_run_as_the_diffusers_folder(tiny):
     ours, _ = _video(folder, WanImageToVideoPipeline, 2, image=image)
     theirs, _ = _video(reference, WanImageToVideoPipeline, 2, image=image)
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_clip_vision_layouts_read_as_comfyui_reads_them(tiny, tiny_i2v, comfyui_dir):
+    """The open_clip inverse undone exactly by the conversion (tensors and the shapes the config is read from), and
+    ComfyUI's own reading of both tiny files (``comfy/clip_vision.py`` in a process of its own, on the tiny config)
+    taking every tensor and giving the penultimate hidden states the converted folder's encoder gives, from the same
+    pixels (an image at the encoder's size: ComfyUI's preprocessing and the folder's processor resize alike there)."""
+    from PIL import Image
+    from safetensors import safe_open
+    from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+
+    from parallel_runtime.families.wan.comfy_tiny import open_clip_vision
+
+    base, models, _, _ = tiny
+    names, _, open_clip = tiny_i2v
+    files = [os.path.join(models, "clip_vision", name) for name in (names["clip_vision"], open_clip)]
+    sd = load_file(files[0])
+    ours = wan_files.open_clip_to_transformers(open_clip_vision(sd))
+    assert set(ours) == set(sd) and all(torch.equal(ours[k], sd[k]) for k in sd)
+    shapes = {k: tuple(v.shape) for k, v in open_clip_vision(sd).items()}
+    assert wan_files.clip_vision_shapes(shapes) == {k: tuple(v.shape) for k, v in sd.items()}
+
+    name, _ = jobs.model_from_comfy_files(**names)
+    folder = os.path.join(base, "converted", name)
+    with open(os.path.join(comfyui_dir, "comfy", "clip_vision_config_h.json")) as f:
+        config = json.load(f)  # ComfyUI's ViT-H config at the tiny sizes
+    tiny_config = _config(folder, "image_encoder")
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "image_size", "patch_size", "projection_dim")
+    config |= {k: tiny_config[k] for k in sizes}
+    side = config["image_size"]
+    pixels = (torch.arange(side * side * 3).reshape(1, side, side, 3) * 7 % 251).to(torch.uint8)
+    scratch = base / "clip-vision-check"
+    scratch.mkdir(exist_ok=True)
+    with open(scratch / "config.json", "w") as f:
+        json.dump(config, f)
+    save_file({"image": pixels.float() / 255.0}, str(scratch / "image.safetensors"))
+    check = os.path.join(os.path.dirname(__file__), "_comfy_clip_vision_check.py")
+    out = str(scratch / "out.safetensors")
+    args = [comfyui_dir, str(scratch / "config.json"), str(scratch / "image.safetensors"), out, *files]
+    subprocess.run([sys.executable, check, *args], check=True, timeout=600)
+    comfy = load_file(out)
+    with safe_open(out, framework="pt") as f:
+        metadata = f.metadata()
+
+    processor = CLIPImageProcessor.from_pretrained(os.path.join(folder, "image_processor"))
+    values = processor(images=Image.fromarray(pixels[0].numpy()), return_tensors="pt").pixel_values
+    assert (values - comfy["pixel_values"]).abs().max().item() <= 1e-6
+    encoder = CLIPVisionModelWithProjection.from_pretrained(os.path.join(folder, "image_encoder"), dtype=torch.float32)
+    with torch.no_grad():
+        expected = encoder(pixel_values=values, output_hidden_states=True).hidden_states[-2]
+    for i in range(len(files)):
+        assert json.loads(metadata[f"missing.{i}"]) == json.loads(metadata[f"unexpected.{i}"]) == [], files[i]
+        hidden = comfy[f"penultimate_hidden_states.{i}"]
+        assert hidden.shape == expected.shape and (hidden - expected).abs().max().item() <= 1e-5, files[i]
+
+
+def test_clip_vision_config_is_comfyuis_vit_h(comfyui_dir):
+    """What the config takes from outside the weights (heads, activation, epsilon), and the image size it reads from
+    them, are ComfyUI's ViT-H config's, read from the shapes of a full-size ViT-H (built on the meta device)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    with open(os.path.join(comfyui_dir, "comfy", "clip_vision_config_h.json")) as f:
+        vit_h = json.load(f)
+    with torch.device("meta"):
+        model = CLIPVisionModelWithProjection(CLIPVisionConfig(**vit_h))
+    config = wan_files.clip_vision_config({k: tuple(v.shape) for k, v in model.state_dict().items()})
+    assert {k: config[k] for k in vit_h if k in config} == {k: v for k, v in vit_h.items() if k in config}
+    # Not written, and only training reads them (transformers' defaults otherwise); ComfyUI's dtype is its own choice.
+    assert set(vit_h) - set(config) == {
+        "attention_dropout",
+        "dropout",
+        "initializer_factor",
+        "initializer_range",
+        "torch_dtype",
+    }
+
+
+def test_wan21_i2v_converts_and_runs_as_the_diffusers_folder(tiny, tiny_i2v):
+    """Wan 2.1 I2V from its four files: a WanImageToVideoPipeline folder the pack's Wan I2V runs, its image encoder
+    bit for bit the reference's from either layout of the CLIP vision file (transformers' linked, also with the int64
+    ``position_ids`` older transformers saved; open_clip's converted: each its own cached folder), its config and image
+    processor the reference's, and the video from a start image equal to the diffusers folder's."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+    from transformers import CLIPVisionModelWithProjection
+
+    from parallel_runtime import model_folders
+
+    base, models, _, _ = tiny
+    names, reference, open_clip = tiny_i2v
+    clip = load_file(os.path.join(models, "clip_vision", names["clip_vision"]))
+    positions = torch.arange(clip["vision_model.embeddings.position_embedding.weight"].shape[0]).unsqueeze(0)
+    old = _write(models, "clip_vision", "old_clip_vision.safetensors", {**clip, POSITION_IDS: positions})
+    folders = []
+    for clip_vision in (names["clip_vision"], open_clip, old):
+        name, plan = jobs.model_from_comfy_files(**{**names, "clip_vision": clip_vision})
+        assert (plan.variant, model_folders.resolve(name).family) == ("Wan 2.1 I2V (2 layers, 256 wide)", "wan_i2v")
+        folder = os.path.join(base, "converted", name)
+        ours, theirs = _tensors(folder, "image_encoder"), _tensors(reference, "image_encoder")
+        assert set(ours) - set(theirs) == ({POSITION_IDS} if clip_vision == old else set())
+        assert all(ours[k].dtype == v.dtype and torch.equal(ours[k], v) for k, v in theirs.items())
+        config, expected = _config(folder, "image_encoder"), _config(reference, "image_encoder")
+        assert config == {k: expected[k] for k in config}
+        with open(os.path.join(folder, "image_processor", "preprocessor_config.json")) as f:
+            processor = json.load(f)
+        with open(os.path.join(reference, "image_processor", "preprocessor_config.json")) as f:
+            assert processor == json.load(f)
+        with open(os.path.join(folder, "model_index.json")) as f:
+            index = json.load(f)
+        assert index["image_encoder"] == ["transformers", "CLIPVisionModelWithProjection"]
+        folders.append(folder)
+    # transformers takes the old file's index as its own (a buffer it makes), and loads every weight.
+    encoder = CLIPVisionModelWithProjection.from_pretrained(os.path.join(folders[2], "image_encoder"))
+    assert all(torch.equal(encoder.state_dict()[k], v) for k, v in _tensors(reference, "image_encoder").items())
+    linked = os.path.join(folders[0], "image_encoder", "model.safetensors")
+    assert os.path.islink(linked) and not os.path.islink(os.path.join(folders[1], "image_encoder", "model.safetensors"))
+    image = Image.fromarray((torch.arange(40 * 56 * 3) % 251).reshape(40, 56, 3).to(torch.uint8).numpy())
+    ours, _ = _video(folders[0], WanImageToVideoPipeline, 2, image=image)
+    theirs, _ = _video(reference, WanImageToVideoPipeline, 2, image=image)
+    assert ours.shape == (1, 5, 32, 32, 3)
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_wan21_i2v_refusals_name_the_input(tiny, tiny_i2v):
+    """The CLIP vision file where it belongs only, before anything is converted: Wan 2.1 I2V without one, with a
+    second transformer, with a file that is no CLIP vision model or one of another width; Wan T2V and Wan 2.2 A14B
+    with one; another family with one."""
+    _, models, made, (expert_names, _) = tiny
+    names, _, _ = tiny_i2v
+    t2v_names, _ = made["bf16"]
+    _refused({**names, "clip_vision": "none"}, "clip_vision", "Wan 2.1 I2V", "clip_vision_h.safetensors")
+    _refused(
+        {**names, "diffusion_model_2": expert_names["diffusion_model_2"]},
+        "diffusion_model_2",
+        "set diffusion_model_2 to none",
+    )
+    vae = load_file(os.path.join(models, "vae", names["vae"]))
+    _refused({**names, "clip_vision": _write(models, "clip_vision", "a_vae.safetensors", vae)},
+             "clip_vision", "not a CLIP vision model")  # fmt: skip
+    clip = load_file(os.path.join(models, "clip_vision", names["clip_vision"]))
+    narrow = {**clip, "vision_model.embeddings.patch_embedding.weight": torch.zeros(32, 3, 8, 8, dtype=torch.float16)}
+    _refused({**names, "clip_vision": _write(models, "clip_vision", "clip_vision_l.safetensors", narrow)},
+             "clip_vision", "32 wide", "64-wide image tokens")  # fmt: skip
+    short = {k: v for k, v in clip.items() if k != "visual_projection.weight"}
+    _refused({**names, "clip_vision": _write(models, "clip_vision", "short_clip.safetensors", short)},
+             "clip_vision", "lacks 'visual_projection.weight'", "CLIP ViT-H")  # fmt: skip
+    for other in (t2v_names, expert_names):
+        _refused({**other, "clip_vision": names["clip_vision"]}, "clip_vision", "set clip_vision to none")
+    qwen = {"txt_norm.weight": torch.zeros(4), "transformer_blocks.0.img_mod.1.weight": torch.zeros(4, 4)}
+    qwen_names = {**t2v_names, "diffusion_model": _write(models, "diffusion_models", "qwen.safetensors", qwen)}
+    _refused({**qwen_names, "clip_vision": names["clip_vision"]}, "clip_vision", "Qwen-Image reads no CLIP vision")

@@ -86,6 +86,29 @@ def test_a_refused_file_is_a_400_naming_the_input(comfyui_server, files, comfyui
         assert re.search(message, details), (label, details)
 
 
+def test_a_clip_vision_file_only_where_it_belongs(comfyui_server, files, comfyui_files_dir, tmp_path_factory):
+    """Wan 2.1 I2V's files without their CLIP vision file, and FLUX.1's with one: a 400 naming clip_vision and the
+    fix, before anything converts."""
+    from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files
+
+    names, _ = files
+    reference = tmp_path_factory.mktemp("reference-wan21-i2v")
+    wan, _ = make_tiny_wan_files(str(comfyui_files_dir), str(reference), formats=("bf16",), i2v=True)["bf16"]
+    options = comfyui_server.object_info("ParallelModelFromComfyFiles")["ParallelModelFromComfyFiles"]["input"]
+    assert options["optional"]["clip_vision"][1]["options"] == ["none", wan["clip_vision"]]
+    for picked, fix in (
+        ({**wan, "clip_vision": "none"}, "pick clip_vision_h.safetensors"),
+        ({**names, "clip_vision": wan["clip_vision"]}, "set clip_vision to none"),
+    ):
+        with pytest.raises(PromptRejected) as e:
+            comfyui_server.post_prompt(workflow(picked, seed=1))
+        assert e.value.status == 400 and set(e.value.node_errors) == {"1"}, e.value.node_errors
+        details = e.value.node_errors["1"]["errors"][0]["details"]
+        assert "clip_vision: " in details and fix in details, details
+    converted = comfyui_files_dir / "converted"
+    assert not any(name.startswith("tiny_wan2.1_i2v") for name in (os.listdir(converted) if converted.is_dir() else []))
+
+
 @pytest.mark.multirank
 def test_comfyui_files_through_the_nodes_equal_the_diffusers_folder(comfyui_server, files, comfyui_files_dir):
     names, reference = files

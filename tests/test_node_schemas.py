@@ -67,7 +67,8 @@ GROWN_AFTER_0_1_0 = {
     # step caching; compiled blocks; fp8 held as stored
     "LoadShardedTransformer": ["cache", "cache_threshold", "compile", "weights"],
     "VAEDecodeSingleGPU": ["decode_over_ranks"],  # the decode over the ranks
-    "ParallelModelFromComfyFiles": ["diffusion_model_2"],  # Wan 2.2 A14B's low-noise expert
+    # Wan 2.2 A14B's low-noise expert; Wan 2.1 I2V's CLIP vision file
+    "ParallelModelFromComfyFiles": ["diffusion_model_2", "clip_vision"],
     "EncodeOnBalancedGPUs": ["image", "image_2", "image_3"],  # the images Qwen-Image-Edit's text encoder reads
     "ParallelLoraLoader": ["expert"],  # which of Wan 2.2 A14B's experts a LoRA changes
 }

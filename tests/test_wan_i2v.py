@@ -1,9 +1,9 @@
 """Wan image-to-video (``families/wan_i2v``): Wan 2.1 I2V (a CLIP image encoder) and Wan 2.2 A14B I2V (two experts,
 no image encoder) from a start image on ParallelSampler's ``image``, against diffusers' one-shot
-``WanImageToVideoPipeline`` (fp32, ≤ 1e-4) in one process and on real CPU ranks; the start image and the text
-length refused by name before anything loads. Tiny models: 4 heads, 5 frames (2 latent frames) of 48×32 from a
-56×40 start image (the pipeline resizes it to the clip's size), the text at Wan's 512 tokens (Wan 2.1 I2V reads its
-image tokens as what precedes the last 512)."""
+``WanImageToVideoPipeline`` (fp32, ≤ 1e-4) in one process and on real CPU ranks, Wan 2.1 I2V also from ComfyUI's own
+files (its CLIP vision file among them); the start image and the text length refused by name before anything loads.
+Tiny models: 4 heads, 5 frames (2 latent frames) of 48×32 from a 56×40 start image (the pipeline resizes it to the
+clip's size), the text at Wan's 512 tokens (Wan 2.1 I2V reads its image tokens as what precedes the last 512)."""
 
 from __future__ import annotations
 
@@ -156,10 +156,22 @@ def test_the_start_image_runs_at_the_clips_size(wan_dir):
 
 
 # -- the strategies on real ranks -----------------------------------------------------------------------------
-def check(wan_dir, name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, tolerance: float = 1e-4, **args):
-    """The clips' LATENT of ``name`` under ``strategy`` through the nodes' steps, against the one-shot pipeline's."""
+def check(
+    wan_dir,
+    name: str,
+    strategy: str,
+    *,
+    batch_size: int = 1,
+    ranks: int = 2,
+    tolerance: float = 1e-4,
+    model: str | None = None,
+    reference=None,
+    **args,
+):
+    """The clips' LATENT of ``name`` (or of ``model``, a converted folder of the same kind whose diffusers twin is
+    ``reference``) under ``strategy`` through the nodes' steps, against the one-shot pipeline's."""
     spec = backend(ranks)
-    model = MODELS[name]
+    model = model or MODELS[name]
     positive = jobs.encode_prompt(
         spec, model=model, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
     )
@@ -179,7 +191,7 @@ def check(wan_dir, name: str, strategy: str, *, batch_size: int = 1, ranks: int 
         guidance_scale_2=CFG_2 if name == "wan22" else 0.0,
         image=IMAGE,
     )
-    reference = one_shot(wan_dir / model, batch_size)
+    reference = one_shot(reference or wan_dir / model, batch_size)
     assert latent.shape == reference.shape == (batch_size, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
     diff = (latent - reference).abs().max().item()
     print(f"{name} {strategy} {args} on {ranks} ranks: max |diff| vs one-shot {diff:.3g}")
@@ -217,3 +229,20 @@ SLOW_CASES = [
 def test_more_strategies_match_one_shot(wan_dir, name, strategy, args, batch_size):
     # Data parallel is not bit-exact: CPU GEMM kernels block differently for another batch size.
     check(wan_dir, name, strategy, batch_size=batch_size, **args)
+
+
+@pytest.mark.multirank
+def test_comfyui_files_run_on_ranks_as_the_diffusers_folder(wan_dir, tmp_path_factory, monkeypatch):
+    """Wan 2.1 I2V from ComfyUI's four files (the transformer, UMT5, Wan 2.1's VAE and clip_vision_h), converted by
+    ParallelModelFromComfyFiles' step and run under ulysses 2 on the module's backend: the clip equals
+    WanImageToVideoPipeline's on the diffusers folder of the same weights."""
+    from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files
+
+    base = tmp_path_factory.mktemp("wan21-i2v-files")
+    made = make_tiny_wan_files(str(base / "models"), str(base / "reference"), formats=("bf16",), i2v=True)
+    names, reference = made["bf16"]
+    monkeypatch.setenv("COMFY_PARALLEL_COMFY_MODELS", str(base / "models"))
+    monkeypatch.setenv("COMFY_PARALLEL_CONVERTED", str(base / "converted"))
+    model, plan = jobs.model_from_comfy_files(**names)
+    assert plan.variant.startswith("Wan 2.1 I2V")
+    check(wan_dir, "wan21", "context_parallel", ulysses_degree=2, model=model, reference=reference)

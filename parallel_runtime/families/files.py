@@ -181,7 +181,8 @@ class FilesLayout(abc.ABC):
             naming another family is refused.
         widget_files: per widget it takes (in the node's order), what the user picks there, for the node's tooltips
             and messages ("CLIP-L (clip_l.safetensors)"; the first file named is the example). A layout that names
-            ``diffusion_model_2`` takes a second transformer there (Wan 2.2 A14B's low-noise expert).
+            ``diffusion_model_2`` takes a second transformer there (Wan 2.2 A14B's low-noise expert), one that names
+            ``clip_vision`` an image encoder (Wan 2.1 I2V's CLIP ViT-H).
     """
 
     family: ClassVar[str]
@@ -209,10 +210,12 @@ class FilesLayout(abc.ABC):
         text_encoders: list[SourceHeader],
         vae: SourceHeader,
         transformer_2: SourceHeader | None = None,
+        clip_vision: SourceHeader | None = None,
     ) -> FilesContents:
         """The folder's contents from the headers (``text_encoders`` in ``text_encoder_widgets``' order), after checking
         that the files are this family's and fit together; ``InvalidInput`` naming the widget and the fix otherwise.
-        ``transformer_2`` (``diffusion_model_2``'s file) is given only to a layout whose ``widget_files`` name it."""
+        ``transformer_2`` (``diffusion_model_2``'s file) and ``clip_vision`` (an image encoder's) are given only to a
+        layout whose ``widget_files`` name their widgets."""
 
 
 def count(shapes: Shapes, pattern: str) -> int:

@@ -17,11 +17,12 @@ def validate_comfy_files(
     text_encoder_2: str,
     vae: str,
     diffusion_model_2: str = comfy_files.NO_FILE,
+    clip_vision: str = comfy_files.NO_FILE,
 ) -> comfy_files.FilesPlan:
     """The checks the node makes before it runs (also its validate_inputs): headers only, nothing converted; files
     that would convert into a pipeline no family of the pack runs (``families.REGISTRY``) are refused here, before a
     conversion of tens of gigabytes that the next node would refuse."""
-    plan = comfy_files.plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2)
+    plan = comfy_files.plan_files(diffusion_model, text_encoder, text_encoder_2, vae, diffusion_model_2, clip_vision)
     pipeline = plan.contents.model_index["_class_name"]
     if families.for_pipeline(pipeline) is None:
         raise InvalidInput(
@@ -39,6 +40,7 @@ def model_from_comfy_files(
     text_encoder_2: str,
     vae: str,
     diffusion_model_2: str = comfy_files.NO_FILE,
+    clip_vision: str = comfy_files.NO_FILE,
     on_progress: ProgressFn | None = None,
     should_cancel: Callable[[], bool] | None = None,
 ) -> tuple[str, comfy_files.FilesPlan]:
@@ -49,5 +51,6 @@ def model_from_comfy_files(
         text_encoder_2=text_encoder_2,
         vae=vae,
         diffusion_model_2=diffusion_model_2,
+        clip_vision=clip_vision,
     )
     return comfy_files.convert(plan, on_progress=on_progress, should_cancel=should_cancel), plan

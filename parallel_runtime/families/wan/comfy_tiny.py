@@ -10,7 +10,9 @@ never with diffusers' converters, so a test that compares the conversion with th
 
 What ComfyUI's files do not carry is Wan's own: heads 128 wide, Wan 2.1's VAE shape (four levels, two residual
 blocks each) and the UMT5 tokenizer, here a small SentencePiece model trained offline on the tiny builders' words, held
-in the text-encoder file as ComfyUI's are (``spiece_model``).
+in the text-encoder file as ComfyUI's are (``spiece_model``). Wan 2.1 I2V's CLIP vision file is transformers' own
+names, as ``clip_vision_h.safetensors`` (16 heads, GELU, as ComfyUI's ViT-H config), or open_clip's
+(``open_clip_vision``, the inverse of ComfyUI's ``convert_to_transformers``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from safetensors.torch import save_file
-from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    CLIPVisionModelWithProjection,
+    T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 from ..qwenimage.tiny import wan_vae
 from ..tiny import FORMATS, WORDS, quantized, tagged_groups, write_formats
@@ -85,6 +94,52 @@ def comfy_transformer(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def open_clip_vision(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``CLIPVisionModelWithProjection``'s state dict in open_clip's ``visual.*`` layout (q, k and v fused into
+    ``attn.in_proj_*``, the projection ``[width, dim]``), written from open_clip's own names, not from the
+    conversion's table."""
+    out = {}
+    model = {
+        "embeddings.class_embedding": "class_embedding",
+        "embeddings.patch_embedding.weight": "conv1.weight",
+        "embeddings.position_embedding.weight": "positional_embedding",
+        "pre_layrnorm.weight": "ln_pre.weight",
+        "pre_layrnorm.bias": "ln_pre.bias",
+        "post_layernorm.weight": "ln_post.weight",
+        "post_layernorm.bias": "ln_post.bias",
+    }
+    layer = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+    layer["self_attn.out_proj"] = "attn.out_proj"
+    layers = {int(k.split(".")[3]) for k in sd if k.startswith("vision_model.encoder.layers.")}
+    for i in sorted(layers):
+        ours, theirs = f"vision_model.encoder.layers.{i}.", f"visual.transformer.resblocks.{i}."
+        for part in ("weight", "bias"):
+            out[f"{theirs}attn.in_proj_{part}"] = torch.cat([sd[f"{ours}self_attn.{p}_proj.{part}"] for p in "qkv"])
+            for name, original in layer.items():
+                out[f"{theirs}{original}.{part}"] = sd[f"{ours}{name}.{part}"]
+    for name, original in model.items():
+        out[f"visual.{original}"] = sd[f"vision_model.{name}"]
+    out["visual.proj"] = sd["visual_projection.weight"].t().contiguous()
+    return out
+
+
+def _image_encoder() -> tuple[CLIPVisionModelWithProjection, CLIPImageProcessor]:
+    """A tiny CLIP ViT (16 heads of 4, as ViT-H's 16 of 80; 17 tokens of a 32-pixel image) and the processor Wan-AI's
+    folders hold (transformers' CLIP defaults: OpenAI's mean and std, bicubic) at its size."""
+    config = CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,  # the pipeline reads the second-to-last hidden states
+        num_attention_heads=wan_files.CLIP_HEADS,
+        image_size=32,
+        patch_size=8,
+        projection_dim=24,
+        hidden_act=wan_files.CLIP_ACTIVATION,
+        layer_norm_eps=wan_files.CLIP_EPS,
+    )
+    return CLIPVisionModelWithProjection(config), CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32)
+
+
 def tiny_spiece_model() -> bytes:
     """A small SentencePiece unigram model over the tiny builders' words, with T5's special ids (pad 0, eos 1, unk 2,
     no bos), as UMT5's is; deterministic (one thread)."""
@@ -116,7 +171,7 @@ def _tokenizer(spiece: bytes) -> T5Tokenizer:
         return T5Tokenizer.from_pretrained(scratch, extra_ids=0, model_max_length=wan_files.MAX_SEQUENCE_LENGTH)
 
 
-def _transformer(in_channels: int) -> WanTransformer3DModel:
+def _transformer(in_channels: int, image_dim: int | None = None) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
@@ -130,6 +185,8 @@ def _transformer(in_channels: int) -> WanTransformer3DModel:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         eps=wan_files.EPS,
+        image_dim=image_dim,
+        added_kv_proj_dim=2 * wan_files.HEAD_DIM if image_dim is not None else None,  # the inner width
     )
 
 
@@ -143,13 +200,12 @@ def make_tiny_wan_files(
     i2v: bool = False,
 ) -> dict[str, tuple[dict[str, str], str]]:
     """Write a tiny Wan as ComfyUI's files under ``models_dir`` (one transformer file per format in ``formats``; with
-    ``experts``, Wan 2.2 A14B's two, the low-noise one in bf16; ``i2v`` for Wan 2.2 A14B I2V, which needs
-    ``experts``), and for each format a diffusers folder below ``reference_root`` with the same weights. Returns, per
-    format, the widgets' values (the node's five) and the reference folder."""
+    ``experts``, Wan 2.2 A14B's two, the low-noise one in bf16; ``i2v`` for image-to-video: Wan 2.2 A14B I2V with
+    ``experts``, else Wan 2.1 I2V with its CLIP vision file in fp16, in ``clip_vision``), and for each format a
+    diffusers folder below ``reference_root`` with the same weights. Returns, per format, the widgets' values and the
+    reference folder."""
     if not formats or set(formats) - set(FORMATS):
         raise ValueError(f"formats must be some of {FORMATS}")
-    if i2v and not experts:
-        raise ValueError("Wan 2.1 I2V's files are not converted (it needs the CLIP vision file): i2v needs experts")
     spiece = tiny_spiece_model()
     tokenizer = _tokenizer(spiece)
     in_channels = wan_files.I2V_CHANNELS if i2v else wan_files.T2V_CHANNELS
@@ -176,7 +232,9 @@ def make_tiny_wan_files(
                 tie_word_embeddings=False,
             )
         )
-        transformer = _transformer(in_channels)
+        image_parts = _image_encoder() if i2v and not experts else None
+        image_dim = image_parts[0].config.hidden_size if image_parts is not None else None
+        transformer = _transformer(in_channels, image_dim)
         low_noise = _transformer(in_channels) if experts else None
         vae = AutoencoderKLWan(
             base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
@@ -189,13 +247,17 @@ def make_tiny_wan_files(
         {k: v for k, v in wan_files.scheduler(shift).items() if not k.startswith("_")}
     )
     parts = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
+    if image_parts is not None:
+        image_encoder, image_processor = image_parts
+        image_encoder.to(torch.float16)  # as ComfyUI's clip_vision_h
+        parts |= {"image_encoder": image_encoder, "image_processor": image_processor}
     if experts:
         low_noise.to(torch.bfloat16)
         boundary = wan_files.WAN22_I2V_BOUNDARY if i2v else wan_files.WAN22_T2V_BOUNDARY
         parts |= {"transformer_2": low_noise, "boundary_ratio": boundary}
     pipe = (WanImageToVideoPipeline if i2v else WanPipeline)(transformer=transformer, **parts)
     kind = "i2v" if i2v else "t2v"
-    stem = f"tiny_wan2.2_{kind}_high_noise_14B" if experts else "tiny_wan2.1_t2v_1.3B"
+    stem = f"tiny_wan2.2_{kind}_high_noise_14B" if experts else f"tiny_wan2.1_{kind}_{'14B' if i2v else '1.3B'}"
     # The text encoder's and the VAE's names carry the model's, so that several tiny Wans share a models folder.
     names = {
         "text_encoder": f"{stem}_umt5_xxl_bf16.safetensors",
@@ -217,6 +279,9 @@ def make_tiny_wan_files(
     ]
     if experts:
         files.append(("diffusion_models", names["diffusion_model_2"], comfy_transformer(low_noise.state_dict())))
+    if image_parts is not None:
+        names["clip_vision"] = f"{stem}_clip_vision_h.safetensors"
+        files.append(("clip_vision", names["clip_vision"], image_encoder.state_dict()))
     for folder, name, tensors in files:
         os.makedirs(os.path.join(models_dir, folder), exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(models_dir, folder, name))

@@ -1,6 +1,6 @@
 """Wan as ComfyUI distributes it: the single files' key layouts and the diffusers folder they make.
 
-ComfyUI keeps Wan as three files, four for Wan 2.2 A14B:
+ComfyUI keeps Wan as three files, four for Wan 2.2 A14B and Wan 2.1 I2V:
 
 - the transformer in the original Wan layout (``wan2.1_t2v_14B_bf16.safetensors``, ``..._fp8_scaled``,
   ``wan2.1_t2v_1.3B_fp16.safetensors`` in ``models/diffusion_models``, often behind ComfyUI's
@@ -17,7 +17,14 @@ ComfyUI keeps Wan as three files, four for Wan 2.2 A14B:
   made from that model (``write_tokenizer``);
 - the VAE, Wan 2.1's (``wan_2.1_vae.safetensors``, which Wan 2.2 A14B uses too) in its original layout, through
   diffusers' ``convert_wan_vae_to_diffusers``. Its shape checks and converter are Qwen-Image's (whose VAE is Wan
-  2.1's): shared on purpose, imported from ``families/qwenimage/files.py``.
+  2.1's): shared on purpose, imported from ``families/qwenimage/files.py``;
+- Wan 2.1 I2V's image encoder, CLIP ViT-H/14 (``clip_vision_h.safetensors`` in ``models/clip_vision``, the
+  ``clip_vision`` widget), as ComfyUI's ``comfy/clip_vision.py`` reads it: in transformers' own names
+  (``vision_model.*``, ``visual_projection.weight``: linked as it is) or in open_clip's (``visual.*``: the fused
+  ``in_proj`` split into q, k, v and ``proj`` transposed, as ComfyUI's ``convert_to_transformers``), into the folder's
+  ``image_encoder`` (``CLIPVisionModelWithProjection``, as Wan-AI's diffusers folders) and the ``image_processor``
+  that makes its input (CLIP's: the shorter side to the encoder's size, the centre cropped, OpenAI's mean and std; what
+  ComfyUI's ``clip_preprocess`` does and laion/CLIP-ViT-H-14's processor, the one Wan-AI's folders hold).
 
 What the shapes cannot tell, and how it is decided:
 
@@ -28,18 +35,22 @@ What the shapes cannot tell, and how it is decided:
 - which expert is which: the widget (``diffusion_model`` the high-noise one, ``diffusion_model_2`` the low-noise);
 - T2V or I2V: the transformer's input channels (16: T2V; 36: the noise, a mask and the start image's latents),
   and Wan 2.1 I2V by its image embedding (``img_emb``);
+- the image encoder's heads: 16, as every CLIP ViT ComfyUI loads (L/14, H/14, g/14, bigG/14; its
+  ``clip_vision_config_h.json``), its activation GELU and its layer norms' epsilon 1e-5 (the same file's);
 - the scheduler's flow shift and the experts' boundary: the published ones (shift 3 for Wan 2.1, as Wan-AI's diffusers
   folders; 12 with boundary 0.875 for Wan 2.2 T2V A14B, 5 with boundary 0.9 for its I2V, as Wan 2.2's own configs).
 
-Refused by name: Wan 2.1 I2V (it also needs the CLIP vision file, which this node does not take), Wan 2.2 TI2V-5B and
-its 48-channel VAE (not converted yet), and the other Wan models (VACE, FLF2V, Fun camera, S2V, HuMo, Animate); a
+Refused by name: Wan 2.1 I2V without its CLIP vision file (and a CLIP vision file for any other Wan), Wan 2.2 TI2V-5B
+and its 48-channel VAE (not converted yet), and the other Wan models (VACE, FLF2V, Fun camera, S2V, HuMo, Animate); a
 diffusers folder runs what is refused here.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 from ...errors import InvalidInput
@@ -47,6 +58,7 @@ from ..files import (
     Component,
     FilesContents,
     FilesLayout,
+    FolderFromComfy,
     Move,
     Shapes,
     SourceHeader,
@@ -77,6 +89,7 @@ SPIECE_KEY = "spiece_model"
 HIGH_NOISE, LOW_NOISE = "high_noise", "low_noise"
 # The published sizes, by the transformer's width.
 SIZES = {1536: "1.3B", 5120: "14B"}
+WAN21_I2V = "Wan 2.1 I2V"  # the variant of a transformer with an image embedding: it takes a CLIP vision file
 
 
 def scheduler(flow_shift: float) -> dict:
@@ -245,10 +258,140 @@ def vae_config(shapes: Shapes) -> dict:
     }
 
 
+# -- the image encoder (Wan 2.1 I2V) ------------------------------------------------------------------------------
+# What CLIP ViT-H/14's weights do not say (see the module's docstring): ComfyUI's clip_vision_config_h.json's values.
+CLIP_HEADS = 16
+CLIP_ACTIVATION = "gelu"
+CLIP_EPS = 1e-5
+# OpenAI CLIP's normalisation of the input (ComfyUI's clip_preprocess and laion/CLIP-ViT-H-14's processor).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# ComfyUI tells open_clip's layout by this key (comfy/clip_vision.py's ``load``).
+OPEN_CLIP_KEY = "visual.transformer.resblocks.0.attn.in_proj_weight"
+CLIP_PROJECTION = "visual_projection.weight"  # open_clip's ``visual.proj``, transposed
+_OPEN_CLIP_NAMES = (
+    ("class_embedding", "embeddings.class_embedding"),
+    ("conv1.", "embeddings.patch_embedding."),
+    ("positional_embedding", "embeddings.position_embedding.weight"),
+    ("ln_pre.", "pre_layrnorm."),  # transformers' own spelling
+    ("ln_post.", "post_layernorm."),
+)
+_OPEN_CLIP_LAYER_NAMES = (
+    ("ln_1.", "layer_norm1."),
+    ("ln_2.", "layer_norm2."),
+    ("mlp.c_fc.", "mlp.fc1."),
+    ("mlp.c_proj.", "mlp.fc2."),
+    ("attn.out_proj.", "self_attn.out_proj."),
+)
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def is_clip_vision(shapes: Shapes) -> bool:
+    """A CLIP vision model in transformers' names or open_clip's (the two ComfyUI's CLIP vision loader reads)."""
+    return "vision_model.embeddings.patch_embedding.weight" in shapes or OPEN_CLIP_KEY in shapes
+
+
+def open_clip_sources(keys: Iterable[str]) -> dict[str, tuple[str, int | None]]:
+    """Each transformers key made from open_clip's ``visual.*`` keys: its source, and which third (q, k, v) of a fused
+    ``attn.in_proj_*`` it is, or None (``CLIP_PROJECTION`` is ``visual.proj`` transposed). What ComfyUI's
+    ``convert_to_transformers`` renames; other keys (a whole CLIP's text tower) are left out, as ComfyUI leaves them."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for key in keys:
+        if not key.startswith("visual."):
+            continue
+        name = key.removeprefix("visual.")
+        layer = re.fullmatch(r"transformer\.resblocks\.(\d+)\.(.+)", name)
+        if name == "proj":
+            out[CLIP_PROJECTION] = (key, None)
+        elif layer is None:
+            renamed = _renamed(name, _OPEN_CLIP_NAMES)
+            if renamed is not None:
+                out[f"vision_model.{renamed}"] = (key, None)
+        elif layer[2].startswith("attn.in_proj_"):
+            for third, projection in enumerate(_QKV):
+                out[f"vision_model.encoder.layers.{layer[1]}.self_attn.{projection}.{layer[2][13:]}"] = (key, third)
+        else:
+            renamed = _renamed(layer[2], _OPEN_CLIP_LAYER_NAMES)
+            if renamed is not None:
+                out[f"vision_model.encoder.layers.{layer[1]}.{renamed}"] = (key, None)
+    return out
+
+
+def _renamed(name: str, names: tuple[tuple[str, str], ...]) -> str | None:
+    return next((new + name[len(old) :] for old, new in names if name.startswith(old)), None)
+
+
+def open_clip_to_transformers(sd: dict) -> dict:
+    """An open_clip CLIP vision state dict in transformers' ``CLIPVisionModelWithProjection`` names."""
+    out = {}
+    for target, (source, third) in open_clip_sources(sd).items():
+        tensor = sd[source]
+        if third is not None:
+            tensor = tensor.chunk(3, dim=0)[third]
+        elif target == CLIP_PROJECTION:
+            tensor = tensor.t()
+        out[target] = tensor.contiguous()
+    return out
+
+
+def clip_vision_shapes(shapes: Shapes) -> Shapes:
+    """The shapes in transformers' names, whichever of the two layouts the file has."""
+    if OPEN_CLIP_KEY not in shapes:
+        return shapes
+    out = {}
+    for target, (source, third) in open_clip_sources(shapes).items():
+        shape = tuple(shapes[source])
+        if third is not None:
+            shape = (shape[0] // 3, *shape[1:])
+        elif target == CLIP_PROJECTION:
+            shape = shape[::-1]
+        out[target] = shape
+    return out
+
+
+def clip_vision_config(shapes: Shapes) -> dict:
+    """``CLIPVisionModelWithProjection``'s config from the shapes (transformers' names): the image's side is the
+    patches' (the positions but the class token, a square) times the patch's."""
+    width, channels, patch, _ = shapes["vision_model.embeddings.patch_embedding.weight"]
+    positions = shapes["vision_model.embeddings.position_embedding.weight"][0]
+    side = math.isqrt(positions - 1)
+    if side * side != positions - 1 or width % CLIP_HEADS:
+        raise ValueError(f"{positions} positions {width} wide, which is no CLIP ViT's")
+    return {
+        "architectures": ["CLIPVisionModelWithProjection"],
+        "model_type": "clip_vision_model",
+        "hidden_size": width,
+        "intermediate_size": shapes["vision_model.encoder.layers.0.mlp.fc1.weight"][0],
+        "num_hidden_layers": count(shapes, r"vision_model\.encoder\.layers\.(\d+)\."),
+        "num_attention_heads": CLIP_HEADS,
+        "num_channels": channels,
+        "image_size": side * patch,
+        "patch_size": patch,
+        "projection_dim": shapes[CLIP_PROJECTION][0],
+        "hidden_act": CLIP_ACTIVATION,
+        "layer_norm_eps": CLIP_EPS,
+    }
+
+
+def write_image_processor(size: int, folder: str) -> None:
+    """The ``image_processor`` folder: CLIP's preprocessing for an encoder of ``size`` pixels (the shorter side
+    resized to it, bicubic, the centre cropped square, OpenAI's mean and std)."""
+    from transformers import CLIPImageProcessor
+
+    CLIPImageProcessor(
+        size={"shortest_edge": size},
+        crop_size={"height": size, "width": size},
+        resample=3,  # PIL's bicubic
+        image_mean=list(CLIP_MEAN),
+        image_std=list(CLIP_STD),
+    ).save_pretrained(folder)
+
+
 # -- the layout --------------------------------------------------------------------------------------------------
-def model_index(i2v: bool, experts: bool) -> dict:
-    """model_index.json: WanPipeline, or WanImageToVideoPipeline without an image encoder (Wan 2.2 A14B I2V reads
-    the start image through its latents only); Wan 2.2 A14B with its second expert and their boundary."""
+def model_index(i2v: bool, experts: bool, image_encoder: bool = False) -> dict:
+    """model_index.json: WanPipeline, or WanImageToVideoPipeline with Wan 2.1 I2V's image encoder or without one (Wan
+    2.2 A14B I2V reads the start image through its latents only); Wan 2.2 A14B with its second expert and their
+    boundary."""
     index = {
         "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
         "_diffusers_version": "0.42.1",
@@ -263,18 +406,23 @@ def model_index(i2v: bool, experts: bool) -> dict:
     }
     if i2v:
         index |= {"image_encoder": [None, None], "image_processor": [None, None]}
+    if image_encoder:
+        index |= {
+            "image_encoder": ["transformers", "CLIPVisionModelWithProjection"],
+            "image_processor": ["transformers", "CLIPImageProcessor"],
+        }
     return index
 
 
 class WanFiles(FilesLayout):
-    """Wan 2.1 T2V (1.3B, 14B) and Wan 2.2 A14B (T2V, I2V; both experts): the transformer (Wan 2.2's high-noise expert)
-    in ``diffusion_model``, Wan 2.2's low-noise expert in ``diffusion_model_2``, UMT5-XXL in ``text_encoder``, Wan
-    2.1's VAE."""
+    """Wan 2.1 T2V (1.3B, 14B), Wan 2.1 I2V (14B) and Wan 2.2 A14B (T2V, I2V; both experts): the transformer (Wan 2.2's
+    high-noise expert) in ``diffusion_model``, Wan 2.2's low-noise expert in ``diffusion_model_2``, UMT5-XXL in
+    ``text_encoder``, Wan 2.1's VAE, Wan 2.1 I2V's CLIP ViT-H in ``clip_vision``."""
 
     family = "wan"
     name = "Wan"
     text_encoder_widgets = ("text_encoder",)
-    variants = "Wan 2.1 T2V (1.3B, 14B) and Wan 2.2 A14B (T2V and I2V, both experts)"
+    variants = "Wan (2.1 T2V 1.3B and 14B, 2.1 I2V with its clip_vision, 2.2 A14B T2V and I2V with both experts)"
     transformer_layout = "in Wan's original layout"
     widget_files: ClassVar[Mapping[str, str]] = {
         "diffusion_model": (
@@ -284,6 +432,7 @@ class WanFiles(FilesLayout):
         "text_encoder": "UMT5-XXL (umt5_xxl_fp8_e4m3fn_scaled.safetensors, or umt5_xxl_fp16)",
         "vae": "wan_2.1_vae.safetensors",
         "diffusion_model_2": "Wan 2.2 A14B's low-noise expert (wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors)",
+        "clip_vision": "Wan 2.1 image-to-video: clip_vision_h.safetensors",
     }
 
     def variant(self, shapes: Shapes) -> str | None:
@@ -297,13 +446,8 @@ class WanFiles(FilesLayout):
                     "Wan 2.2 A14B file, or use a diffusers folder",
                 )
         in_channels = shapes["patch_embedding.weight"][1]
-        if "img_emb.proj.0.weight" in shapes:
-            raise InvalidInput(
-                "diffusion_model",
-                "the file is Wan 2.1 I2V's transformer, which also needs the CLIP vision model (clip_vision_h), a "
-                "file this node does not take; use a diffusers folder of it (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers), "
-                "or Wan 2.2 A14B I2V's two files",
-            )
+        if "img_emb.proj.0.weight" in shapes and in_channels == I2V_CHANNELS:
+            return WAN21_I2V
         if in_channels not in (T2V_CHANNELS, I2V_CHANNELS):
             raise InvalidInput(
                 "diffusion_model",
@@ -320,10 +464,13 @@ class WanFiles(FilesLayout):
         text_encoders: list[SourceHeader],
         vae: SourceHeader,
         transformer_2: SourceHeader | None = None,
+        clip_vision: SourceHeader | None = None,
     ) -> FilesContents:
         (encoder,) = text_encoders
-        i2v = variant == "Wan I2V"
-        experts = self._experts(i2v, transformer, transformer_2)
+        image = variant == WAN21_I2V
+        i2v = image or variant == "Wan I2V"
+        self._image_encoder(image, transformer, transformer_2, clip_vision)
+        experts = None if image else self._experts(i2v, transformer, transformer_2)
         if not is_umt5(encoder.shapes):
             what = "T5-XXL (FLUX.1's t5xxl)" if "shared.weight" in encoder.shapes else "not UMT5-XXL"
             raise InvalidInput(
@@ -368,6 +515,17 @@ class WanFiles(FilesLayout):
                 f"{encoder.name!r} is {configs['text_encoder']['d_model']} wide, but the transformer reads "
                 f"{model['text_dim']}-wide text: pick UMT5-XXL (umt5_xxl_fp8_e4m3fn_scaled.safetensors)",
             )
+        if image:
+            image_config = configs_from_shapes(
+                [("image_encoder", clip_vision, lambda shapes: clip_vision_config(clip_vision_shapes(shapes)))],
+                "CLIP ViT-H",
+            )["image_encoder"]
+            if image_config["hidden_size"] != model["image_dim"]:
+                raise InvalidInput(
+                    "clip_vision",
+                    f"{clip_vision.name!r} is {image_config['hidden_size']} wide, but the transformer reads "
+                    f"{model['image_dim']}-wide image tokens: pick clip_vision_h.safetensors (CLIP ViT-H/14)",
+                )
         if configs["vae"]["z_dim"] != model["out_channels"]:
             raise InvalidInput(
                 vae.widget,
@@ -384,7 +542,7 @@ class WanFiles(FilesLayout):
         width = HEAD_DIM * model["num_attention_heads"]
         size = SIZES.get(width, f"({model['num_layers']} layers, {width} wide)")
         if experts is None:
-            named, shift = f"Wan 2.1 T2V {size}", WAN21_SHIFT
+            named, shift = f"Wan 2.1 {'I2V' if image else 'T2V'} {size}", WAN21_SHIFT
         else:
             named, shift = f"Wan 2.2 A14B {'I2V' if i2v else 'T2V'}", WAN22_I2V_SHIFT if i2v else WAN22_T2V_SHIFT
         components = [
@@ -395,15 +553,55 @@ class WanFiles(FilesLayout):
         if experts is not None:
             components.append(Component("transformer_2", experts, model, moves=tuple(moves)))
         components.append(Component("vae", vae, configs["vae"], convert=qwenimage_files.wan_vae_to_diffusers))
+        folders = ()
+        if image:
+            # Transformers' names are linked as they are; open_clip's renamed (the model is small beside Wan's).
+            convert = open_clip_to_transformers if OPEN_CLIP_KEY in clip_vision.shapes else None
+            components.append(
+                Component("image_encoder", clip_vision, image_config, convert=convert, weights="model.safetensors")
+            )
+            side = image_config["image_size"]
+            folders = (FolderFromComfy("image_processor", lambda _, folder: write_image_processor(side, folder)),)
         return FilesContents(
             variant=named,
-            model_index=model_index(i2v, experts is not None),
+            model_index=model_index(i2v, experts is not None, image),
             scheduler=scheduler(shift),
             tokenizers=(),
             components=tuple(components),
             text_encoders=(encoder,),
             tokenizers_from_files=(TokenizerFromFile("tokenizer", encoder, SPIECE_KEY, write_tokenizer),),
+            folders=folders,
         )
+
+    @staticmethod
+    def _image_encoder(
+        image: bool, transformer: SourceHeader, transformer_2: SourceHeader | None, clip_vision: SourceHeader | None
+    ) -> None:
+        """Wan 2.1 I2V takes its CLIP vision file and one transformer; every other Wan no CLIP vision file."""
+        if not image:
+            if clip_vision is not None:
+                raise InvalidInput(
+                    "clip_vision",
+                    f"{transformer.name!r} reads no CLIP vision file (only Wan 2.1 I2V does); set clip_vision to none",
+                )
+            return
+        if clip_vision is None:
+            raise InvalidInput(
+                "clip_vision",
+                f"{transformer.name!r} is Wan 2.1 I2V's transformer, which also reads the start image through CLIP "
+                "ViT-H: pick clip_vision_h.safetensors (from models/clip_vision) here",
+            )
+        if transformer_2 is not None:
+            raise InvalidInput(
+                "diffusion_model_2",
+                "Wan 2.1 I2V runs one transformer, in diffusion_model; set diffusion_model_2 to none",
+            )
+        if not is_clip_vision(clip_vision.shapes):
+            raise InvalidInput(
+                "clip_vision",
+                f"{clip_vision.name!r} is not a CLIP vision model (in transformers' or open_clip's names); pick "
+                "clip_vision_h.safetensors",
+            )
 
     @staticmethod
     def _experts(i2v: bool, transformer: SourceHeader, transformer_2: SourceHeader | None) -> SourceHeader | None:
