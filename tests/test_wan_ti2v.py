@@ -1,0 +1,220 @@
+"""Wan 2.2 TI2V-5B (``families/wan_ti2v``): one folder (a ``WanPipeline`` with ``expand_timesteps``) that makes clips
+from text and, with a start image on ParallelSampler's optional ``image``, from the image, against diffusers'
+one-shot ``WanPipeline`` / ``WanImageToVideoPipeline`` on the same folder (fp32, ≤ 1e-4) in one process and on real
+CPU ranks; its LATENT in ComfyUI's Wan 2.2 convention ([B, 48, T, H/16, W/16], un-normalised); the size refused by
+name before anything loads. Tiny model: 4 heads, 5 frames (2 latent frames) of 64×32 (2 × 1 tokens of 32 pixels per
+frame), from a 56×40 start image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import WAN_CLIP
+from PIL import Image
+
+from parallel_runtime import InvalidInput, default_spec, jobs, model_folders
+from parallel_runtime.families import Placement
+from parallel_runtime.families import family as family_adapter
+from parallel_runtime.families.base import image_tokens, latent_statistics
+from parallel_runtime.families.wan.tiny import make_tiny_model as make_tiny_t2v
+from parallel_runtime.families.wan_ti2v.tiny import make_tiny_model
+from parallel_runtime.samplers import Sampler
+from parallel_runtime.wire import Prompts, Sampling
+
+ti2v = family_adapter("wan_ti2v")
+PROMPT, NEGATIVE, CFG = WAN_CLIP["prompt"], WAN_CLIP["negative_prompt"], WAN_CLIP["guidance_scale"]
+FRAMES, STEPS, TOKENS = WAN_CLIP["num_frames"], WAN_CLIP["num_inference_steps"], WAN_CLIP["max_sequence_length"]
+WIDTH, HEIGHT, SEED = 64, 32, 3
+MODEL, T2V = "tiny-wan22-ti2v", "tiny-wan21"
+LATENT = (1, 48, (FRAMES - 1) // 4 + 1, HEIGHT // 16, WIDTH // 16)
+
+
+def start_image(shift: int = 0) -> torch.Tensor:
+    """A 56×40 IMAGE [1, H, W, 3] of 8-bit values, as LoadImage gives."""
+    pixels = (torch.arange(40 * 56 * 3) * 7 + shift) % 251
+    return (pixels.reshape(1, 40, 56, 3).float() / 255.0).contiguous()
+
+
+IMAGE = start_image()
+
+
+@pytest.fixture(scope="module")
+def wan_dir(models_root):
+    """The module's model folder: a tiny Wan 2.2 TI2V-5B and (for telling the two apart) a Wan 2.1 T2V."""
+    make_tiny_model(str(models_root / MODEL), 0)
+    make_tiny_t2v(str(models_root / T2V), 0)
+    return models_root
+
+
+_PIPELINES: dict[tuple[str, bool], object] = {}
+
+
+def one_shot(folder, batch_size: int = 1, image: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' latents in one call as ComfyUI's LATENT (un-normalised): ``WanPipeline`` from text, or
+    ``WanImageToVideoPipeline`` loaded from the same folder from the start image (the PIL image it was loaded from);
+    clip i from seed + i."""
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
+
+    key = (str(folder), image is not None)
+    if key not in _PIPELINES:
+        pipeline = WanImageToVideoPipeline if image is not None else WanPipeline
+        _PIPELINES[key] = pipeline.from_pretrained(folder, dtype=torch.float32)
+        _PIPELINES[key].set_progress_bar_config(disable=True)
+    start = {} if image is None else {"image": Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy())}
+    latents = _PIPELINES[key](
+        **start,
+        prompt=[PROMPT] * batch_size,
+        negative_prompt=[NEGATIVE] * batch_size,
+        height=HEIGHT,
+        width=WIDTH,
+        num_frames=FRAMES,
+        num_inference_steps=STEPS,
+        guidance_scale=CFG,
+        max_sequence_length=TOKENS,
+        generator=[torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch_size)],
+        output_type="latent",
+    ).frames
+    mean, inverse_std = latent_statistics(AutoencoderKLWan.load_config(folder, subfolder="vae"))
+    return latents / inverse_std + mean
+
+
+# -- the adapter in one process ---------------------------------------------------------------------------------
+def test_a_ti2v_folder_is_its_own_family(wan_dir):
+    """Both folders are WanPipelines; model_index.json's expand_timesteps tells TI2V-5B's."""
+    assert model_folders.resolve(MODEL).family == "wan_ti2v"
+    assert model_folders.resolve(T2V).family == "wan"
+    assert model_folders.pipeline_class(str(wan_dir / MODEL)) == model_folders.pipeline_class(str(wan_dir / T2V))
+    # A clip's tokens are 32-pixel squares of its latent frames: 720p × 121 frames is 31 × 22 × 40.
+    assert image_tokens(ti2v, 1280, 704, 121) == 31 * 22 * 40
+
+
+def test_staged_equals_one_shot_from_text_and_from_a_start_image(wan_dir):
+    """The staged clip is WanPipeline's without a start image and WanImageToVideoPipeline's with one (its first
+    latent frame the image's encoding); another start image makes another clip."""
+    folder = str(wan_dir / MODEL)
+    cpu = Placement("cpu")
+    text = ti2v.load_text_encoders(folder, torch.float32, cpu)
+    embeds = ti2v.encode(text, Prompts((PROMPT,), negative_prompts=(NEGATIVE,), max_sequence_length=TOKENS))
+    transformer = ti2v.load_transformer(folder, torch.float32, cpu)
+    assert transformer.config.in_channels == transformer.config.out_channels == 48
+    sampling = Sampling(
+        seed=SEED,
+        steps=STEPS,
+        guidance_scale=1.0,
+        width=WIDTH,
+        height=HEIGHT,
+        true_cfg_scale=CFG,
+        sampler=Sampler.UNI_PC,
+        frames=FRAMES,
+    )
+    from_text = ti2v.denoise(folder, transformer, embeds, sampling)
+    assert from_text.shape == LATENT and from_text.dtype == torch.float32
+    assert (from_text - one_shot(folder)).abs().max().item() <= 1e-5
+    from_image = ti2v.denoise(folder, transformer, embeds, sampling, image=IMAGE)
+    assert (from_image - one_shot(folder, image=IMAGE)).abs().max().item() <= 1e-5
+    assert (from_image - from_text).abs().max().item() > 1e-3
+    other = ti2v.denoise(folder, transformer, embeds, sampling, image=start_image(shift=100))
+    assert (other[:, :, 0] - from_image[:, :, 0]).abs().max().item() > 1e-3
+    frames = ti2v.decode(ti2v.load_vae(folder, torch.float32, "cpu"), from_image)
+    assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3)
+
+
+# -- the widgets, before anything loads ------------------------------------------------------------------------
+def backend(ranks: int = 2):
+    return default_spec(ranks=ranks, device="cpu", memory_policy="staged")
+
+
+def _validate(strategy: str = "context_parallel", **widgets) -> None:
+    transformer = jobs.plan_transformer(backend(), model=MODEL, strategy=strategy)
+    args = {"steps": STEPS, "width": WIDTH, "height": HEIGHT, "batch_size": 1, "true_cfg_scale": CFG}
+    jobs.validate_sample(transformer, None, **{**args, "sampler": "uni_pc", "length": FRAMES, **widgets})
+
+
+def _read(image) -> tuple[jobs.ReferenceImage, ...]:
+    transformer = jobs.plan_transformer(backend(), model=MODEL, strategy="context_parallel")
+    return jobs.read_reference_images(transformer, {"image": image}, (WIDTH, HEIGHT))
+
+
+@pytest.mark.parametrize(
+    "widget, call, hint",
+    [
+        ("width", lambda: _validate(width=48), "multiple of 32"),
+        ("height", lambda: _validate(height=48), "multiple of 32"),
+        ("image", lambda: _read(torch.cat([IMAGE, IMAGE])), "starts every clip from one"),
+        # 64×64, one frame: 2 × 2 tokens of one latent frame split over 2 ranks; 96×32: 3 × 1 do not.
+        ("width", lambda: _validate(width=96, length=1), "do not split over 2"),
+    ],
+)
+def test_ti2v_widgets_fail_before_anything_runs(wan_dir, widget, call, hint):
+    with pytest.raises(InvalidInput, match=hint) as info:
+        call()
+    assert info.value.widget == widget
+
+
+def test_the_start_image_is_optional(wan_dir):
+    _validate()  # text-to-video
+    (reference,) = _read(IMAGE)
+    assert reference.describe() == "start image 56×40, resized to 64×32"
+    _validate(references=(reference,))  # its 56×40 adds no tokens
+
+
+# -- the strategies on real ranks -----------------------------------------------------------------------------
+def sample(strategy: str, *, batch_size: int = 1, ranks: int = 2, image: torch.Tensor | None = None, **args):
+    """The clips' LATENT under ``strategy`` through the nodes' steps."""
+    spec = backend(ranks)
+    positive = jobs.encode_prompt(
+        spec, model=MODEL, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
+    )
+    transformer = jobs.plan_transformer(spec, model=MODEL, strategy=strategy, **args)
+    start = {} if image is None else {"image": image}
+    return jobs.sample(
+        transformer,
+        positive,
+        seed=SEED,
+        steps=STEPS,
+        guidance_scale=1.0,
+        true_cfg_scale=CFG,
+        width=WIDTH,
+        height=HEIGHT,
+        batch_size=batch_size,
+        sampler="uni_pc",
+        length=FRAMES,
+        **start,
+    )
+
+
+def check(wan_dir, strategy: str, *, batch_size: int = 1, image: torch.Tensor | None = None, **args) -> None:
+    latent = sample(strategy, batch_size=batch_size, image=image, **args)
+    reference = one_shot(wan_dir / MODEL, batch_size, image)
+    assert latent.shape == reference.shape == (batch_size, *LATENT[1:])
+    diff = (latent - reference).abs().max().item()
+    what = "image-to-video" if image is not None else "text-to-video"
+    print(f"TI2V {what} {strategy} {args}: max |diff| vs one-shot {diff:.3g}")
+    assert diff <= 1e-4
+
+
+@pytest.mark.multirank
+def test_ulysses_matches_one_shot_from_text_and_from_a_start_image(wan_dir):
+    """One backend, one loaded transformer: the per-token timesteps split with the tokens over 2 ranks."""
+    check(wan_dir, "context_parallel", ulysses_degree=2)
+    check(wan_dir, "context_parallel", image=IMAGE, ulysses_degree=2)
+
+
+SLOW_CASES = [
+    # (id, strategy, widgets, batch_size, start image)
+    ("device_map", "device_map", {}, 1, IMAGE),
+    ("cfg_parallel", "cfg_parallel", {}, 1, IMAGE),
+    ("data_parallel", "data_parallel", {}, 2, IMAGE),
+    # The pack's plan (families/wan/tp_plan.py): 4 heads and the 64-wide feed-forward over 2 ranks.
+    ("tensor_parallel", "tensor_parallel", {}, 1, IMAGE),
+    ("ring", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 1, None),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, args, batch_size, image", [c[1:] for c in SLOW_CASES], ids=[c[0] for c in SLOW_CASES]
+)
+def test_more_strategies_match_one_shot(wan_dir, strategy, args, batch_size, image):
+    check(wan_dir, strategy, batch_size=batch_size, image=image, **args)
