@@ -289,29 +289,8 @@ def test_a_wan22_vae_clip_decodes_over_the_ranks(wan_dir):
     """Wan 2.2 TI2V-5B's VAE layout (48 latent channels, 16× spatially: 8× in the decoder, then 2 × 2 patches
     unpatchified after the blend), tiny: its tiles are blended in the patches' grid, which the ranks' decoded shapes
     must follow. 5 frames at 320×320: 2 × 2 tiles."""
-    import shutil
-
-    from diffusers import AutoencoderKLWan
-
-    folder = wan_dir / "tiny-wan22-vae"
+    folder = wan_dir / "tiny-wan22-ti2v"
     if not folder.exists():
-        shutil.copytree(wan_dir / MODELS["wan21"], folder)
-        shutil.rmtree(folder / "vae")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(2)
-            AutoencoderKLWan(
-                base_dim=4,
-                z_dim=48,
-                dim_mult=[1, 2, 4, 4],
-                num_res_blocks=1,
-                temperal_downsample=[False, True, True],
-                is_residual=True,
-                in_channels=12,
-                out_channels=12,
-                patch_size=2,
-                scale_factor_spatial=16,
-                latents_mean=[0.0] * 48,
-                latents_std=[1.0] * 48,
-            ).save_pretrained(folder / "vae")
+        make_tiny_model(str(folder), 2, ti2v=True)
     samples = torch.randn(1, 48, 2, 20, 20, generator=torch.Generator().manual_seed(2))
     decode_over_ranks(folder, samples, 2, (2, 2))

@@ -3,7 +3,7 @@ with ``two_experts``, of Wan 2.2 A14B (a second expert ``transformer_2`` and the
 ``image_to_video``, their ``WanImageToVideoPipeline`` (``wan_i2v/tiny.py``): transformers of 36 input channels, and
 Wan 2.1 I2V's CLIP vision encoder (17 image tokens of a 32-pixel image, read by the transformer's image embedding);
 with ``ti2v``, Wan 2.2 TI2V-5B's (``wan_ti2v/tiny.py``): a transformer of 48 input and output channels,
-``expand_timesteps``, and Wan 2.2's 48-channel VAE (``wan22_vae``).
+``expand_timesteps``, and Wan 2.2's 48-channel VAE (``comfy_tiny.wan22_vae``).
 
 The tiny pipeline: a UMT5 encoder with the shared tiny T5 tokenizer (UMT5 reads T5's vocabulary format), transformers
 with 4 heads of 8 (so context parallelism splits heads and tokens over 2 or 4 ranks), Wan 2.1's video VAE with its real
@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from ..tiny import TinyLora, t5_tokenizer
-from .comfy_tiny import comfy_transformer
+from .comfy_tiny import comfy_transformer, wan22_vae
 
 # Wan 2.1's diffusers folders' scheduler (Wan-AI/Wan2.1-T2V-*-Diffusers), flow_shift 3 as their 480p default.
 SCHEDULER = {
@@ -88,29 +88,6 @@ def _image_encoder() -> tuple[CLIPVisionModel, CLIPImageProcessor]:
     )
     processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=IMAGE_SIZE)
     return CLIPVisionModel(config), processor
-
-
-def wan22_vae() -> AutoencoderKLWan:
-    """A tiny Wan 2.2 VAE (TI2V-5B's layout, random weights from the caller's RNG): 48 latent channels, residual
-    down- and up-blocks, a wider decoder (``decoder_base_dim``), 2 × 2 patches of the 12-channel patchified pixels:
-    16× spatially, 4× in time. Its per-channel latents mean / std are not the identity, so a LATENT normalised the
-    wrong way shows."""
-    channels = torch.arange(48) / 47
-    return AutoencoderKLWan(
-        base_dim=4,
-        decoder_base_dim=8,
-        z_dim=48,
-        dim_mult=[1, 2, 4, 4],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        is_residual=True,
-        in_channels=12,
-        out_channels=12,
-        patch_size=2,
-        scale_factor_spatial=16,
-        latents_mean=(channels - 0.5).tolist(),
-        latents_std=(0.5 + channels).tolist(),
-    )
 
 
 def make_tiny_model(
