@@ -300,6 +300,13 @@ WAN_CLIP = {
 _WAN_PIPELINES: dict[str, object] = {}
 
 
+def wan_start_image(shift: int = 0) -> torch.Tensor:
+    """A clip's 56×40 start picture, an IMAGE [1, H, W, 3] of 8-bit values as LoadImage gives (the pipelines resize
+    it to the clip's size)."""
+    pixels = (torch.arange(40 * 56 * 3) * 7 + shift) % 251
+    return (pixels.reshape(1, 40, 56, 3).float() / 255.0).contiguous()
+
+
 def wan_clip_prompt(spec, model: str):
     """``WAN_CLIP``'s prompt and negative prompt through EncodeOnBalancedGPUs' step, for ``model`` on ``spec``."""
     return jobs.encode_prompt(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import WAN_CLIP
+from helpers import wan_start_image as start_image
 from PIL import Image
 
 from parallel_runtime import InvalidInput, default_spec, jobs
@@ -27,12 +28,6 @@ WIDTH, HEIGHT, FRAMES, STEPS = WAN_CLIP["width"], WAN_CLIP["height"], WAN_CLIP["
 TOKENS = 512
 CFG_2, SEED = 3.0, 3
 MODELS = {"wan21": "tiny-wan21-i2v", "wan22": "tiny-wan22-i2v", "t2v": "tiny-wan21-t2v"}
-
-
-def start_image(shift: int = 0) -> torch.Tensor:
-    """A 56×40 IMAGE [1, H, W, 3] of 8-bit values, as LoadImage gives."""
-    pixels = (torch.arange(40 * 56 * 3) * 7 + shift) % 251
-    return (pixels.reshape(1, 40, 56, 3).float() / 255.0).contiguous()
 
 
 IMAGE = start_image()

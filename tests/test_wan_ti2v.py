@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import WAN_CLIP
+from helpers import wan_start_image as start_image
 from PIL import Image
 
 from parallel_runtime import InvalidInput, default_spec, jobs, model_folders
@@ -27,12 +28,6 @@ FRAMES, STEPS, TOKENS = WAN_CLIP["num_frames"], WAN_CLIP["num_inference_steps"],
 WIDTH, HEIGHT, SEED = 64, 32, 3
 MODEL, T2V = "tiny-wan22-ti2v", "tiny-wan21"
 LATENT = (1, 48, (FRAMES - 1) // 4 + 1, HEIGHT // 16, WIDTH // 16)
-
-
-def start_image(shift: int = 0) -> torch.Tensor:
-    """A 56×40 IMAGE [1, H, W, 3] of 8-bit values, as LoadImage gives."""
-    pixels = (torch.arange(40 * 56 * 3) * 7 + shift) % 251
-    return (pixels.reshape(1, 40, 56, 3).float() / 255.0).contiguous()
 
 
 IMAGE = start_image()
