@@ -285,7 +285,7 @@ def at_step(step: int, action: Callable[..., object], *args: object) -> Callable
     return on_progress
 
 
-# -- Wan's clips (test_wan and test_wan_comfyui) ----------------------------------------------------------------
+# -- Wan's clips (test_wan, test_wan_i2v, test_wan_ti2v and test_wan_comfyui) --------------------------------------
 # A tiny clip: 5 frames (2 latent frames) of 48×32, CFG against a negative prompt, prompts padded to 16 tokens.
 WAN_CLIP = {
     "prompt": "a photo of a cat",
@@ -305,6 +305,38 @@ def wan_start_image(shift: int = 0) -> torch.Tensor:
     it to the clip's size)."""
     pixels = (torch.arange(40 * 56 * 3) * 7 + shift) % 251
     return (pixels.reshape(1, 40, 56, 3).float() / 255.0).contiguous()
+
+
+_WAN_LATENT_PIPELINES: dict[tuple[str, str], object] = {}
+
+
+def wan_latents(
+    folder, pipeline: str, batch_size: int = 1, image: torch.Tensor | None = None, seed: int = 3, **overrides
+) -> torch.Tensor:
+    """diffusers' ``pipeline`` ("WanPipeline", "WanImageToVideoPipeline") on ``folder`` in one call on ``WAN_CLIP``
+    (``overrides`` changed), its latents as ComfyUI's LATENT (un-normalised by the VAE's statistics): clip i from
+    seed + i, one prompt per clip (with num_videos_per_prompt > 1 the I2V pipeline repeats Wan 2.1 I2V's image tokens
+    per prompt, not per clip, and its transformer fails on the mismatch, diffusers 0.42.1), the start ``image`` as the
+    PIL picture it was loaded from. A folder's pipeline of a class is loaded once."""
+    import diffusers
+    from PIL import Image
+
+    from parallel_runtime.families.base import latent_statistics
+
+    key = (str(folder), pipeline)
+    if key not in _WAN_LATENT_PIPELINES:
+        _WAN_LATENT_PIPELINES[key] = getattr(diffusers, pipeline).from_pretrained(folder, dtype=torch.float32)
+        _WAN_LATENT_PIPELINES[key].set_progress_bar_config(disable=True)
+    call = {**WAN_CLIP, **overrides}
+    start = {} if image is None else {"image": Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy())}
+    latents = _WAN_LATENT_PIPELINES[key](
+        **{**call, "prompt": [call["prompt"]] * batch_size, "negative_prompt": [call["negative_prompt"]] * batch_size},
+        **start,
+        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        output_type="latent",
+    ).frames
+    mean, inverse_std = latent_statistics(diffusers.AutoencoderKLWan.load_config(folder, subfolder="vae"))
+    return latents / inverse_std + mean
 
 
 def wan_clip_prompt(spec, model: str):

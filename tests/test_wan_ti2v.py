@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import WAN_CLIP
+from helpers import WAN_CLIP, wan_latents
 from helpers import wan_start_image as start_image
-from PIL import Image
 
 from parallel_runtime import InvalidInput, default_spec, jobs, model_folders
 from parallel_runtime.families import Placement
 from parallel_runtime.families import family as family_adapter
-from parallel_runtime.families.base import image_tokens, latent_statistics
+from parallel_runtime.families.base import image_tokens
 from parallel_runtime.families.wan.tiny import make_tiny_model as make_tiny_t2v
 from parallel_runtime.families.wan_ti2v.tiny import make_tiny_model
 from parallel_runtime.samplers import Sampler
@@ -41,36 +40,11 @@ def wan_dir(models_root):
     return models_root
 
 
-_PIPELINES: dict[tuple[str, bool], object] = {}
-
-
 def one_shot(folder, batch_size: int = 1, image: torch.Tensor | None = None) -> torch.Tensor:
     """diffusers' latents in one call as ComfyUI's LATENT (un-normalised): ``WanPipeline`` from text, or
-    ``WanImageToVideoPipeline`` loaded from the same folder from the start image (the PIL image it was loaded from);
-    clip i from seed + i."""
-    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
-
-    key = (str(folder), image is not None)
-    if key not in _PIPELINES:
-        pipeline = WanImageToVideoPipeline if image is not None else WanPipeline
-        _PIPELINES[key] = pipeline.from_pretrained(folder, dtype=torch.float32)
-        _PIPELINES[key].set_progress_bar_config(disable=True)
-    start = {} if image is None else {"image": Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy())}
-    latents = _PIPELINES[key](
-        **start,
-        prompt=[PROMPT] * batch_size,
-        negative_prompt=[NEGATIVE] * batch_size,
-        height=HEIGHT,
-        width=WIDTH,
-        num_frames=FRAMES,
-        num_inference_steps=STEPS,
-        guidance_scale=CFG,
-        max_sequence_length=TOKENS,
-        generator=[torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch_size)],
-        output_type="latent",
-    ).frames
-    mean, inverse_std = latent_statistics(AutoencoderKLWan.load_config(folder, subfolder="vae"))
-    return latents / inverse_std + mean
+    ``WanImageToVideoPipeline`` loaded from the same folder from the start image."""
+    pipeline = "WanPipeline" if image is None else "WanImageToVideoPipeline"
+    return wan_latents(folder, pipeline, batch_size, image, SEED, width=WIDTH, height=HEIGHT)
 
 
 # -- the adapter in one process ---------------------------------------------------------------------------------
