@@ -350,6 +350,34 @@ def wan_clip_prompt(spec, model: str):
     )
 
 
+def wan_clip_latent(
+    spec, model: str, strategy: str, strategy_args: dict, max_sequence_length: int | None = None, **widgets
+) -> torch.Tensor:
+    """``WAN_CLIP``'s clip of ``model`` under ``strategy`` (``strategy_args``: LoadShardedTransformer's degrees) through
+    the nodes' steps (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelSampler with uni_pc, seed 3, CFG against
+    the negative prompt): its LATENT. ``widgets`` change ParallelSampler's (``batch_size``, ``image``, ...)."""
+    positive = jobs.encode_prompt(
+        spec,
+        model=model,
+        prompt=WAN_CLIP["prompt"],
+        negative_prompt=WAN_CLIP["negative_prompt"],
+        max_sequence_length=max_sequence_length or WAN_CLIP["max_sequence_length"],
+    )
+    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
+    sampler = {
+        "seed": 3,
+        "steps": WAN_CLIP["num_inference_steps"],
+        "guidance_scale": 1.0,
+        "true_cfg_scale": WAN_CLIP["guidance_scale"],
+        "width": WAN_CLIP["width"],
+        "height": WAN_CLIP["height"],
+        "batch_size": 1,
+        "sampler": "uni_pc",
+        "length": WAN_CLIP["num_frames"],
+    }
+    return jobs.sample(transformer, positive, **{**sampler, **widgets})
+
+
 def wan_one_shot(folder, seed: int = 3, batch_size: int = 1, output_type: str = "pt", **overrides):
     """diffusers' WanPipeline (its own UniPC scheduler) in one call on ``WAN_CLIP``: its ``frames`` output, clip i from
     a generator seeded seed + i; the pipeline of a folder is loaded once."""

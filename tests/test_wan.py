@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from helpers import WAN_CLIP, wan_one_shot
+from helpers import WAN_CLIP, wan_clip_latent, wan_one_shot
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import Placement
@@ -166,24 +166,8 @@ def generate(name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, *
     """The clips' frames of ``name`` under ``strategy`` through the nodes' steps."""
     spec = backend(ranks)
     model = MODELS[name]
-    positive = jobs.encode_prompt(
-        spec, model=model, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
-    )
-    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=3,
-        steps=STEPS,
-        guidance_scale=1.0,
-        true_cfg_scale=CFG,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=batch_size,
-        sampler="uni_pc",
-        length=FRAMES,
-        guidance_scale_2=CFG_2 if name == "wan22" else 0.0,
-    )
+    second = CFG_2 if name == "wan22" else 0.0
+    latent = wan_clip_latent(spec, model, strategy, strategy_args, batch_size=batch_size, guidance_scale_2=second)
     assert latent.shape == (batch_size, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
     return jobs.decode(spec, model=model, samples=latent)
 

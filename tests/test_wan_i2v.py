@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import WAN_CLIP, wan_latents
+from helpers import WAN_CLIP, wan_clip_latent, wan_latents
 from helpers import wan_start_image as start_image
 
 from parallel_runtime import InvalidInput, default_spec, jobs
@@ -125,27 +125,10 @@ def test_the_start_image_runs_at_the_clips_size(wan_dir):
 # -- the strategies on real ranks -----------------------------------------------------------------------------
 def check(wan_dir, name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, tolerance: float = 1e-4, **args):
     """The clips' LATENT of ``name`` under ``strategy`` through the nodes' steps, against the one-shot pipeline's."""
-    spec = backend(ranks)
     model = MODELS[name]
-    positive = jobs.encode_prompt(
-        spec, model=model, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
-    )
-    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **args)
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=SEED,
-        steps=STEPS,
-        guidance_scale=1.0,
-        true_cfg_scale=CFG,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=batch_size,
-        sampler="uni_pc",
-        length=FRAMES,
-        guidance_scale_2=CFG_2 if name == "wan22" else 0.0,
-        image=IMAGE,
-    )
+    second = CFG_2 if name == "wan22" else 0.0
+    widgets = {"batch_size": batch_size, "guidance_scale_2": second, "image": IMAGE}
+    latent = wan_clip_latent(backend(ranks), model, strategy, args, TOKENS, **widgets)
     reference = one_shot(wan_dir / model, batch_size)
     assert latent.shape == reference.shape == (batch_size, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
     diff = (latent - reference).abs().max().item()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import WAN_CLIP, wan_latents
+from helpers import WAN_CLIP, wan_clip_latent, wan_latents
 from helpers import wan_start_image as start_image
 
 from parallel_runtime import InvalidInput, default_spec, jobs, model_folders
@@ -128,32 +128,9 @@ def test_the_start_image_is_optional(wan_dir):
 
 
 # -- the strategies on real ranks -----------------------------------------------------------------------------
-def sample(strategy: str, *, batch_size: int = 1, ranks: int = 2, image: torch.Tensor | None = None, **args):
-    """The clips' LATENT under ``strategy`` through the nodes' steps."""
-    spec = backend(ranks)
-    positive = jobs.encode_prompt(
-        spec, model=MODEL, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
-    )
-    transformer = jobs.plan_transformer(spec, model=MODEL, strategy=strategy, **args)
-    start = {} if image is None else {"image": image}
-    return jobs.sample(
-        transformer,
-        positive,
-        seed=SEED,
-        steps=STEPS,
-        guidance_scale=1.0,
-        true_cfg_scale=CFG,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=batch_size,
-        sampler="uni_pc",
-        length=FRAMES,
-        **start,
-    )
-
-
 def check(wan_dir, strategy: str, *, batch_size: int = 1, image: torch.Tensor | None = None, **args) -> None:
-    latent = sample(strategy, batch_size=batch_size, image=image, **args)
+    start = {} if image is None else {"image": image}
+    latent = wan_clip_latent(backend(), MODEL, strategy, args, batch_size=batch_size, width=WIDTH, **start)
     reference = one_shot(wan_dir / MODEL, batch_size, image)
     assert latent.shape == reference.shape == (batch_size, *LATENT[1:])
     diff = (latent - reference).abs().max().item()
