@@ -179,7 +179,7 @@ def read_model(model: str, widget: str = "--model") -> ModelSize:
     from . import model_folders
 
     if os.path.isfile(os.path.join(model, "model_index.json")):
-        adapter = families.for_pipeline(model_folders.pipeline_class(model))
+        adapter = model_folders.family_of(model)
         if adapter is None:
             raise InvalidInput(widget, f"{model} is not a pipeline the pack runs: {families.supported()}")
         path, family = model, adapter

@@ -101,8 +101,9 @@ def _warn_once(path: str, why: str) -> None:
         log.warning("parallel_diffusers: skipping %s: %s", path, why)
 
 
-def pipeline_class(model_dir: str) -> str | None:
-    """model_index.json's _class_name, or None when the folder holds no readable diffusers pipeline (logged once)."""
+def model_index(model_dir: str) -> dict | None:
+    """model_index.json's contents, or None when the folder holds no readable diffusers pipeline (no JSON object with
+    a ``_class_name`` string; logged once)."""
     index = os.path.join(model_dir, "model_index.json")
     try:
         with open(index) as f:
@@ -112,11 +113,23 @@ def pipeline_class(model_dir: str) -> str | None:
     except (ValueError, RecursionError) as e:
         _warn_once(index, f"not valid JSON ({type(e).__name__})")
         return None
-    name = data.get("_class_name") if isinstance(data, dict) else None
-    if not isinstance(name, str):
+    if not isinstance(data, dict) or not isinstance(data.get("_class_name"), str):
         _warn_once(index, "no _class_name string in it")
         return None
-    return name
+    return data
+
+
+def pipeline_class(model_dir: str) -> str | None:
+    """model_index.json's _class_name, or None when the folder holds no readable diffusers pipeline (logged once)."""
+    index = model_index(model_dir)
+    return None if index is None else index["_class_name"]
+
+
+def family_of(model_dir: str) -> families.FamilyAdapter | None:
+    """The family of the pipeline in ``model_dir`` (its class and, for a variant of another family's class, its
+    model_index.json's flags: ``families.for_pipeline``), or None."""
+    index = model_index(model_dir)
+    return None if index is None else families.for_pipeline(index["_class_name"], index)
 
 
 def _model_folders(root: str) -> Iterator[tuple[str, str, bool]]:
@@ -221,7 +234,7 @@ def resolve(name: str, widget: str = "model") -> ModelRef:
         where = ", ".join(roots()) or "no model folder is configured (set COMFY_PARALLEL_MODELS)"
         raise InvalidInput(widget, f"unknown model {name!r}; models are diffusers folders in: {where}")
     class_name = pipeline_class(model_dir)
-    adapter = families.for_pipeline(class_name)
+    adapter = family_of(model_dir)
     if adapter is None:
         what = f"a {class_name}" if class_name else "not a readable diffusers pipeline (see the log)"
         raise InvalidInput(widget, f"{name!r} is {what}; supported pipelines: {families.supported()}")

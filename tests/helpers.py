@@ -285,7 +285,7 @@ def at_step(step: int, action: Callable[..., object], *args: object) -> Callable
     return on_progress
 
 
-# -- Wan's clips (test_wan and test_wan_comfyui) ----------------------------------------------------------------
+# -- Wan's clips (test_wan, test_wan_i2v, test_wan_ti2v and test_wan_comfyui) --------------------------------------
 # A tiny clip: 5 frames (2 latent frames) of 48×32, CFG against a negative prompt, prompts padded to 16 tokens.
 WAN_CLIP = {
     "prompt": "a photo of a cat",
@@ -300,6 +300,45 @@ WAN_CLIP = {
 _WAN_PIPELINES: dict[str, object] = {}
 
 
+def wan_start_image(shift: int = 0) -> torch.Tensor:
+    """A clip's 56×40 start picture, an IMAGE [1, H, W, 3] of 8-bit values as LoadImage gives (the pipelines resize
+    it to the clip's size)."""
+    pixels = (torch.arange(40 * 56 * 3) * 7 + shift) % 251
+    return (pixels.reshape(1, 40, 56, 3).float() / 255.0).contiguous()
+
+
+_WAN_LATENT_PIPELINES: dict[tuple[str, str], object] = {}
+
+
+def wan_latents(
+    folder, pipeline: str, batch_size: int = 1, image: torch.Tensor | None = None, seed: int = 3, **overrides
+) -> torch.Tensor:
+    """diffusers' ``pipeline`` ("WanPipeline", "WanImageToVideoPipeline") on ``folder`` in one call on ``WAN_CLIP``
+    (``overrides`` changed), its latents as ComfyUI's LATENT (un-normalised by the VAE's statistics): clip i from
+    seed + i, one prompt per clip (with num_videos_per_prompt > 1 the I2V pipeline repeats Wan 2.1 I2V's image tokens
+    per prompt, not per clip, and its transformer fails on the mismatch, diffusers 0.42.1), the start ``image`` as the
+    PIL picture it was loaded from. A folder's pipeline of a class is loaded once."""
+    import diffusers
+    from PIL import Image
+
+    from parallel_runtime.families.base import latent_statistics
+
+    key = (str(folder), pipeline)
+    if key not in _WAN_LATENT_PIPELINES:
+        _WAN_LATENT_PIPELINES[key] = getattr(diffusers, pipeline).from_pretrained(folder, dtype=torch.float32)
+        _WAN_LATENT_PIPELINES[key].set_progress_bar_config(disable=True)
+    call = {**WAN_CLIP, **overrides}
+    start = {} if image is None else {"image": Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy())}
+    latents = _WAN_LATENT_PIPELINES[key](
+        **{**call, "prompt": [call["prompt"]] * batch_size, "negative_prompt": [call["negative_prompt"]] * batch_size},
+        **start,
+        generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch_size)],
+        output_type="latent",
+    ).frames
+    mean, inverse_std = latent_statistics(diffusers.AutoencoderKLWan.load_config(folder, subfolder="vae"))
+    return latents / inverse_std + mean
+
+
 def wan_clip_prompt(spec, model: str):
     """``WAN_CLIP``'s prompt and negative prompt through EncodeOnBalancedGPUs' step, for ``model`` on ``spec``."""
     return jobs.encode_prompt(
@@ -309,6 +348,34 @@ def wan_clip_prompt(spec, model: str):
         negative_prompt=WAN_CLIP["negative_prompt"],
         max_sequence_length=WAN_CLIP["max_sequence_length"],
     )
+
+
+def wan_clip_latent(
+    spec, model: str, strategy: str, strategy_args: dict, max_sequence_length: int | None = None, **widgets
+) -> torch.Tensor:
+    """``WAN_CLIP``'s clip of ``model`` under ``strategy`` (``strategy_args``: LoadShardedTransformer's degrees) through
+    the nodes' steps (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelSampler with uni_pc, seed 3, CFG against
+    the negative prompt): its LATENT. ``widgets`` change ParallelSampler's (``batch_size``, ``image``, ...)."""
+    positive = jobs.encode_prompt(
+        spec,
+        model=model,
+        prompt=WAN_CLIP["prompt"],
+        negative_prompt=WAN_CLIP["negative_prompt"],
+        max_sequence_length=max_sequence_length or WAN_CLIP["max_sequence_length"],
+    )
+    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
+    sampler = {
+        "seed": 3,
+        "steps": WAN_CLIP["num_inference_steps"],
+        "guidance_scale": 1.0,
+        "true_cfg_scale": WAN_CLIP["guidance_scale"],
+        "width": WAN_CLIP["width"],
+        "height": WAN_CLIP["height"],
+        "batch_size": 1,
+        "sampler": "uni_pc",
+        "length": WAN_CLIP["num_frames"],
+    }
+    return jobs.sample(transformer, positive, **{**sampler, **widgets})
 
 
 def wan_one_shot(folder, seed: int = 3, batch_size: int = 1, output_type: str = "pt", **overrides):

@@ -2,9 +2,10 @@
 against diffusers' own converter and the conversion's moves against the same converter, the converted folder bit for
 bit against the diffusers folder of the same model in every weight format, the tokenizer made from the file's
 SentencePiece model giving ComfyUI's token ids, ``WanPipeline`` on the converted folder equal to the diffusers folder's
-(Wan 2.1, and Wan 2.2 A14B's two experts from two files), Wan 2.1 I2V with its CLIP vision file in either layout
-ComfyUI reads (checked against ComfyUI's own reading of it, in a process of its own:
-tests/_comfy_clip_vision_check.py), and refusals that name the input.
+(Wan 2.1, Wan 2.2 A14B's two experts from two files, Wan 2.2 TI2V-5B with Wan 2.2's VAE, whose layout is checked
+against ComfyUI's own module), Wan 2.1 I2V with its CLIP vision file in either layout ComfyUI reads (checked against
+ComfyUI's own reading of it, in a process of its own: tests/_comfy_clip_vision_check.py), and refusals that name the
+input.
 
 The tiny files come from ``parallel_runtime.families.wan.comfy_tiny.make_tiny_wan_files``.
 """
@@ -294,7 +295,8 @@ def test_wan_refusals_name_the_input(tiny):
     """Each file that does not fit is refused at validation, naming its widget and what to pick instead: an expert
     without its pair, the experts swapped, Wan 2.2 I2V's high-noise expert alone, a second expert of another size or
     not Wan's, a second transformer for a family of one, files cut short, T5 for UMT5, a text encoder without its
-    tokenizer, Wan 2.2's VAE, and the Wan models this pack does not convert."""
+    tokenizer, Wan 2.2's VAE beside another transformer than TI2V-5B's (and TI2V-5B's beside Wan 2.1's VAE), and the
+    Wan models this pack does not convert."""
     _, models, made, (expert_names, _) = tiny
     names, _ = made["bf16"]
     transformer = load_file(os.path.join(models, "diffusion_models", names["diffusion_model"]))
@@ -344,7 +346,10 @@ def test_wan_refusals_name_the_input(tiny):
                  "diffusion_model", model)  # fmt: skip
     ti2v = {**transformer, "patch_embedding.weight": torch.zeros(256, 48, 1, 2, 2, dtype=torch.bfloat16)}
     _refused({**names, "diffusion_model": _write(models, "diffusion_models", "ti2v.safetensors", ti2v)},
-             "diffusion_model", "TI2V-5B")  # fmt: skip
+             "vae", "TI2V-5B", "wan2.2_vae.safetensors")  # fmt: skip
+    odd = {**transformer, "patch_embedding.weight": torch.zeros(256, 20, 1, 2, 2, dtype=torch.bfloat16)}
+    _refused({**names, "diffusion_model": _write(models, "diffusion_models", "odd.safetensors", odd)},
+             "diffusion_model", "20 latent channels")  # fmt: skip
 
 
 @pytest.mark.slow  # a second pipeline of two experts; Wan 2.2 A14B T2V's runs by default
@@ -524,3 +529,71 @@ def test_wan21_i2v_refusals_name_the_input(tiny, tiny_i2v):
     qwen = {"txt_norm.weight": torch.zeros(4), "transformer_blocks.0.img_mod.1.weight": torch.zeros(4, 4)}
     qwen_names = {**t2v_names, "diffusion_model": _write(models, "diffusion_models", "qwen.safetensors", qwen)}
     _refused({**qwen_names, "clip_vision": names["clip_vision"]}, "clip_vision", "Qwen-Image reads no CLIP vision")
+
+
+def test_wan22_vae_layout_against_comfyui_and_the_converter(comfyui_dir):
+    """Wan 2.2's VAE: the inverse (``comfy_vae22``) gives ComfyUI's own ``comfy/ldm/wan/vae2_2.py`` WanVAE's keys and
+    shapes at the tiny sizes (read in a subprocess: importing ComfyUI's model code parses its command line), the
+    forward conversion (``wan22_vae_to_diffusers``, diffusers' ``convert_vae_22`` renames) undoes it exactly, and the
+    config read from the shapes is the tiny VAE's."""
+    import subprocess
+    import sys
+
+    from parallel_runtime.families.wan.comfy_tiny import comfy_vae22, wan22_vae
+
+    torch.manual_seed(0)
+    vae = wan22_vae()
+    sd = vae.state_dict()
+    original = comfy_vae22(sd)
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(comfyui_dir)!r}); sys.argv = [sys.argv[0], '--cpu']\n"
+        "import comfy.options; comfy.options.enable_args_parsing()\n"
+        "from comfy.ldm.wan.vae2_2 import WanVAE\n"
+        "m = WanVAE(dim=4, dec_dim=8, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1,\n"
+        "           temperal_downsample=[False, True, True])\n"
+        "print(json.dumps({k: list(t.shape) for k, t in m.state_dict().items()}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=comfyui_dir)
+    assert run.returncode == 0, run.stderr[-2000:]
+    comfy = json.loads(run.stdout.strip().splitlines()[-1])
+    assert comfy == {k: list(v.shape) for k, v in original.items()}
+    ours = wan_files.wan22_vae_to_diffusers(original)
+    assert set(ours) == set(sd) and all(torch.equal(ours[k], sd[k]) for k in sd)
+    config = wan_files.vae22_config({k: tuple(v.shape) for k, v in original.items()})
+    assert {k: config[k] for k in config if not k.startswith("_")} == {
+        k: v for k, v in vae.config.items() if not k.startswith("_")
+    }
+
+
+def test_wan22_ti2v_converts_and_runs_as_the_diffusers_folder(tiny):
+    """Wan 2.2 TI2V-5B from its transformer file and Wan 2.2's VAE: a WanPipeline folder with expand_timesteps (the
+    pack's wan_ti2v family), transformer and VAE bit for bit, flow shift 5, and the video from text and from a start
+    image (WanImageToVideoPipeline on the same folder) equal to the diffusers folder's."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
+
+    from parallel_runtime import model_folders
+    from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files
+
+    base, models, _, _ = tiny
+    made = make_tiny_wan_files(str(models), str(base / "reference"), seed=3, formats=("bf16",), ti2v=True)
+    names, reference = made["bf16"]
+    name, plan = jobs.model_from_comfy_files(**names)
+    assert (plan.family, plan.variant) == ("wan_ti2v", "Wan 2.2 TI2V (2 layers, 256 wide)")
+    assert model_folders.resolve(name).family == "wan_ti2v"
+    folder = os.path.join(base, "converted", name)
+    for component in ("transformer", "vae"):
+        ours, theirs = _tensors(folder, component), _tensors(reference, component)
+        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs), component
+        assert _config(folder, component) == _config(reference, component), component
+    with open(os.path.join(folder, "model_index.json")) as f:
+        assert json.load(f)["expand_timesteps"] is True
+    with open(os.path.join(folder, "scheduler", "scheduler_config.json")) as f:
+        assert json.load(f)["flow_shift"] == wan_files.WAN22_TI2V_SHIFT
+    ours, _ = _video(folder, WanPipeline, 2)
+    theirs, _ = _video(reference, WanPipeline, 2)
+    assert ours.shape == (1, 5, 32, 32, 3) and torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+    image = Image.fromarray((torch.arange(32 * 32 * 3) % 251).reshape(32, 32, 3).to(torch.uint8).numpy())
+    ours, _ = _video(folder, WanImageToVideoPipeline, 2, image=image)
+    theirs, _ = _video(reference, WanImageToVideoPipeline, 2, image=image)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)

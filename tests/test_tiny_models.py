@@ -29,6 +29,7 @@ PIPELINE_CLASSES = {
     "qwenimage_edit": QwenImageEditPlusPipeline,
     "wan": WanPipeline,
     "wan_i2v": WanImageToVideoPipeline,
+    "wan_ti2v": WanPipeline,  # with expand_timesteps
 }
 TINY_MODELS = {adapter.key: family_tiny(adapter.key).make_tiny_model for adapter in REGISTRY}
 
@@ -80,9 +81,10 @@ def test_loads_and_generates(built):
     area = {"max_area": 48 * 32} if name == "flux_kontext" else {}
     # QwenImageEditPlusPipeline needs its image (its text encoder sees it through the tiny model's processor).
     edited = {"image": Image.new("RGB", (24, 16), (200, 30, 90))} if name == "qwenimage_edit" else {}
+    width = 64 if name == "wan_ti2v" else 48  # Wan 2.2 TI2V-5B's tokens are 32 pixels wide
     output = pipe(
         prompt="a photo of a cat",
-        width=48,
+        width=width,
         height=32,
         **area,
         **edited,
@@ -95,7 +97,7 @@ def test_loads_and_generates(built):
         **start,
     )
     image = output.frames[:, 0] if video else output.images
-    assert image.shape == (1, 3, 32, 48)
+    assert image.shape == (1, 3, 32, width)
     assert torch.isfinite(image).all()
 
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from helpers import WAN_CLIP, wan_one_shot
+from helpers import WAN_CLIP, wan_clip_latent, wan_one_shot
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import Placement
@@ -166,24 +166,8 @@ def generate(name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, *
     """The clips' frames of ``name`` under ``strategy`` through the nodes' steps."""
     spec = backend(ranks)
     model = MODELS[name]
-    positive = jobs.encode_prompt(
-        spec, model=model, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
-    )
-    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=3,
-        steps=STEPS,
-        guidance_scale=1.0,
-        true_cfg_scale=CFG,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=batch_size,
-        sampler="uni_pc",
-        length=FRAMES,
-        guidance_scale_2=CFG_2 if name == "wan22" else 0.0,
-    )
+    second = CFG_2 if name == "wan22" else 0.0
+    latent = wan_clip_latent(spec, model, strategy, strategy_args, batch_size=batch_size, guidance_scale_2=second)
     assert latent.shape == (batch_size, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
     return jobs.decode(spec, model=model, samples=latent)
 
@@ -289,29 +273,8 @@ def test_a_wan22_vae_clip_decodes_over_the_ranks(wan_dir):
     """Wan 2.2 TI2V-5B's VAE layout (48 latent channels, 16× spatially: 8× in the decoder, then 2 × 2 patches
     unpatchified after the blend), tiny: its tiles are blended in the patches' grid, which the ranks' decoded shapes
     must follow. 5 frames at 320×320: 2 × 2 tiles."""
-    import shutil
-
-    from diffusers import AutoencoderKLWan
-
-    folder = wan_dir / "tiny-wan22-vae"
+    folder = wan_dir / "tiny-wan22-ti2v"
     if not folder.exists():
-        shutil.copytree(wan_dir / MODELS["wan21"], folder)
-        shutil.rmtree(folder / "vae")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(2)
-            AutoencoderKLWan(
-                base_dim=4,
-                z_dim=48,
-                dim_mult=[1, 2, 4, 4],
-                num_res_blocks=1,
-                temperal_downsample=[False, True, True],
-                is_residual=True,
-                in_channels=12,
-                out_channels=12,
-                patch_size=2,
-                scale_factor_spatial=16,
-                latents_mean=[0.0] * 48,
-                latents_std=[1.0] * 48,
-            ).save_pretrained(folder / "vae")
+        make_tiny_model(str(folder), 2, ti2v=True)
     samples = torch.randn(1, 48, 2, 20, 20, generator=torch.Generator().manual_seed(2))
     decode_over_ranks(folder, samples, 2, (2, 2))

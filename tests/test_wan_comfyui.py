@@ -1,8 +1,9 @@
 """Wan in a real ComfyUI server (2 CPU ranks, tiny Wan 2.1, Ulysses 2): a 5-frame clip from ParallelSampler's
 ``length`` decoded by VAEDecodeSingleGPU into an IMAGE batch that ComfyUI's own SaveAnimatedWEBP saves, frame for
 frame WanPipeline's, and one of tiny Wan 2.2 A14B I2V from a LoadImage'd start picture, frame for frame
-WanImageToVideoPipeline's; and a length that is not 4k + 1, or an image-to-video model without its start image,
-answered by POST /prompt with a 400 naming the input, before anything loads."""
+WanImageToVideoPipeline's; and a length that is not 4k + 1, an image-to-video model without its start image, or a
+Wan 2.2 TI2V-5B clip whose size is not a multiple of its 32-pixel tokens, answered by POST /prompt with a 400 naming
+the input, before anything loads."""
 
 from __future__ import annotations
 
@@ -155,3 +156,21 @@ def test_a_clip_from_a_loaded_start_image_reaches_save_animated_webp(comfyui_ser
     ).frames[0]
     expected = np.clip(reference * 255.0, 0, 255).astype(np.uint8)
     assert np.abs(np.stack(frames).astype(int) - expected.astype(int)).max() <= 1
+
+
+TI2V_MODEL = "tiny-wan22-ti2v"
+
+
+def test_a_ti2v_width_that_is_not_a_multiple_of_32_is_a_400_naming_it(comfyui_server, comfyui_models_dir):
+    """Wan 2.2 TI2V-5B (a WanPipeline folder with expand_timesteps): its 16× VAE and 2 × 2 patches make 32-pixel
+    tokens, so the 48-pixel width Wan 2.1 takes is refused, with the sizes to use."""
+    from parallel_runtime.families.wan_ti2v.tiny import make_tiny_model
+
+    path = Path(comfyui_models_dir) / TI2V_MODEL
+    if not (path / "model_index.json").is_file():
+        make_tiny_model(str(path))
+    with pytest.raises(PromptRejected) as rejected:
+        comfyui_server.post_prompt(workflow(model=TI2V_MODEL))
+    assert rejected.value.status == 400 and list(rejected.value.node_errors) == ["4"], rejected.value.node_errors
+    (error,) = rejected.value.node_errors["4"]["errors"]
+    assert "width: 48 is not a multiple of 32" in error["details"] and "use 32 or 64" in error["details"], error

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import WAN_CLIP
-from PIL import Image
+from helpers import WAN_CLIP, wan_clip_latent, wan_latents
+from helpers import wan_start_image as start_image
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import Placement
 from parallel_runtime.families import family as family_adapter
-from parallel_runtime.families.base import latent_statistics
+from parallel_runtime.families.wan.adapter import has_second_expert, pipeline_config
 from parallel_runtime.families.wan.tiny import make_tiny_model as make_tiny_t2v
 from parallel_runtime.families.wan_i2v.tiny import make_tiny_model
 from parallel_runtime.samplers import Sampler
@@ -27,12 +27,6 @@ WIDTH, HEIGHT, FRAMES, STEPS = WAN_CLIP["width"], WAN_CLIP["height"], WAN_CLIP["
 TOKENS = 512
 CFG_2, SEED = 3.0, 3
 MODELS = {"wan21": "tiny-wan21-i2v", "wan22": "tiny-wan22-i2v", "t2v": "tiny-wan21-t2v"}
-
-
-def start_image(shift: int = 0) -> torch.Tensor:
-    """A 56×40 IMAGE [1, H, W, 3] of 8-bit values, as LoadImage gives."""
-    pixels = (torch.arange(40 * 56 * 3) * 7 + shift) % 251
-    return (pixels.reshape(1, 40, 56, 3).float() / 255.0).contiguous()
 
 
 IMAGE = start_image()
@@ -47,37 +41,10 @@ def wan_dir(models_root):
     return models_root
 
 
-_PIPELINES: dict[str, object] = {}
-
-
 def one_shot(folder, batch_size: int = 1, image: torch.Tensor = IMAGE) -> torch.Tensor:
-    """WanImageToVideoPipeline's latents in one call, as ComfyUI's LATENT (un-normalised): clip i from seed + i, the
-    start image as the PIL image it was loaded from."""
-    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
-
-    if str(folder) not in _PIPELINES:
-        _PIPELINES[str(folder)] = WanImageToVideoPipeline.from_pretrained(folder, dtype=torch.float32)
-        _PIPELINES[str(folder)].set_progress_bar_config(disable=True)
-    pipe = _PIPELINES[str(folder)]
-    second = {"guidance_scale_2": CFG_2} if pipe.config.boundary_ratio is not None else {}
-    latents = pipe(
-        image=Image.fromarray((image[0] * 255).round().to(torch.uint8).numpy()),
-        # One prompt per clip: with num_videos_per_prompt > 1 the pipeline repeats Wan 2.1 I2V's image tokens per
-        # prompt, not per clip, and its transformer fails on the mismatch (diffusers 0.42.1).
-        prompt=[PROMPT] * batch_size,
-        negative_prompt=[NEGATIVE] * batch_size,
-        height=HEIGHT,
-        width=WIDTH,
-        num_frames=FRAMES,
-        num_inference_steps=STEPS,
-        guidance_scale=CFG,
-        **second,
-        max_sequence_length=TOKENS,
-        generator=[torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch_size)],
-        output_type="latent",
-    ).frames
-    mean, inverse_std = latent_statistics(AutoencoderKLWan.load_config(folder, subfolder="vae"))
-    return latents / inverse_std + mean
+    """WanImageToVideoPipeline's latents in one call, as ComfyUI's LATENT (un-normalised), from the start image."""
+    second = {"guidance_scale_2": CFG_2} if has_second_expert(pipeline_config(str(folder))) else {}
+    return wan_latents(folder, "WanImageToVideoPipeline", batch_size, image, SEED, max_sequence_length=TOKENS, **second)
 
 
 # -- the adapter in one process ---------------------------------------------------------------------------------
@@ -170,27 +137,10 @@ def check(
 ):
     """The clips' LATENT of ``name`` (or of ``model``, a converted folder of the same kind whose diffusers twin is
     ``reference``) under ``strategy`` through the nodes' steps, against the one-shot pipeline's."""
-    spec = backend(ranks)
     model = model or MODELS[name]
-    positive = jobs.encode_prompt(
-        spec, model=model, prompt=PROMPT, negative_prompt=NEGATIVE, max_sequence_length=TOKENS
-    )
-    transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **args)
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=SEED,
-        steps=STEPS,
-        guidance_scale=1.0,
-        true_cfg_scale=CFG,
-        width=WIDTH,
-        height=HEIGHT,
-        batch_size=batch_size,
-        sampler="uni_pc",
-        length=FRAMES,
-        guidance_scale_2=CFG_2 if name == "wan22" else 0.0,
-        image=IMAGE,
-    )
+    second = CFG_2 if name == "wan22" else 0.0
+    widgets = {"batch_size": batch_size, "guidance_scale_2": second, "image": IMAGE}
+    latent = wan_clip_latent(backend(ranks), model, strategy, args, TOKENS, **widgets)
     reference = one_shot(reference or wan_dir / model, batch_size)
     assert latent.shape == reference.shape == (batch_size, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
     diff = (latent - reference).abs().max().item()

@@ -32,6 +32,7 @@ from .wan import Wan
 from .wan.files import WanFiles
 from .wan.tp_plan import WAN_TP_PLAN
 from .wan_i2v import WanI2V
+from .wan_ti2v import WanTI2V
 
 REGISTRY: tuple[FamilyAdapter, ...] = (
     Flux1(),
@@ -42,6 +43,7 @@ REGISTRY: tuple[FamilyAdapter, ...] = (
     QwenImageEdit(),
     Wan(),
     WanI2V(),
+    WanTI2V(),
 )
 
 # The families whose ComfyUI files convert (``comfy_files``), one ``FilesLayout`` each (files.py), tried in order.
@@ -108,9 +110,13 @@ def family(key: str) -> FamilyAdapter:
     raise ValueError(f"unknown model family {key!r}; known: {', '.join(a.key for a in REGISTRY)}")
 
 
-def for_pipeline(class_name: str | None) -> FamilyAdapter | None:
-    """The family of a diffusers pipeline class (``model_index.json``'s ``_class_name``), or None."""
-    return next((adapter for adapter in REGISTRY if adapter.pipeline == class_name), None)
+def for_pipeline(class_name: str | None, index: dict | None = None) -> FamilyAdapter | None:
+    """The family of a diffusers pipeline class (``model_index.json``'s ``_class_name``), or None. Of the families
+    of one class, the one whose ``index_flag`` the folder's ``index`` (``model_index.json``'s contents) sets, else
+    the one without a flag (Wan 2.2 TI2V-5B's folders are ``WanPipeline``s with ``expand_timesteps``)."""
+    same_class = [adapter for adapter in REGISTRY if adapter.pipeline == class_name]
+    flagged = (adapter for adapter in same_class if adapter.index_flag and (index or {}).get(adapter.index_flag))
+    return next(flagged, next((adapter for adapter in same_class if adapter.index_flag is None), None))
 
 
 def join_words(words: Sequence[str], last: str = "and") -> str:

@@ -145,6 +145,9 @@ class FamilyAdapter(abc.ABC):
         key: the registry's and the wire's name ("flux").
         name: the family's name for users ("FLUX.1").
         pipeline: the diffusers pipeline class, as ``model_index.json``'s ``_class_name`` names it.
+        index_flag: a ``model_index.json`` flag that tells this family's folders from those of another family with
+            the same ``pipeline`` (Wan 2.2 TI2V-5B's ``expand_timesteps``, a ``WanPipeline`` as Wan's): set, it is
+            this family's folder; None where the class alone tells (``families.for_pipeline``).
         text_encoders: 2 when ``prompt_2`` feeds a second encoder.
         max_sequence_length: the longest prompt the pipeline takes, in tokens.
         pads_text: prompts are padded to ``max_sequence_length``; otherwise they keep their own length.
@@ -189,6 +192,7 @@ class FamilyAdapter(abc.ABC):
     key: ClassVar[str]
     name: ClassVar[str]
     pipeline: ClassVar[str]
+    index_flag: ClassVar[str | None] = None
     text_encoders: ClassVar[int] = 1
     max_sequence_length: ClassVar[int]
     pads_text: ClassVar[bool]

@@ -28,8 +28,8 @@ def _check_size(widget: str, value: int, multiple: int) -> None:
         lower, upper = max(multiple, value // multiple * multiple), (value // multiple + 1) * multiple
         raise InvalidInput(
             widget,
-            f"{value} is not a multiple of {multiple} (the VAE downscales 8× and the "
-            f"transformer packs 2×2 patches); use {lower} or {upper}",
+            f"{value} is not a multiple of {multiple} (a transformer token is {multiple}×{multiple} pixels: the "
+            f"VAE's downscale times the transformer's 2×2 patches); use {lower} or {upper}",
         )
 
 

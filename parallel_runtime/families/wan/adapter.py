@@ -11,7 +11,9 @@ Between the stages travel ComfyUI's types:
   ComfyUI's ``latent_formats.Wan21`` normalises inside the model, not in the LATENT;
 - IMAGE: a clip's frames, [B·frames, H, W, 3] float32 in 0..1 (clip by clip), which ComfyUI's video nodes take.
 
-Image-to-video (``WanImageToVideoPipeline``) is this adapter with the start image's denoise: ``families/wan_i2v``.
+Image-to-video (``WanImageToVideoPipeline``) is this adapter with the start image's denoise: ``families/wan_i2v``;
+Wan 2.2 TI2V-5B (``expand_timesteps``: a timestep per token, a 48-channel 16× VAE), with or without a start image,
+is ``families/wan_ti2v``.
 
 Wan's CFG is real classifier-free guidance (two transformer passes per step against the negative prompt): the pack's
 true CFG, so ParallelSampler's ``true_cfg_scale`` is the pipeline's ``guidance_scale`` and ``cfg_parallel`` splits its
@@ -165,34 +167,35 @@ class Wan(FamilyAdapter):
         transformer_2: torch.nn.Module | None = None,
         image: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """LATENT samples [batch_size, 16, (frames - 1) / 4 + 1, height/8, width/8]. CFG runs when
-        ``true_cfg_scale`` > 1 and the embeddings hold negative ones: two passes per step, at ``true_cfg_scale`` for
-        the first expert and ``guidance_scale_2`` (default: the same) for Wan 2.2's second, ``transformer_2``, which
-        a Wan 2.2 A14B folder needs. ``guidance_scale`` (FLUX's distilled guidance) is not Wan's. ``image``: the
-        clip's first frame, for Wan I2V only (``start_image``)."""
+        """LATENT samples [batch_size, 16, (frames - 1) / 4 + 1, height/8, width/8] (Wan 2.2 TI2V-5B: 48 channels,
+        /16, its ``latent``). CFG runs when ``true_cfg_scale`` > 1 and the embeddings hold negative ones: two passes
+        per step, at ``true_cfg_scale`` for the first expert and ``guidance_scale_2`` (default: the same) for Wan 2.2's
+        second, ``transformer_2``, which a Wan 2.2 A14B folder needs. ``guidance_scale`` (FLUX's distilled guidance)
+        is not Wan's. ``image``: the clip's first frame, for Wan I2V and Wan 2.2 TI2V only (``start_image``)."""
         from diffusers import AutoencoderKLWan
 
         if latent_image is not None or noise_mask is not None:
             raise ValueError(f"{self.name} takes no latent_image (no video-to-video).")
         check_size(self, sampling)
         config = pipeline_config(model_dir)
-        if config.get("expand_timesteps"):
-            raise ValueError("Wan 2.2 TI2V-5B (expand_timesteps) is not supported yet; use Wan 2.1 or Wan 2.2 A14B.")
         boundary_ratio = config.get("boundary_ratio")
         if has_second_expert(config) and transformer_2 is None:
             raise ValueError(f"{model_dir} is Wan 2.2 A14B, whose second expert ({SECOND_EXPERT}) was not loaded.")
         cfg_scale = sampling.true_cfg_scale or 1.0
         do_cfg = cfg_scale > 1 and "negative_prompt_embeds" in embeds
-        components, image_arguments = self.start_image(model_dir, transformer, image)
-        pipe = self.pipeline_class()(
+        pipeline, components, image_arguments = self.start_image(model_dir, transformer, image)
+        pipe = pipeline(
             tokenizer=None,
             text_encoder=None,
             scheduler=scheduler_for(model_dir, sampling),
             transformer=transformer,
             transformer_2=transformer_2,
             boundary_ratio=boundary_ratio,
+            expand_timesteps=bool(config.get("expand_timesteps")),
             **components,
         )
+        if pipe.vae is None:  # without a VAE the pipeline takes Wan 2.1's 8× one; Wan 2.2 TI2V-5B's is 16×
+            pipe.vae_scale_factor_spatial = self.latent.downscale
         pipe.set_progress_bar_config(disable=True)
         device = pipe._execution_device
         batch = expand_batch(embeds, sampling.batch_size)
@@ -223,12 +226,12 @@ class Wan(FamilyAdapter):
 
     def start_image(
         self, model_dir: str, transformer: torch.nn.Module, image: torch.Tensor | None
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The pipeline's components and call arguments for the clip's start image: text-to-video has none (and no
-        VAE in the denoise)."""
+    ) -> tuple[type, dict[str, Any], dict[str, Any]]:
+        """The pipeline class that makes the clip, its components and its call arguments for the clip's start image:
+        text-to-video has none (and no VAE in the denoise)."""
         if image is not None:
             raise ValueError(f"{self.name} makes clips from text; it takes no start image.")
-        return {"vae": None}, {}
+        return self.pipeline_class(), {"vae": None}, {}
 
     def load_vae(self, model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
         from diffusers import AutoencoderKLWan

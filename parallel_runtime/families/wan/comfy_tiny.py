@@ -6,7 +6,9 @@ The files are written by the inverse of diffusers' conversion, from the original
 never with diffusers' converters, so a test that compares the conversion with the diffusers folder is not circular
 (tests/test_comfy_files_wan.py also checks that diffusers' ``convert_wan_transformer_to_diffusers`` undoes
 ``comfy_transformer`` exactly). The VAE's inverse is Qwen-Image's (the same Wan 2.1 VAE; ``qwenimage/tiny.py``'s
-``wan_vae``), shared on purpose.
+``wan_vae``), shared on purpose; Wan 2.2's VAE (TI2V-5B's) has its own (``comfy_vae22``, from ComfyUI's
+``comfy/ldm/wan/vae2_2.py``: ``downsamples.N.downsamples.M``, ``residual.0/2/3/6``, ``middle``, ``head``, ``conv1`` /
+``conv2``), which tests/test_comfy_files_wan.py checks against ComfyUI's own module.
 
 What ComfyUI's files do not carry is Wan's own: heads 128 wide, Wan 2.1's VAE shape (four levels, two residual
 blocks each) and the UMT5 tokenizer, here a small SentencePiece model trained offline on the tiny builders' words, held
@@ -140,6 +142,56 @@ def _image_encoder() -> tuple[CLIPVisionModelWithProjection, CLIPImageProcessor]
     return CLIPVisionModelWithProjection(config), CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32)
 
 
+# diffusers' names of Wan 2.2's VAE → the original's: the model's layers, then a residual block's.
+_VAE22_NAMES = (
+    ("quant_conv", "conv1"),
+    ("post_quant_conv", "conv2"),
+    ("encoder.conv_in", "encoder.conv1"),
+    ("decoder.conv_in", "decoder.conv1"),
+    ("encoder.norm_out", "encoder.head.0"),
+    ("encoder.conv_out", "encoder.head.2"),
+    ("decoder.norm_out", "decoder.head.0"),
+    ("decoder.conv_out", "decoder.head.2"),
+)
+_VAE22_RESNET = (
+    ("norm1", "residual.0"),
+    ("conv1", "residual.2"),
+    ("norm2", "residual.3"),
+    ("conv2", "residual.6"),
+    ("conv_shortcut", "shortcut"),
+)
+
+
+def comfy_vae22(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``AutoencoderKLWan``'s state dict of Wan 2.2's VAE (``is_residual``) in the original layout
+    (``wan2.2_vae.safetensors``). A level's residual blocks and its down- or upsampler are one Sequential there
+    (``downsamples.N.downsamples.M``, the sampler last, after ``num_res_blocks`` residual blocks in the encoder and one
+    more in the decoder); the middle's two residual blocks sit at 0 and 2 around its attention."""
+    out = {}
+    for key, value in sd.items():
+        out[_original_vae22(key, sd)] = value
+    return out
+
+
+def _original_vae22(key: str, sd: dict[str, torch.Tensor]) -> str:
+    for diffusers, original in _VAE22_NAMES:
+        if key.startswith(diffusers + "."):
+            return original + key[len(diffusers) :]
+    side, kind, *rest = key.split(".")
+    if kind == "mid_block":
+        group, index, layer, *part = rest  # resnets.i.norm1.gamma / attentions.0.to_qkv.weight
+        if group == "attentions":
+            return ".".join([side, "middle", "1", layer, *part])
+        return ".".join([side, "middle", str(2 * int(index)), _renamed(layer, _VAE22_RESNET), *part])
+    blocks = "downsamples" if kind == "down_blocks" else "upsamples"
+    level, group, *rest = rest
+    if group in ("downsampler", "upsampler"):
+        resnets = {k.split(".")[4] for k in sd if k.startswith(f"{side}.{kind}.{level}.resnets.")}
+        return ".".join([side, blocks, level, blocks, str(len(resnets)), *rest])
+    index, layer, *part = rest
+    return ".".join([side, blocks, level, blocks, index, _renamed(layer, _VAE22_RESNET), *part])
+
+
 def tiny_spiece_model() -> bytes:
     """A small SentencePiece unigram model over the tiny builders' words, with T5's special ids (pad 0, eos 1, unk 2,
     no bos), as UMT5's is; deterministic (one thread)."""
@@ -171,13 +223,13 @@ def _tokenizer(spiece: bytes) -> T5Tokenizer:
         return T5Tokenizer.from_pretrained(scratch, extra_ids=0, model_max_length=wan_files.MAX_SEQUENCE_LENGTH)
 
 
-def _transformer(in_channels: int, image_dim: int | None = None) -> WanTransformer3DModel:
+def _transformer(in_channels: int, out_channels: int = 16, image_dim: int | None = None) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=wan_files.HEAD_DIM,
         in_channels=in_channels,
-        out_channels=16,
+        out_channels=out_channels,
         text_dim=32,
         freq_dim=32,
         ffn_dim=64,
@@ -190,6 +242,28 @@ def _transformer(in_channels: int, image_dim: int | None = None) -> WanTransform
     )
 
 
+def wan22_vae() -> AutoencoderKLWan:
+    """A tiny Wan 2.2 VAE (TI2V-5B's layout, random weights from the caller's RNG): 48 latent channels, residual
+    down- and up-blocks, a wider decoder (``decoder_base_dim``), 2 × 2 patches of the 12-channel patchified pixels:
+    16× spatially, 4× in time. Its per-channel latents mean / std are the real ones (``files.WAN22_LATENTS_MEAN``),
+    not the identity, so a LATENT normalised the wrong way shows."""
+    return AutoencoderKLWan(
+        base_dim=4,
+        decoder_base_dim=8,
+        z_dim=48,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        latents_mean=list(wan_files.WAN22_LATENTS_MEAN),
+        latents_std=list(wan_files.WAN22_LATENTS_STD),
+    )
+
+
 def make_tiny_wan_files(
     models_dir: str,
     reference_root: str,
@@ -198,17 +272,20 @@ def make_tiny_wan_files(
     formats: tuple[str, ...] = FORMATS,
     experts: bool = False,
     i2v: bool = False,
+    ti2v: bool = False,
 ) -> dict[str, tuple[dict[str, str], str]]:
     """Write a tiny Wan as ComfyUI's files under ``models_dir`` (one transformer file per format in ``formats``; with
     ``experts``, Wan 2.2 A14B's two, the low-noise one in bf16; ``i2v`` for image-to-video: Wan 2.2 A14B I2V with
-    ``experts``, else Wan 2.1 I2V with its CLIP vision file in fp16, in ``clip_vision``), and for each format a
-    diffusers folder below ``reference_root`` with the same weights. Returns, per format, the widgets' values and the
-    reference folder."""
+    ``experts``, else Wan 2.1 I2V with its CLIP vision file in fp16, in ``clip_vision``; ``ti2v`` for Wan 2.2
+    TI2V-5B: 48 latent channels, Wan 2.2's VAE, ``expand_timesteps``), and for each format a diffusers folder below
+    ``reference_root`` with the same weights. Returns, per format, the widgets' values and the reference folder."""
     if not formats or set(formats) - set(FORMATS):
         raise ValueError(f"formats must be some of {FORMATS}")
     spiece = tiny_spiece_model()
     tokenizer = _tokenizer(spiece)
     in_channels = wan_files.I2V_CHANNELS if i2v else wan_files.T2V_CHANNELS
+    if ti2v:
+        in_channels = wan_files.TI2V_CHANNELS
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         text_encoder = UMT5EncoderModel(
@@ -234,15 +311,21 @@ def make_tiny_wan_files(
         )
         image_parts = _image_encoder() if i2v and not experts else None
         image_dim = image_parts[0].config.hidden_size if image_parts is not None else None
-        transformer = _transformer(in_channels, image_dim)
+        transformer = _transformer(in_channels, wan_files.TI2V_CHANNELS if ti2v else 16, image_dim)
         low_noise = _transformer(in_channels) if experts else None
-        vae = AutoencoderKLWan(
-            base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+        vae = (
+            wan22_vae()
+            if ti2v
+            else AutoencoderKLWan(
+                base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+            )
         )
     text_encoder.to(torch.bfloat16)  # as ComfyUI's umt5_xxl_fp16 (bf16 here)
     weights = transformer.state_dict()
     transformer.to(torch.bfloat16)
     shift = (wan_files.WAN22_I2V_SHIFT if i2v else wan_files.WAN22_T2V_SHIFT) if experts else wan_files.WAN21_SHIFT
+    if ti2v:
+        shift = wan_files.WAN22_TI2V_SHIFT
     scheduler = UniPCMultistepScheduler.from_config(
         {k: v for k, v in wan_files.scheduler(shift).items() if not k.startswith("_")}
     )
@@ -251,6 +334,8 @@ def make_tiny_wan_files(
         image_encoder, image_processor = image_parts
         image_encoder.to(torch.float16)  # as ComfyUI's clip_vision_h
         parts |= {"image_encoder": image_encoder, "image_processor": image_processor}
+    if ti2v:
+        parts["expand_timesteps"] = True
     if experts:
         low_noise.to(torch.bfloat16)
         boundary = wan_files.WAN22_I2V_BOUNDARY if i2v else wan_files.WAN22_T2V_BOUNDARY
@@ -258,11 +343,13 @@ def make_tiny_wan_files(
     pipe = (WanImageToVideoPipeline if i2v else WanPipeline)(transformer=transformer, **parts)
     kind = "i2v" if i2v else "t2v"
     stem = f"tiny_wan2.2_{kind}_high_noise_14B" if experts else f"tiny_wan2.1_{kind}_{'14B' if i2v else '1.3B'}"
+    if ti2v:
+        stem = "tiny_wan2.2_ti2v_5B"
     # The text encoder's and the VAE's names carry the model's, so that several tiny Wans share a models folder.
     names = {
         "text_encoder": f"{stem}_umt5_xxl_bf16.safetensors",
         "text_encoder_2": "none",
-        "vae": f"{stem}_wan_2.1_vae.safetensors",
+        "vae": f"{stem}_{'wan2.2_vae' if ti2v else 'wan_2.1_vae'}.safetensors",
         "diffusion_model_2": f"tiny_wan2.2_{kind}_low_noise_14B_bf16.safetensors" if experts else "none",
     }
     files = [
@@ -275,7 +362,7 @@ def make_tiny_wan_files(
                 wan_files.SPIECE_KEY: torch.frombuffer(bytearray(spiece), dtype=torch.uint8),
             },
         ),
-        ("vae", names["vae"], wan_vae(vae.state_dict())),
+        ("vae", names["vae"], (comfy_vae22 if ti2v else wan_vae)(vae.state_dict())),
     ]
     if experts:
         files.append(("diffusion_models", names["diffusion_model_2"], comfy_transformer(low_noise.state_dict())))

@@ -25,6 +25,10 @@ ComfyUI keeps Wan as three files, four for Wan 2.2 A14B and Wan 2.1 I2V:
   ``image_encoder`` (``CLIPVisionModelWithProjection``, as Wan-AI's diffusers folders) and the ``image_processor``
   that makes its input (CLIP's: the shorter side to the encoder's size, the centre cropped, OpenAI's mean and std; what
   ComfyUI's ``clip_preprocess`` does and laion/CLIP-ViT-H-14's processor, the one Wan-AI's folders hold).
+- Wan 2.2 TI2V-5B: one transformer file (``wan2.2_ti2v_5B_fp16.safetensors``, told by its 48 input channels) and Wan
+  2.2's 48-channel VAE (``wan2.2_vae.safetensors``, in its original layout: ``vae22_config``,
+  ``wan22_vae_to_diffusers``, the renames of diffusers' ``convert_vae_22`` script), into a ``WanPipeline`` folder with
+  ``expand_timesteps`` (the ``wan_ti2v`` family) and TI2V-5B's flow shift 5.
 
 What the shapes cannot tell, and how it is decided:
 
@@ -33,15 +37,15 @@ What the shapes cannot tell, and how it is decided:
   A14B, one makes Wan 2.1; a lone file whose name says it is an expert (``high_noise`` / ``low_noise``) is refused,
   and so are the experts picked the wrong way round (by their names, when they say);
 - which expert is which: the widget (``diffusion_model`` the high-noise one, ``diffusion_model_2`` the low-noise);
-- T2V or I2V: the transformer's input channels (16: T2V; 36: the noise, a mask and the start image's latents),
-  and Wan 2.1 I2V by its image embedding (``img_emb``);
+- T2V, I2V or TI2V-5B: the transformer's input channels (16: T2V; 36: the noise, a mask and the start image's latents;
+  48: TI2V-5B), and Wan 2.1 I2V by its image embedding (``img_emb``);
 - the image encoder's heads: 16, as every CLIP ViT ComfyUI loads (L/14, H/14, g/14, bigG/14; its
   ``clip_vision_config_h.json``), its activation GELU and its layer norms' epsilon 1e-5 (the same file's);
 - the scheduler's flow shift and the experts' boundary: the published ones (shift 3 for Wan 2.1, as Wan-AI's diffusers
   folders; 12 with boundary 0.875 for Wan 2.2 T2V A14B, 5 with boundary 0.9 for its I2V, as Wan 2.2's own configs).
 
-Refused by name: Wan 2.1 I2V without its CLIP vision file (and a CLIP vision file for any other Wan), Wan 2.2 TI2V-5B
-and its 48-channel VAE (not converted yet), and the other Wan models (VACE, FLF2V, Fun camera, S2V, HuMo, Animate); a
+Refused by name: Wan 2.1 I2V without its CLIP vision file (and a CLIP vision file for any other Wan), Wan 2.2's VAE
+beside any transformer but TI2V-5B's, and the other Wan models (VACE, FLF2V, Fun camera, S2V, HuMo, Animate); a
 diffusers folder runs what is refused here.
 """
 
@@ -88,7 +92,7 @@ SPIECE_KEY = "spiece_model"
 # Names that say a file is one of Wan 2.2 A14B's experts (ComfyUI's: wan2.2_t2v_high_noise_14B_...).
 HIGH_NOISE, LOW_NOISE = "high_noise", "low_noise"
 # The published sizes, by the transformer's width.
-SIZES = {1536: "1.3B", 5120: "14B"}
+SIZES = {1536: "1.3B", 3072: "5B", 5120: "14B"}
 WAN21_I2V = "Wan 2.1 I2V"  # the variant of a transformer with an image embedding: it takes a CLIP vision file
 
 
@@ -211,6 +215,21 @@ def _expert(name: str) -> str | None:
     """Which of Wan 2.2 A14B's experts a file's name says it is, or None."""
     lower = os.path.basename(name).lower()
     return next((which for which in (HIGH_NOISE, LOW_NOISE) if which in lower), None)
+
+
+def _check_ti2v(ti2v: bool, vae: SourceHeader, transformer_2: SourceHeader | None) -> None:
+    """Wan 2.2 TI2V-5B is one transformer with Wan 2.2's VAE (``wan2.2_vae.safetensors``), which nothing else takes."""
+    if ti2v and transformer_2 is not None:
+        raise InvalidInput(
+            "diffusion_model_2",
+            "Wan 2.2 TI2V-5B is one transformer (not Wan 2.2 A14B's two experts); set diffusion_model_2 to none",
+        )
+    if ti2v and not is_vae22(vae.shapes):
+        raise InvalidInput(
+            vae.widget,
+            f"{vae.name!r} is not Wan 2.2's 48-channel VAE, which Wan 2.2 TI2V-5B's transformer makes latents for; "
+            "pick wan2.2_vae.safetensors",
+        )
 
 
 # -- the text encoder --------------------------------------------------------------------------------------------
@@ -387,11 +406,108 @@ def write_image_processor(size: int, folder: str) -> None:
     ).save_pretrained(folder)
 
 
+# Wan 2.2's VAE (``wan2.2_vae.safetensors``, TI2V-5B's): its original layout's names → diffusers', for the names
+# diffusers' own converter (scripts/convert_wan_to_diffusers.py's ``convert_vae_22``, not in the package) renames.
+# A block's residual path, by the original's Sequential index:
+_VAE22_RESIDUAL = {"residual.0": "norm1", "residual.2": "conv1", "residual.3": "norm2", "residual.6": "conv2"}
+_VAE22_NAMES = {
+    "conv1": "quant_conv",
+    "conv2": "post_quant_conv",
+    "encoder.conv1": "encoder.conv_in",
+    "decoder.conv1": "decoder.conv_in",
+    "encoder.head.0": "encoder.norm_out",
+    "encoder.head.2": "encoder.conv_out",
+    "decoder.head.0": "decoder.norm_out",
+    "decoder.head.2": "decoder.conv_out",
+}
+# Wan 2.2's VAE's per-channel latent statistics (ComfyUI's latent_formats.Wan22, the same as diffusers' converter
+# writes into Wan-AI/Wan2.2-TI2V-5B-Diffusers' vae config): not in the weights.
+WAN22_LATENTS_MEAN = (
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+    0.157, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.123, -0.0313, -0.1649, 0.0117, 0.0723,
+    -0.2839, -0.2083, -0.052, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+)  # fmt: skip
+WAN22_LATENTS_STD = (
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+    0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+    0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.06, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+)  # fmt: skip
+# Wan 2.2 TI2V-5B's scheduler shift (Wan 2.2's ti2v_5B config's ``sample_shift``, as diffusers' converter sets it).
+WAN22_TI2V_SHIFT = 5.0
+TI2V_CHANNELS = 48  # TI2V-5B's transformer: the 48 latent channels of Wan 2.2's VAE, in and out
+
+
+def is_vae22(shapes: Shapes) -> bool:
+    """Wan 2.2's 48-channel VAE in its original layout (ComfyUI tells it by its nested upsamples)."""
+    return "decoder.middle.0.residual.0.gamma" in shapes and qwenimage_files.WAN22_VAE_KEY in shapes
+
+
+def vae22_config(shapes: Shapes) -> dict:
+    """``AutoencoderKLWan``'s config for Wan 2.2's VAE: the widths, latent channels and residual blocks from the
+    file's shapes; its 2 × 2 patches (12 channels of patchified pixels), 16× / 4× scale, residual blocks and latent
+    statistics Wan 2.2's (``WAN22_LATENTS_MEAN`` / ``_STD``, from ComfyUI's ``latent_formats.Wan22``, which
+    diffusers' converter also writes)."""
+    base = shapes["encoder.conv1.weight"][0]
+    levels = count(shapes, r"encoder\.downsamples\.(\d+)\.")
+    blocks = count(shapes, r"encoder\.downsamples\.0\.downsamples\.(\d+)\.residual\.")
+    return {
+        "_class_name": "AutoencoderKLWan",
+        "base_dim": base,
+        "decoder_base_dim": shapes["decoder.head.0.gamma"][0],
+        "z_dim": shapes["conv2.weight"][0],
+        "dim_mult": [
+            shapes[f"encoder.downsamples.{i}.downsamples.0.residual.2.weight"][0] // base for i in range(levels)
+        ],
+        "num_res_blocks": blocks,
+        "attn_scales": [],
+        "temperal_downsample": [False, True, True],
+        "dropout": 0.0,
+        "latents_mean": list(WAN22_LATENTS_MEAN),
+        "latents_std": list(WAN22_LATENTS_STD),
+        "is_residual": True,
+        "in_channels": shapes["encoder.conv1.weight"][1],
+        "out_channels": shapes["decoder.head.2.weight"][0],
+        "patch_size": 2,
+        "scale_factor_temporal": 4,
+        "scale_factor_spatial": 16,
+    }
+
+
+def vae22_name(key: str) -> str:
+    """One tensor's name in Wan 2.2's VAE: the original layout's → ``AutoencoderKLWan``'s (``is_residual``)."""
+    module, _, part = key.rpartition(".")
+    if module in _VAE22_NAMES:
+        return f"{_VAE22_NAMES[module]}.{part}"
+    side, _, rest = module.partition(".")
+    if rest.startswith("middle."):
+        _, index, inner = rest.split(".", 2)
+        if index == "1":  # the attention between the middle's two residual blocks
+            return f"{side}.mid_block.attentions.0.{inner}.{part}"
+        return f"{side}.mid_block.resnets.{int(index) // 2}.{_residual(inner)}.{part}"
+    down = "down" if side == "encoder" else "up"
+    _, level, inner = rest.split(".", 2)  # {down}samples.{level}.{inner}
+    _, index, inner = inner.split(".", 2)  # the level's own {down}samples.{index}.{inner}
+    if inner.startswith(("resample", "time_conv")):  # the level's last: its down- or upsampler
+        return f"{side}.{down}_blocks.{level}.{down}sampler.{inner}.{part}"
+    return f"{side}.{down}_blocks.{level}.resnets.{index}.{_residual(inner)}.{part}"
+
+
+def _residual(inner: str) -> str:
+    return "conv_shortcut" if inner == "shortcut" else _VAE22_RESIDUAL[inner]
+
+
+def wan22_vae_to_diffusers(checkpoint: dict) -> dict:
+    """Wan 2.2's VAE in its original layout as ``AutoencoderKLWan``'s state dict (a rename, one to one)."""
+    return {vae22_name(key): value for key, value in checkpoint.items()}
+
+
 # -- the layout --------------------------------------------------------------------------------------------------
-def model_index(i2v: bool, experts: bool, image_encoder: bool = False) -> dict:
+def model_index(i2v: bool, experts: bool, image_encoder: bool = False, ti2v: bool = False) -> dict:
     """model_index.json: WanPipeline, or WanImageToVideoPipeline with Wan 2.1 I2V's image encoder or without one (Wan
     2.2 A14B I2V reads the start image through its latents only); Wan 2.2 A14B with its second expert and their
-    boundary."""
+    boundary; Wan 2.2 TI2V-5B a WanPipeline with ``expand_timesteps``."""
     index = {
         "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
         "_diffusers_version": "0.42.1",
@@ -402,7 +518,7 @@ def model_index(i2v: bool, experts: bool, image_encoder: bool = False) -> dict:
         "transformer_2": ["diffusers", "WanTransformer3DModel"] if experts else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
         "boundary_ratio": (WAN22_I2V_BOUNDARY if i2v else WAN22_T2V_BOUNDARY) if experts else None,
-        "expand_timesteps": False,
+        "expand_timesteps": ti2v,
     }
     if i2v:
         index |= {"image_encoder": [None, None], "image_processor": [None, None]}
@@ -415,22 +531,27 @@ def model_index(i2v: bool, experts: bool, image_encoder: bool = False) -> dict:
 
 
 class WanFiles(FilesLayout):
-    """Wan 2.1 T2V (1.3B, 14B), Wan 2.1 I2V (14B) and Wan 2.2 A14B (T2V, I2V; both experts): the transformer (Wan 2.2's
-    high-noise expert) in ``diffusion_model``, Wan 2.2's low-noise expert in ``diffusion_model_2``, UMT5-XXL in
-    ``text_encoder``, Wan 2.1's VAE, Wan 2.1 I2V's CLIP ViT-H in ``clip_vision``."""
+    """Wan 2.1 T2V (1.3B, 14B), Wan 2.1 I2V (14B), Wan 2.2 A14B (T2V, I2V; both experts) and Wan 2.2 TI2V-5B: the
+    transformer (Wan 2.2's high-noise expert) in ``diffusion_model``, Wan 2.2's low-noise expert in
+    ``diffusion_model_2``, UMT5-XXL in ``text_encoder``, Wan 2.1's VAE (TI2V-5B: Wan 2.2's), Wan 2.1 I2V's CLIP ViT-H in
+    ``clip_vision``."""
 
     family = "wan"
     name = "Wan"
     text_encoder_widgets = ("text_encoder",)
-    variants = "Wan (2.1 T2V 1.3B and 14B, 2.1 I2V with its clip_vision, 2.2 A14B T2V and I2V with both experts)"
+    variants = (
+        "Wan 2.1 T2V (1.3B, 14B), Wan 2.1 I2V (with its clip_vision), Wan 2.2 A14B (T2V and I2V, both experts) and "
+        "Wan 2.2 TI2V-5B"
+    )
     transformer_layout = "in Wan's original layout"
     widget_files: ClassVar[Mapping[str, str]] = {
         "diffusion_model": (
             "wan2.1_t2v_14B_bf16.safetensors, wan2.1_t2v_1.3B_fp16.safetensors or an fp8 one; for Wan 2.2 A14B its "
-            "high-noise expert (wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors)"
+            "high-noise expert (wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors); or Wan 2.2 TI2V-5B's "
+            "wan2.2_ti2v_5B_fp16.safetensors"
         ),
         "text_encoder": "UMT5-XXL (umt5_xxl_fp8_e4m3fn_scaled.safetensors, or umt5_xxl_fp16)",
-        "vae": "wan_2.1_vae.safetensors",
+        "vae": "wan_2.1_vae.safetensors (Wan 2.2 TI2V-5B: wan2.2_vae.safetensors)",
         "diffusion_model_2": "Wan 2.2 A14B's low-noise expert (wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors)",
         "clip_vision": "Wan 2.1 image-to-video: clip_vision_h.safetensors",
     }
@@ -448,12 +569,14 @@ class WanFiles(FilesLayout):
         in_channels = shapes["patch_embedding.weight"][1]
         if "img_emb.proj.0.weight" in shapes and in_channels == I2V_CHANNELS:
             return WAN21_I2V
+        if in_channels == TI2V_CHANNELS:
+            return "Wan TI2V"
         if in_channels not in (T2V_CHANNELS, I2V_CHANNELS):
             raise InvalidInput(
                 "diffusion_model",
-                f"the file's transformer takes {in_channels} latent channels: Wan 2.2 TI2V-5B (48, with Wan 2.2's "
-                "VAE), whose ComfyUI files are not converted yet; use a diffusers folder "
-                "(Wan-AI/Wan2.2-TI2V-5B-Diffusers), or a Wan 2.1 / Wan 2.2 A14B file",
+                f"the file's transformer takes {in_channels} latent channels, which no Wan this pack runs does "
+                f"({T2V_CHANNELS}: text-to-video, {I2V_CHANNELS}: image-to-video, {TI2V_CHANNELS}: Wan 2.2 "
+                "TI2V-5B); pick a Wan 2.1, Wan 2.2 A14B or TI2V-5B file",
             )
         return "Wan I2V" if in_channels == I2V_CHANNELS else "Wan T2V"
 
@@ -468,7 +591,8 @@ class WanFiles(FilesLayout):
     ) -> FilesContents:
         (encoder,) = text_encoders
         image = variant == WAN21_I2V
-        i2v = image or variant == "Wan I2V"
+        i2v, ti2v = image or variant == "Wan I2V", variant == "Wan TI2V"
+        _check_ti2v(ti2v, vae, transformer_2)
         self._image_encoder(image, transformer, transformer_2, clip_vision)
         experts = None if image else self._experts(i2v, transformer, transformer_2)
         if not is_umt5(encoder.shapes):
@@ -484,20 +608,20 @@ class WanFiles(FilesLayout):
                 f"{encoder.name!r} does not carry its tokenizer (ComfyUI's UMT5 files hold it as {SPIECE_KEY!r}); "
                 "pick umt5_xxl_fp8_e4m3fn_scaled.safetensors as ComfyUI distributes it, or use a diffusers folder",
             )
-        if qwenimage_files.WAN22_VAE_KEY in vae.shapes:
+        if not ti2v and qwenimage_files.WAN22_VAE_KEY in vae.shapes:
             raise InvalidInput(
                 vae.widget,
                 f"{vae.name!r} is Wan 2.2's 48-channel VAE (TI2V-5B's); Wan 2.1 and Wan 2.2 A14B use "
                 "wan_2.1_vae.safetensors: pick that",
             )
-        if not qwenimage_files.is_vae(vae.shapes):
+        if not ti2v and not qwenimage_files.is_vae(vae.shapes):
             raise InvalidInput(
                 vae.widget, f"{vae.name!r} is not a Wan VAE in its original layout; pick wan_2.1_vae.safetensors"
             )
         derivations = [
             ("transformer", transformer, transformer_config),
             ("text_encoder", encoder, umt5_config),
-            ("vae", vae, vae_config),
+            ("vae", vae, vae22_config if ti2v else vae_config),
         ]
         if experts is not None:
             derivations.append(("transformer_2", experts, transformer_config))
@@ -541,7 +665,9 @@ class WanFiles(FilesLayout):
                 )
         width = HEAD_DIM * model["num_attention_heads"]
         size = SIZES.get(width, f"({model['num_layers']} layers, {width} wide)")
-        if experts is None:
+        if ti2v:
+            named, shift = f"Wan 2.2 TI2V {size}", WAN22_TI2V_SHIFT
+        elif experts is None:
             named, shift = f"Wan 2.1 {'I2V' if image else 'T2V'} {size}", WAN21_SHIFT
         else:
             named, shift = f"Wan 2.2 A14B {'I2V' if i2v else 'T2V'}", WAN22_I2V_SHIFT if i2v else WAN22_T2V_SHIFT
@@ -552,7 +678,8 @@ class WanFiles(FilesLayout):
         ]
         if experts is not None:
             components.append(Component("transformer_2", experts, model, moves=tuple(moves)))
-        components.append(Component("vae", vae, configs["vae"], convert=qwenimage_files.wan_vae_to_diffusers))
+        vae_convert = wan22_vae_to_diffusers if ti2v else qwenimage_files.wan_vae_to_diffusers
+        components.append(Component("vae", vae, configs["vae"], convert=vae_convert))
         folders = ()
         if image:
             # Transformers' names are linked as they are; open_clip's renamed (the model is small beside Wan's).
@@ -564,13 +691,14 @@ class WanFiles(FilesLayout):
             folders = (FolderFromComfy("image_processor", lambda _, folder: write_image_processor(side, folder)),)
         return FilesContents(
             variant=named,
-            model_index=model_index(i2v, experts is not None, image),
+            model_index=model_index(i2v, experts is not None, image, ti2v),
             scheduler=scheduler(shift),
             tokenizers=(),
             components=tuple(components),
             text_encoders=(encoder,),
             tokenizers_from_files=(TokenizerFromFile("tokenizer", encoder, SPIECE_KEY, write_tokenizer),),
             folders=folders,
+            family="wan_ti2v" if ti2v else None,
         )
 
     @staticmethod

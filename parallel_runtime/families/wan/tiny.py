@@ -1,7 +1,9 @@
 """Wan's tiny builders: a random-weight ``WanPipeline`` folder (``make_tiny_model``) of Wan 2.1 (one transformer) or,
 with ``two_experts``, of Wan 2.2 A14B (a second expert ``transformer_2`` and the pipeline's ``boundary_ratio``); with
 ``image_to_video``, their ``WanImageToVideoPipeline`` (``wan_i2v/tiny.py``): transformers of 36 input channels, and
-Wan 2.1 I2V's CLIP vision encoder (17 image tokens of a 32-pixel image, read by the transformer's image embedding).
+Wan 2.1 I2V's CLIP vision encoder (17 image tokens of a 32-pixel image, read by the transformer's image embedding);
+with ``ti2v``, Wan 2.2 TI2V-5B's (``wan_ti2v/tiny.py``): a transformer of 48 input and output channels,
+``expand_timesteps``, and Wan 2.2's 48-channel VAE (``comfy_tiny.wan22_vae``).
 
 The tiny pipeline: a UMT5 encoder with the shared tiny T5 tokenizer (UMT5 reads T5's vocabulary format), transformers
 with 4 heads of 8 (so context parallelism splits heads and tokens over 2 or 4 ranks), Wan 2.1's video VAE with its real
@@ -31,7 +33,7 @@ from transformers import (
 )
 
 from ..tiny import TinyLora, t5_tokenizer
-from .comfy_tiny import comfy_transformer
+from .comfy_tiny import comfy_transformer, wan22_vae
 
 # Wan 2.1's diffusers folders' scheduler (Wan-AI/Wan2.1-T2V-*-Diffusers), flow_shift 3 as their 480p default.
 SCHEDULER = {
@@ -53,14 +55,16 @@ IMAGE_SIZE = 32  # its input's side, in 8-pixel patches: 16 patches and the clas
 INNER_WIDTH = 4 * 8  # heads × head size
 
 
-def _transformer(image_to_video: bool = False, image_dim: int | None = None) -> WanTransformer3DModel:
+def _transformer(
+    image_to_video: bool = False, image_dim: int | None = None, latent_channels: int = 16
+) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=4,
         attention_head_dim=8,  # rope: 4 temporal, 2 height, 2 width
         # I2V: the noise, then the start frame's 4-channel mask and 16 latent channels
-        in_channels=36 if image_to_video else 16,
-        out_channels=16,
+        in_channels=36 if image_to_video else latent_channels,
+        out_channels=latent_channels,
         text_dim=TEXT_WIDTH,
         freq_dim=32,
         ffn_dim=64,
@@ -86,11 +90,16 @@ def _image_encoder() -> tuple[CLIPVisionModel, CLIPImageProcessor]:
     return CLIPVisionModel(config), processor
 
 
-def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False, image_to_video: bool = False) -> str:
+def make_tiny_model(
+    out_dir: str, seed: int = 0, *, two_experts: bool = False, image_to_video: bool = False, ti2v: bool = False
+) -> str:
     """Build a tiny Wan 2.1 ``WanPipeline`` in ``out_dir``; with ``two_experts``, Wan 2.2 A14B's layout (a second,
     differently initialised expert in ``transformer_2`` and ``boundary_ratio`` in model_index.json); with
     ``image_to_video`` their ``WanImageToVideoPipeline`` (Wan 2.1 I2V with a CLIP image encoder, Wan 2.2 A14B I2V
-    without one)."""
+    without one); with ``ti2v``, Wan 2.2 TI2V-5B's ``WanPipeline`` (``expand_timesteps``, 48 latent channels, Wan
+    2.2's VAE), which also makes clips from a start image."""
+    if ti2v and (two_experts or image_to_video):
+        raise ValueError("Wan 2.2 TI2V-5B has one transformer and is a WanPipeline folder")
     tokenizer = t5_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -112,15 +121,19 @@ def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False, i
         # Wan 2.2 A14B I2V reads the start image through its latents only.
         image_parts = _image_encoder() if image_to_video and not two_experts else None
         image_dim = IMAGE_WIDTH if image_parts is not None else None
-        transformer = _transformer(image_to_video, image_dim)
+        transformer = _transformer(image_to_video, image_dim, 48 if ti2v else 16)
         transformer_2 = _transformer(image_to_video, image_dim) if two_experts else None
         # The real per-channel latents_mean / latents_std (the defaults): a normalisation a wrong LATENT shows.
-        vae = AutoencoderKLWan(
-            base_dim=4,
-            z_dim=16,
-            dim_mult=[1, 2, 4, 4],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],  # 4x in time, 8x in space
+        vae = (
+            wan22_vae()
+            if ti2v
+            else AutoencoderKLWan(
+                base_dim=4,
+                z_dim=16,
+                dim_mult=[1, 2, 4, 4],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],  # 4x in time, 8x in space
+            )
         )
     parts = {
         "tokenizer": tokenizer,
@@ -135,7 +148,7 @@ def make_tiny_model(out_dir: str, seed: int = 0, *, two_experts: bool = False, i
         image_encoder, image_processor = image_parts if image_parts is not None else (None, None)
         pipe = WanImageToVideoPipeline(**parts, image_encoder=image_encoder, image_processor=image_processor)
     else:
-        pipe = WanPipeline(**parts)
+        pipe = WanPipeline(**parts, expand_timesteps=ti2v)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return os.fspath(out_dir)
 

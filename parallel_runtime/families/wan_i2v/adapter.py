@@ -40,7 +40,7 @@ class WanI2V(Wan):
 
     def start_image(
         self, model_dir: str, transformer: torch.nn.Module, image: torch.Tensor | None
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    ) -> tuple[type, dict[str, Any], dict[str, Any]]:
         """The VAE and (Wan 2.1 I2V) the CLIP image encoder and its processor, loaded beside the transformer, and the
         start image as the PIL image ComfyUI's LoadImage read (so the pipeline resizes it to width × height as it
         resizes any loaded image)."""
@@ -58,7 +58,7 @@ class WanI2V(Wan):
             transformer_2=None,
         )
         components = {name: getattr(parts, name) for name in ("vae", "image_encoder", "image_processor")}
-        return components, {"image": pil_images(image)[0]}
+        return self.pipeline_class(), components, {"image": pil_images(image)[0]}
 
 
 def _count(image: torch.Tensor | None) -> str:
