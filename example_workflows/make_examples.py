@@ -194,6 +194,11 @@ class Example:
 
 
 SAMPLER_DEFAULTS = {"seed": 42, "steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024, "batch_size": 1}
+# Wan's published clip: 81 frames (5 seconds at 16 fps) at 480p, 40 steps of its own UniPC; CFG against a negative
+# prompt (true_cfg_scale, set by each example), and the frames into an animated file.
+WAN_480P = {"steps": 40, "width": 832, "height": 480, "guidance_scale": 1.0, "sampler": "uni_pc", "length": 81}
+WAN_NEGATIVE = "blurry, low quality, static, distorted"
+CLIP_SAVER = ("SaveAnimatedWEBP", {"fps": 16.0, "lossless": False, "quality": 90})
 
 EXAMPLES = [
     Example(
@@ -342,21 +347,12 @@ EXAMPLES = [
         "**SaveAnimatedWEBP**.",
         encode={
             "prompt": "a red fox trotting through fresh snow in a birch forest at sunrise, cinematic tracking shot",
-            "negative_prompt": "blurry, low quality, static, distorted",
+            "negative_prompt": WAN_NEGATIVE,
             "max_sequence_length": 512,
         },
         transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0},
-        sampler={
-            "steps": 40,
-            "width": 832,
-            "height": 480,
-            "guidance_scale": 1.0,
-            "true_cfg_scale": 4.0,
-            "guidance_scale_2": 3.0,
-            "sampler": "uni_pc",
-            "length": 81,
-        },
-        saver=("SaveAnimatedWEBP", {"fps": 16.0, "lossless": False, "quality": 90}),
+        sampler={**WAN_480P, "true_cfg_scale": 4.0, "guidance_scale_2": 3.0},
+        saver=CLIP_SAVER,
         tips="Both experts stay on every GPU: 2 × 28 GB in bf16, half that with ComfyUI's fp8 files (**Parallel "
         "Model From Comfy Files**, `weights` as_stored). `length` is 4k + 1 frames; 1280×720 is Wan's 720p. "
         "`true_cfg_scale` guides the high-noise expert, `guidance_scale_2` the low-noise one; cfg_parallel splits "
@@ -406,27 +402,19 @@ EXAMPLES = [
         encode={
             "prompt": "a golden sun drifts slowly across a pastel sky at dusk, soft glowing light, the camera pushes "
             "in slowly",
-            "negative_prompt": "blurry, low quality, static, distorted",
+            "negative_prompt": WAN_NEGATIVE,
             "max_sequence_length": 512,
         },
         transformer={"strategy": "cfg_parallel", "ring_degree": 1, "ulysses_degree": 0},
-        sampler={
-            "steps": 40,
-            "width": 832,
-            "height": 480,
-            "guidance_scale": 1.0,
-            "true_cfg_scale": 5.0,
-            "sampler": "uni_pc",
-            "length": 81,
-        },
+        sampler={**WAN_480P, "true_cfg_scale": 5.0},
         edits="sampler",
         picture=START_PICTURE,
-        saver=("SaveAnimatedWEBP", {"fps": 16.0, "lossless": False, "quality": 90}),
-        tips="Every GPU holds the whole 14B transformer (26.6 GiB in bf16) and, while it denoises, the VAE and the "
-        "CLIP image encoder that read the start picture (1.4 GiB). `ranks` is 2 here, one pass per GPU; on 4 GPUs set "
-        "it to 4 (or 0): CFG 2 × Ulysses 2 (`ulysses_degree` 0 fills each half), the clip's tokens split inside "
-        "each half. Wan 2.1 I2V reads exactly "
-        "512 text tokens (`max_sequence_length`); `length` is 4k + 1 frames; the 720P model takes 1280×720.",
+        saver=CLIP_SAVER,
+        tips="Every GPU holds the whole I2V transformer (16.4B parameters, 30.5 GiB in bf16) and, while it denoises, "
+        "the VAE and the CLIP image encoder that read the start picture (1.4 GiB). `ranks` is 2 here, one pass per "
+        "GPU; on 4 GPUs set it to 4 (or 0): CFG 2 × Ulysses 2 (`ulysses_degree` 0 fills each half), the clip's "
+        "tokens split inside each half. Wan 2.1 I2V reads exactly 512 text tokens (`max_sequence_length`); `length` "
+        "is 4k + 1 frames; the 720P model takes 1280×720.",
     ),
 ]
 

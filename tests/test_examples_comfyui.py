@@ -376,22 +376,14 @@ def edit_reference(family: str, model_dir: Path, workflow: dict, input_dir: Path
     picture = Image.open(input_dir / inputs_of(workflow, "LoadImage")["image"]).convert("RGB")
     if family == "wan_i2v":
         pipe = WanImageToVideoPipeline.from_pretrained(model_dir, dtype=torch.float32)
-        pipe.set_progress_bar_config(disable=True)
-        frames = pipe(
-            image=picture,
-            prompt=encode["prompt"],
-            negative_prompt=encode["negative_prompt"],
-            guidance_scale=sampler["true_cfg_scale"],
-            num_frames=sampler["length"],
-            num_inference_steps=sampler["steps"],
-            width=sampler["width"],
-            height=sampler["height"],
-            max_sequence_length=encode["max_sequence_length"],
-            generator=[torch.Generator("cpu").manual_seed(sampler["seed"])],
-            output_type="pt",
-        ).frames
-        return np.clip(255.0 * frames.flatten(0, 1).permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
-    if family == "flux_kontext":
+        extra = {
+            "image": picture,
+            "negative_prompt": encode["negative_prompt"],
+            "guidance_scale": sampler["true_cfg_scale"],
+            "num_frames": sampler["length"],
+            "max_sequence_length": encode["max_sequence_length"],
+        }
+    elif family == "flux_kontext":
         pipe = FluxKontextPipeline.from_pretrained(model_dir, dtype=torch.float32)
         extra = {
             "image": picture,
@@ -407,7 +399,7 @@ def edit_reference(family: str, model_dir: Path, workflow: dict, input_dir: Path
             "true_cfg_scale": sampler["true_cfg_scale"],
         }
     pipe.set_progress_bar_config(disable=True)
-    images = pipe(
+    output = pipe(
         prompt=encode["prompt"],
         num_inference_steps=sampler["steps"],
         width=sampler["width"],
@@ -415,7 +407,8 @@ def edit_reference(family: str, model_dir: Path, workflow: dict, input_dir: Path
         generator=[torch.Generator("cpu").manual_seed(sampler["seed"])],
         output_type="pt",
         **extra,
-    ).images
+    )
+    images = output.frames.flatten(0, 1) if family == "wan_i2v" else output.images  # a clip: its frames
     return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
 
 
