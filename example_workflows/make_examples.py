@@ -54,7 +54,8 @@ SAVE_ANIMATED_WEBP = {  # ComfyUI's core SaveAnimatedWEBP: a clip's frames (an I
     "title": "SaveAnimatedWEBP",
 }
 # ComfyUI's core nodes the image examples use, as /object_info describes them (LoadImage's options are the files of
-# ComfyUI's input folder; example.png ships with ComfyUI, the edit examples' picture with the pack: EDIT_PICTURE).
+# ComfyUI's input folder; example.png ships with ComfyUI, the edit examples' picture and the image-to-video example's
+# start with the pack: EDIT_PICTURE, START_PICTURE).
 LATENT_UPSCALE_BY = {
     "INPUT_TYPES": {
         "required": {
@@ -67,11 +68,15 @@ LATENT_UPSCALE_BY = {
     "RETURN_NAMES": ("LATENT",),
     "title": "Upscale Latent By",
 }
-# The picture the edit examples edit: it ships in example_workflows/input/ (written by picture() below), and
-# `python -m parallel_runtime.examples` puts it in ComfyUI's input/, where Load Image finds it.
+# The picture the edit examples edit and the image-to-video example's first frame (832×480, Wan's 480p): they ship in
+# example_workflows/input/ (written by picture() below), and `python -m parallel_runtime.examples` puts them in
+# ComfyUI's input/, where Load Image finds them.
 EDIT_PICTURE = "parallel_edit_example.png"
+START_PICTURE = "parallel_i2v_start.png"
+SHIPPED_PICTURES = {EDIT_PICTURE: (384, 384), START_PICTURE: (832, 480)}  # file -> width, height
+PICTURE_ROLES = {EDIT_PICTURE: "the picture to edit", START_PICTURE: "the clip's first frame"}  # for the note
 LOAD_IMAGE = {
-    "INPUT_TYPES": {"required": {"image": (["example.png", EDIT_PICTURE], {"image_upload": True})}},
+    "INPUT_TYPES": {"required": {"image": (["example.png", EDIT_PICTURE, START_PICTURE], {"image_upload": True})}},
     "RETURN_TYPES": ("IMAGE", "MASK"),
     "RETURN_NAMES": ("IMAGE", "MASK"),
     "title": "Load Image",
@@ -163,6 +168,8 @@ FOLDERS = {  # placeholder model folder -> what the folder holds, for the note
     "Wan2.2-T2V-A14B": "transformer/ transformer_2/ text_encoder/\n  tokenizer/ scheduler/ vae/",
     "FLUX.1-Kontext-dev": "transformer/ text_encoder/ text_encoder_2/\n  tokenizer/ tokenizer_2/ scheduler/ vae/",
     "Qwen-Image-Edit-2511": "transformer/ text_encoder/ tokenizer/\n  processor/ scheduler/ vae/",
+    "Wan2.1-I2V-14B-480P": "transformer/ text_encoder/ tokenizer/\n  image_encoder/ image_processor/\n"
+    "  scheduler/ vae/",
 }
 
 
@@ -183,9 +190,15 @@ class Example:
     native: bool = False  # ComfyUI's DualCLIPLoader, CLIPTextEncode, FluxGuidance, VAELoader and VAEDecode around it
     saver: tuple[str, dict] = ("SaveImage", {})  # the output node and its widgets (a clip: SaveAnimatedWEBP)
     edits: str = ""  # an edit model's picture: LoadImage -> the `image` of the "encoder" or of the "sampler"
+    picture: str = EDIT_PICTURE  # the picture an `edits` example loads
 
 
 SAMPLER_DEFAULTS = {"seed": 42, "steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024, "batch_size": 1}
+# Wan's published clip: 81 frames (5 seconds at 16 fps) at 480p, 40 steps of its own UniPC; CFG against a negative
+# prompt (true_cfg_scale, set by each example), and the frames into an animated file.
+WAN_480P = {"steps": 40, "width": 832, "height": 480, "guidance_scale": 1.0, "sampler": "uni_pc", "length": 81}
+WAN_NEGATIVE = "blurry, low quality, static, distorted"
+CLIP_SAVER = ("SaveAnimatedWEBP", {"fps": 16.0, "lossless": False, "quality": 90})
 
 EXAMPLES = [
     Example(
@@ -334,21 +347,12 @@ EXAMPLES = [
         "**SaveAnimatedWEBP**.",
         encode={
             "prompt": "a red fox trotting through fresh snow in a birch forest at sunrise, cinematic tracking shot",
-            "negative_prompt": "blurry, low quality, static, distorted",
+            "negative_prompt": WAN_NEGATIVE,
             "max_sequence_length": 512,
         },
         transformer={"strategy": "context_parallel", "ring_degree": 1, "ulysses_degree": 0},
-        sampler={
-            "steps": 40,
-            "width": 832,
-            "height": 480,
-            "guidance_scale": 1.0,
-            "true_cfg_scale": 4.0,
-            "guidance_scale_2": 3.0,
-            "sampler": "uni_pc",
-            "length": 81,
-        },
-        saver=("SaveAnimatedWEBP", {"fps": 16.0, "lossless": False, "quality": 90}),
+        sampler={**WAN_480P, "true_cfg_scale": 4.0, "guidance_scale_2": 3.0},
+        saver=CLIP_SAVER,
         tips="Both experts stay on every GPU: 2 × 28 GB in bf16, half that with ComfyUI's fp8 files (**Parallel "
         "Model From Comfy Files**, `weights` as_stored). `length` is 4k + 1 frames; 1280×720 is Wan's 720p. "
         "`true_cfg_scale` guides the high-noise expert, `guidance_scale_2` the low-noise one; cfg_parallel splits "
@@ -384,6 +388,33 @@ EXAMPLES = [
         tips="`tp_degree` 0 uses every GPU; it must divide the attention heads (FLUX.1: 24, so 2, 3, 4, 6 or 8 "
         "GPUs). The sampler shows the size the picture runs at. `context_parallel` splits the picture's tokens "
         "instead, for GPUs that each hold the model.",
+    ),
+    Example(
+        "wan21_i2v_cfg_parallel",
+        "Wan2.1-I2V-14B-480P",
+        "Wan 2.1 image-to-video from a loaded picture, CFG parallel",
+        "ComfyUI's **Load Image** into the sampler's `image`: the clip's first frame, resized to 832×480, from which "
+        "Wan 2.1 I2V makes 81 frames (5 seconds at 16 fps). Wan's CFG runs the transformer twice per step, with the "
+        "prompt and with the negative prompt: here one GPU runs each pass, combined each step with one exchange, so "
+        "every GPU runs one pass per step instead of two and the clip is the one-GPU clip. The frames come back as "
+        "an IMAGE batch, saved by ComfyUI's own **SaveAnimatedWEBP**.",
+        backend={"ranks": 2},
+        encode={
+            "prompt": "a golden sun drifts slowly across a pastel sky at dusk, soft glowing light, the camera pushes "
+            "in slowly",
+            "negative_prompt": WAN_NEGATIVE,
+            "max_sequence_length": 512,
+        },
+        transformer={"strategy": "cfg_parallel", "ring_degree": 1, "ulysses_degree": 0},
+        sampler={**WAN_480P, "true_cfg_scale": 5.0},
+        edits="sampler",
+        picture=START_PICTURE,
+        saver=CLIP_SAVER,
+        tips="Every GPU holds the whole I2V transformer (16.4B parameters, 30.5 GiB in bf16) and, while it denoises, "
+        "the VAE and the CLIP image encoder that read the start picture (1.4 GiB). `ranks` is 2 here, one pass per "
+        "GPU; on 4 GPUs set it to 4 (or 0): CFG 2 × Ulysses 2 (`ulysses_degree` 0 fills each half), the clip's "
+        "tokens split inside each half. Wan 2.1 I2V reads exactly 512 text tokens (`max_sequence_length`); `length` "
+        "is 4k + 1 frames; the 720P model takes 1280×720.",
     ),
 ]
 
@@ -441,7 +472,7 @@ def node_specs(example: Example) -> list:
         sampler_sockets["latent_image"] = (IMAGE_ENCODER, 0)
     if example.edits:
         # Under the sampler: the transformer loader grows below its widgets with what it reports.
-        images = [(LOAD_IMAGE_NODE, "LoadImage", [870, 800], [320, 360], {"image": EDIT_PICTURE}, {})]
+        images = [(LOAD_IMAGE_NODE, "LoadImage", [870, 800], [320, 360], {"image": example.picture}, {})]
     right = 380 if example.hires_fix else 0  # the decoder and the saver make room for the second pass
     encoder = (
         ENCODER,
@@ -533,8 +564,8 @@ def note(example: Example) -> str:
             else ""
         )
         + (
-            f"**Image**: the picture to edit, in `ComfyUI/input/` (Load Image's upload button puts it there); "
-            f"{EDIT_PICTURE} ships in the pack's `example_workflows/input/`.\n\n"
+            f"**Image**: {PICTURE_ROLES[example.picture]}, in `ComfyUI/input/` (Load Image's upload button puts it "
+            f"there); {example.picture} ships in the pack's `example_workflows/input/`.\n\n"
             if example.edits
             else ""
         )
@@ -671,10 +702,11 @@ def build(example: Example) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    edited = os.path.join(SHIPPED_INPUTS, EDIT_PICTURE)
     os.makedirs(SHIPPED_INPUTS, exist_ok=True)
-    picture(edited, 384)  # deterministic: the same bytes each time
-    print("wrote", os.path.relpath(edited))
+    for name, (width, height) in SHIPPED_PICTURES.items():
+        path = os.path.join(SHIPPED_INPUTS, name)
+        picture(path, width, height)  # deterministic: the same bytes each time
+        print("wrote", os.path.relpath(path))
     for example in EXAMPLES:
         ui, api = build(example)
         for path, doc in (

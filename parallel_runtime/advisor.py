@@ -8,7 +8,9 @@ The estimates' basis (also printed with every answer):
 
 - memory per GPU: the transformer's weights as the strategy places them (``estimates.weights_share``: a TP rank's
   measured share; a replica each under context / data / CFG parallelism; ``device_map`` an even split over the GPUs)
-  plus a step's activations at the size (``estimates.activation_bytes``, the ranks' own check); the text encoders and
+  plus a step's activations at the size (``estimates.activation_bytes``, the ranks' own check) plus what the denoise
+  loads beside the transformer (``FamilyAdapter.denoise_components``: an edit model's VAE, Wan I2V's VAE and CLIP
+  image encoder, whose tokens join the text's), as the ranks' check counts them; the text encoders and
   the VAE's decode (``estimates.decode_bytes``) as separate stages, one at a time (the ``staged`` memory policy: the
   encoders balanced over the GPUs, the decode on one; the VAE's weights stay through every stage). A strategy fits
   when its largest stage is within ``estimates.HEADROOM`` of a GPU's memory;
@@ -31,6 +33,7 @@ from .comfy_files import NO_FILE, plan_files
 from .errors import InvalidInput
 from .estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, step_bytes, weights_share
 from .families import FamilyAdapter
+from .families.base import image_context_tokens
 from .headers import DTYPE_BITS, read_header
 from .spec import BackendSpec
 from .strategy import StrategyPlan, TransformerFacts
@@ -134,6 +137,7 @@ class ModelSize:
     stored_bytes: dict[str, int]
     stored_dtypes: dict[str, tuple[str, ...]]
     gguf: bool = False  # a GGUF transformer: held packed as stored (under tensor parallelism, a rank's slices)
+    context_tokens: int = 0  # an image encoder's tokens beside the text (``families.base.image_context_tokens``)
 
     @property
     def transformer_parameters(self) -> int:
@@ -154,6 +158,18 @@ class ModelSize:
     @property
     def vae_bytes(self) -> int:
         return self.parameters.get("vae", 0) * LOADED_BYTES
+
+    @property
+    def denoise_components(self) -> tuple[str, ...]:
+        """What the denoise loads beside the transformer and the model has (a run with the references the family
+        needs; optional ones, FLUX.2's, not counted)."""
+        wanted = self.family.denoise_components(self.family.needs_reference)
+        return tuple(c for c in wanted if c in self.parameters)
+
+    @property
+    def denoise_bytes(self) -> int:
+        """The ``denoise_components``' weights: a second VAE beside the one that stays for the decode."""
+        return sum(self.parameters[c] for c in self.denoise_components) * LOADED_BYTES
 
 
 def backend_box(spec: BackendSpec, widget: str = "gpus") -> Box:
@@ -214,7 +230,13 @@ def read_model(model: str, widget: str = "--model") -> ModelSize:
     if os.path.isfile(os.path.join(path, "vae", "config.json")):
         with open(os.path.join(path, "vae", "config.json")) as f:
             channels = family.decoder_channels(json.load(f))
-    return ModelSize(os.path.basename(os.path.normpath(model)), family, config, channels, parameters, sizes, dtypes)
+    image_encoder = None
+    if os.path.isfile(os.path.join(path, "image_encoder", "config.json")):
+        with open(os.path.join(path, "image_encoder", "config.json")) as f:
+            image_encoder = json.load(f)
+    name = os.path.basename(os.path.normpath(model))
+    context = image_context_tokens(family, image_encoder)
+    return ModelSize(name, family, config, channels, parameters, sizes, dtypes, context_tokens=context)
 
 
 def read_files(
@@ -252,6 +274,7 @@ def read_files(
         stored,
         dtypes,
         gguf=plan.transformer.is_gguf,
+        context_tokens=image_context_tokens(family, plan.configs.get("image_encoder")),
     )
 
 
@@ -282,10 +305,12 @@ class Advice:
     def text(self) -> str:
         m, box = self.model, self.box
         stored = ", ".join(f"{c} {_gib(b)} {'/'.join(m.stored_dtypes[c])}" for c, b in m.stored_bytes.items())
+        loaded = " and ".join(m.denoise_components)
+        beside = f", {loaded} loaded in the denoise {_gib(m.denoise_bytes)}" if loaded else ""
         lines = [
             f"{m.name} ({m.family.name}) at {self.width}×{self.height}: transformer {_gib(m.transformer_bytes)} "
             f"({m.transformer_parameters / 1e9:.2f} B parameters), text encoders {_gib(m.encoder_bytes)}, "
-            f"VAE {_gib(m.vae_bytes)} in bf16 on the GPUs; stored as {stored}",
+            f"VAE {_gib(m.vae_bytes)}{beside} in bf16 on the GPUs; stored as {stored}",
             f"box: {box.describe()}",
             "",
             f"{'strategy':<34} {'weights/GPU':>11} {'activations':>11} {'peak/GPU':>9} {'sends/step':>10} "
@@ -312,12 +337,15 @@ def basis(advice: Advice) -> list[str]:
     """How the numbers were estimated, in the output's words."""
     m = advice.model
     passes = " × 2 passes (true CFG)" if m.family.true_cfg else ""
+    image_encoder = f" and {m.context_tokens} image-encoder tokens" if m.context_tokens else ""
+    beside = f" + the {' and '.join(m.denoise_components)} the denoise loads" if m.denoise_components else ""
     return [
         "memory: transformer weights in bf16, or as stored when they are fp8 (the weights widget's default), as the "
         "strategy places "
         f"them (tensor parallel: the measured per-rank share; a "
         f"replica each under context / data / CFG parallelism; device_map: split evenly) + one step's bf16 "
-        f"activations at {_text_tokens(m.family)} text tokens (the ranks' own estimate) + the VAE's weights, "
+        f"activations at {_text_tokens(m.family)} text tokens{image_encoder} (the ranks' own estimate){beside} + the "
+        "VAE's weights, "
         f"which stay; the text encoders and the decode as their own stages (the staged memory policy: the encoders "
         f"balanced over the GPUs, the decode on one); fits within {HEADROOM:.0%} of a GPU",
         "sends/step: what each rank sends in diffusers' collectives (bench/network.py's table)",
@@ -353,13 +381,14 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
     if width % per_token or height % per_token or width <= 0 or height <= 0:
         raise InvalidInput("--width", f"width and height must be positive multiples of {per_token}")
     image_tokens = (width // per_token) * (height // per_token)
-    text_tokens = _text_tokens(family)
+    text_tokens = _text_tokens(family) + model.context_tokens
     tokens = image_tokens + text_tokens
     hidden = hidden_size(config)
     passes = 2 if family.true_cfg else 1
     one_gpu = passes * step_flops(config, model.transformer_parameters, tokens) / (box.tflops * 1e12)
     facts = TransformerFacts.from_config(config, families.tp_plan(config["_class_name"]))
     vae = model.vae_bytes  # small: it stays on its GPU through every stage
+    beside = model.denoise_bytes  # loaded by the denoise on every GPU that runs the transformer
     decode = vae + decode_bytes(model.decoder_channels, 1, width, height, ACTIVATION_BYTES)
     usable = box.memory * HEADROOM
     n = box.gpus
@@ -369,7 +398,7 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
         activations = activation_bytes(plan, hidden, tokens, 1, ACTIVATION_BYTES)
         # The text encoders are balanced over the GPUs the option uses; the VAE decodes on one.
         encoders = math.ceil(model.encoder_bytes / (1 if name == ONE_GPU else n))
-        peak = max(int(weights) + activations + vae, encoders + vae, decode)
+        peak = max(int(weights) + activations + vae + beside, encoders + vae, decode)
         relative = (one_gpu / split + sends / box.bandwidth) / one_gpu
         options.append(Option(name, int(weights), activations, peak, sends, relative, why, peak <= usable))
 

@@ -4,9 +4,10 @@ download. From the pack's folder (``ComfyUI/custom_nodes/comfyui-parallel-diffus
     python -m parallel_runtime.examples ../..
 
 puts tiny random pipelines under the examples' model names (FLUX.1-dev, FLUX.2-dev, Qwen-Image, Wan2.2-T2V-A14B,
-FLUX.1-Kontext-dev, Qwen-Image-Edit-2511) in ``ComfyUI/models/diffusers/``, a tiny LoRA under the name the LoRA example
-picks in ``models/loras/``, the picture the img2img example loads (``example.png``) and the one the edit examples edit
-(shipped in ``example_workflows/input/``) in ``input/``. Whatever is there already is kept, never replaced (a real
+FLUX.1-Kontext-dev, Qwen-Image-Edit-2511, Wan2.1-I2V-14B-480P) in ``ComfyUI/models/diffusers/``, a tiny LoRA under the
+name the LoRA example picks in ``models/loras/``, the picture the img2img example loads (``example.png``) and the ones
+the edit examples edit and the image-to-video example starts from (shipped in ``example_workflows/input/``) in
+``input/``. Whatever is there already is kept, never replaced (a real
 FLUX.1-dev folder stays as it is). The weights are random, so the images are noise: they show that the graph runs
 (every rank, the shared memory, the stages), not the art. Delete the tiny folders before downloading the real models.
 """
@@ -28,22 +29,26 @@ PLACEHOLDERS = {  # model folder -> family
     "Wan2.2-T2V-A14B": "wan",
     "FLUX.1-Kontext-dev": "flux_kontext",
     "Qwen-Image-Edit-2511": "qwenimage_edit",
+    "Wan2.1-I2V-14B-480P": "wan_i2v",
 }
 STAND_IN_OPTIONS = {"Wan2.2-T2V-A14B": {"two_experts": True}}  # model folder -> its tiny builder's options
 LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "FLUX.1-dev"}  # LoRA file -> the model it is for
 IMAGE_PLACEHOLDER = "example.png"  # what an img2img example loads (a ComfyUI install ships one in input/)
-# The pictures the pack's examples load that ComfyUI does not ship (the edit examples'): copied into input/.
+# The pictures the pack's examples load that ComfyUI does not ship (the edit examples', the image-to-video example's
+# start): copied into input/.
 SHIPPED_INPUTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "example_workflows", "input")
 
 
-def picture(path: str, size: int) -> None:
-    """A picture for an img2img or edit example: soft colour gradients with a disc, so that its preview reads as an
-    image (the same bytes for a size, so the shipped one regenerates unchanged)."""
+def picture(path: str, width: int, height: int | None = None) -> None:
+    """A picture for an img2img, edit or image-to-video example, ``width`` × ``height`` (default square): soft colour
+    gradients with a disc, so that its preview reads as an image (the same bytes for a size, so the shipped ones
+    regenerate unchanged)."""
     import numpy as np
     from PIL import Image
 
-    y, x = np.mgrid[0:size, 0:size] / size
-    disc = ((x - 0.6) ** 2 + (y - 0.45) ** 2 < 0.06).astype(np.float32)
+    height = width if height is None else height
+    y, x = np.mgrid[0:height, 0:width] / np.array([height, width]).reshape(2, 1, 1)
+    disc = ((x - 0.6) ** 2 + ((y - 0.45) * height / width) ** 2 < 0.06).astype(np.float32)
     rgb = np.stack([0.9 * x + 0.1, 0.3 + 0.5 * y, 0.8 - 0.6 * x * y], axis=-1) * (1 - disc[..., None])
     rgb += disc[..., None] * np.array([0.95, 0.75, 0.2])
     Image.fromarray((255 * np.clip(rgb, 0, 1)).astype(np.uint8)).save(path)

@@ -233,6 +233,81 @@ def test_tiny_model_folders(tmp_path) -> None:
         assert ("cfg_parallel (ulysses 1 per half)" in names) == (key == "qwenimage")
 
 
+# Wan 2.1 I2V 14B, as its diffusers folder is published (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers): the transformer's
+# config, and the parameters of each component (counted on the meta device from the published configs: the transformer,
+# UMT5-XXL's encoder, the CLIP ViT-H/14 image encoder, the VAE), stored in bf16.
+WAN21_I2V = {
+    "_class_name": "WanTransformer3DModel",
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 36,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "image_dim": 1280,
+    "added_kv_proj_dim": 5120,
+    "rope_max_seq_len": 1024,
+}
+CLIP_VIT_H = {"_class_name": "CLIPVisionModel", "image_size": 224, "patch_size": 14, "hidden_size": 1280}
+I2V_LOADED = {"vae": 126_892_531, "image_encoder": 630_766_080}  # what Wan 2.1 I2V's denoise loads
+WAN21_I2V_PARAMETERS = {"transformer": 16_394_878_784, "text_encoder": 5_680_910_336, **I2V_LOADED}
+
+
+def write_wan21_i2v(folder: str) -> str:
+    """A Wan 2.1 I2V 14B-sized diffusers folder: each component one tensor of its size (sparse: no disk)."""
+    counts = WAN21_I2V_PARAMETERS
+    for component in counts:
+        os.makedirs(os.path.join(folder, component))
+    with open(os.path.join(folder, "model_index.json"), "w") as f:
+        json.dump({"_class_name": "WanImageToVideoPipeline"}, f)
+    for component, component_config in (
+        ("transformer", WAN21_I2V),
+        ("vae", {"_class_name": "AutoencoderKLWan", "base_dim": 96}),
+        ("image_encoder", CLIP_VIT_H),
+    ):
+        with open(os.path.join(folder, component, "config.json"), "w") as f:
+            json.dump(component_config, f)
+    for component, count in counts.items():
+        write_sparse_safetensors(os.path.join(folder, component, "model.safetensors"), {"all": ("BF16", [count])})
+    return folder
+
+
+def test_an_image_to_video_folder_counts_what_its_denoise_loads(tmp_path) -> None:
+    """Wan 2.1 I2V's denoise loads the VAE and the CLIP image encoder beside the transformer on every GPU that runs it
+    (a second VAE beside the one that stays for the decode), and the encoder's 257 tokens (ViT-H/14 at 224²: 16 × 16
+    patches and the class token) join the text's 512: the advisor counts both, as the ranks' check does, where the
+    same folder read as text-to-video (as the advisor read it before) counts neither."""
+    import dataclasses
+
+    from parallel_runtime.families import family
+
+    model = read_model(write_wan21_i2v(str(tmp_path / "Wan2.1-I2V-14B-480P")))
+    loaded = sum(I2V_LOADED.values()) * BYTES  # 1.4 GiB
+    assert model.family.key == "wan_i2v" and model.denoise_components == ("vae", "image_encoder")
+    assert model.denoise_bytes == loaded and model.context_tokens == 257
+    width, height, box = 832, 480, parse_gpus("2x80GB,nvlink")
+    per_token = 40 * 128 * BYTES * COPIES
+    tokens = (width // 16) * (height // 16) + 512 + 257  # one frame: the advisor sizes images
+    weights = WAN21_I2V_PARAMETERS["transformer"] * BYTES
+    options = _by_name(advise(model, box, width, height))
+    for name, split in (("one GPU", 1), ("context_parallel ulysses 2", 2), ("cfg_parallel (ulysses 1 per half)", 1)):
+        option = options[name]
+        assert option.activations == math.ceil(tokens / split) * per_token, name
+        # The denoise is the largest stage: the transformer, its step, the VAE that stays and what the denoise loads.
+        assert option.peak == weights + option.activations + I2V_LOADED["vae"] * BYTES + loaded, name
+    as_t2v = _by_name(advise(dataclasses.replace(model, family=family("wan"), context_tokens=0), box, width, height))
+    grew = options["one GPU"].peak - as_t2v["one GPU"].peak
+    assert grew == loaded + 257 * per_token
+    text = advise(model, box, width, height).text()
+    assert "vae and image_encoder loaded in the denoise 1.4 GiB" in text and "257 image-encoder tokens" in text
+
+
 def test_fp8_files_are_held_as_stored(tmp_path, flux1_dev: str) -> None:
     """The pack holds a transformer's fp8 weights in fp8 (the weights widget's default, "as stored"), so on the GPUs an
     fp8 file takes its stored bytes, half of a bf16 model's, and fits where the bf16 one would not."""

@@ -7,9 +7,9 @@ through /prompt with its placeholder models (and LoRAs) swapped for tiny random 
 one-shot pipeline (with the same LoRAs, ``load_lora_weights``) after 8-bit quantisation (±1 level); the image
 examples' (a hires fix through ComfyUI's LatentUpscaleBy, img2img from ComfyUI's LoadImage) must equal diffusers'
 text-to-image and img2img pipelines chained the same way; the video example's frames (through ComfyUI's
-SaveAnimatedWEBP, lossless for the check, 5 frames) must equal diffusers' ``WanPipeline``'s, both experts; the edit
-examples' (the picture the pack ships, from ComfyUI's LoadImage) must equal FluxKontextPipeline and
-QwenImageEditPlusPipeline on it.
+SaveAnimatedWEBP, lossless for the check, 5 frames) must equal diffusers' ``WanPipeline``'s, both experts, and the
+image-to-video example's ``WanImageToVideoPipeline``'s from the start picture the pack ships; the edit examples' (the
+picture the pack ships, from ComfyUI's LoadImage) must equal FluxKontextPipeline and QwenImageEditPlusPipeline on it.
 """
 
 from __future__ import annotations
@@ -36,17 +36,21 @@ PLACEHOLDERS = {
     "Wan2.2-T2V-A14B": "wan",
     "FLUX.1-Kontext-dev": "flux_kontext",
     "Qwen-Image-Edit-2511": "qwenimage_edit",
+    "Wan2.1-I2V-14B-480P": "wan_i2v",
 }
 LORA_PLACEHOLDERS = {"FLUX.1-dev-lora.safetensors": "flux"}  # the LoRA an example names -> its family
 IMAGE_PLACEHOLDER = "example.png"  # the picture an img2img example loads: ComfyUI ships it in its input folder
 EDIT_PICTURE = "parallel_edit_example.png"  # the picture the edit examples edit: the pack ships it
+START_PICTURE = "parallel_i2v_start.png"  # the image-to-video example's first frame: the pack ships it
+SHIPPED_PICTURES = (EDIT_PICTURE, START_PICTURE)
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 FRONTEND_ONLY = ("MarkdownNote", "Note")  # frontend nodes: saved in UI workflows, never sent to /prompt
 SIZE, STEPS, SEED = 64, 2, 5
 # Shorter text than the examples' (512 / 1024 tokens) keeps the tiny runs quick; FLUX.2 counts its 31-token tiny
 # system message in it.
-# Qwen-Image-Edit's pipeline cuts no prompt (its pictures' tokens ride in the text): its example keeps its length.
+# Qwen-Image-Edit's pipeline cuts no prompt (its pictures' tokens ride in the text), and Wan 2.1 I2V reads exactly 512
+# tokens: their examples keep their length.
 MAX_SEQUENCE_LENGTH = {"flux": 32, "flux2": 48, "qwenimage": 64, "wan": 16, "flux_kontext": 32}
 FRAMES = 5  # a video example's clip: 2 latent frames
 SAVERS = ("SaveImage", "SaveAnimatedWEBP")
@@ -105,7 +109,7 @@ def ui_to_api(ui: dict, info: dict) -> dict:
                         allowed = choices + {
                             "model": list(PLACEHOLDERS),
                             "lora_name": list(LORA_PLACEHOLDERS),
-                            "image": [IMAGE_PLACEHOLDER, EDIT_PICTURE],
+                            "image": [IMAGE_PLACEHOLDER, *SHIPPED_PICTURES],
                             **FILE_PLACEHOLDERS,
                         }.get(name, [])
                         assert value in allowed, (node["type"], name, value, kind)
@@ -361,15 +365,25 @@ def image_reference(family: str, model_dir: Path, workflow: dict, input_dir: Pat
 
 
 def edit_reference(family: str, model_dir: Path, workflow: dict, input_dir: Path) -> np.ndarray:
-    """diffusers' pipeline for an edit example, on the picture as LoadImage reads it, quantised as SaveImage does:
-    FluxKontextPipeline (``max_area`` the output's, which the sampler's width and height set) or
-    QwenImageEditPlusPipeline (true CFG against the negative prompt)."""
-    from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
+    """diffusers' pipeline for an example that loads a picture into the sampler or the encoder, on the picture as
+    LoadImage reads it, quantised as SaveImage does: FluxKontextPipeline (``max_area`` the output's, which the sampler's
+    width and height set), QwenImageEditPlusPipeline (true CFG against the negative prompt) or, from a start picture,
+    WanImageToVideoPipeline (Wan's CFG against the negative prompt; the clip's frames)."""
+    from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline, WanImageToVideoPipeline
     from PIL import Image
 
     encode, (sampler,) = inputs_of(workflow, "EncodeOnBalancedGPUs"), samplers(workflow)
     picture = Image.open(input_dir / inputs_of(workflow, "LoadImage")["image"]).convert("RGB")
-    if family == "flux_kontext":
+    if family == "wan_i2v":
+        pipe = WanImageToVideoPipeline.from_pretrained(model_dir, dtype=torch.float32)
+        extra = {
+            "image": picture,
+            "negative_prompt": encode["negative_prompt"],
+            "guidance_scale": sampler["true_cfg_scale"],
+            "num_frames": sampler["length"],
+            "max_sequence_length": encode["max_sequence_length"],
+        }
+    elif family == "flux_kontext":
         pipe = FluxKontextPipeline.from_pretrained(model_dir, dtype=torch.float32)
         extra = {
             "image": picture,
@@ -385,7 +399,7 @@ def edit_reference(family: str, model_dir: Path, workflow: dict, input_dir: Path
             "true_cfg_scale": sampler["true_cfg_scale"],
         }
     pipe.set_progress_bar_config(disable=True)
-    images = pipe(
+    output = pipe(
         prompt=encode["prompt"],
         num_inference_steps=sampler["steps"],
         width=sampler["width"],
@@ -393,7 +407,8 @@ def edit_reference(family: str, model_dir: Path, workflow: dict, input_dir: Path
         generator=[torch.Generator("cpu").manual_seed(sampler["seed"])],
         output_type="pt",
         **extra,
-    ).images
+    )
+    images = output.frames.flatten(0, 1) if family == "wan_i2v" else output.images  # a clip: its frames
     return np.clip(255.0 * images.permute(0, 2, 3, 1).numpy(), 0, 255).astype(np.uint8)
 
 
@@ -428,11 +443,12 @@ def test_example_runs_headless_and_equals_the_one_shot_pipeline(
         from PIL import Image
 
         Image.fromarray(picture).save(comfyui_server.input_dir / IMAGE_PLACEHOLDER)
-    if EDIT_PICTURE in loads:  # the shipped picture, where `python -m parallel_runtime.examples` puts it
+    shipped = set(SHIPPED_PICTURES) & set(loads)
+    if shipped:  # the shipped pictures, where `python -m parallel_runtime.examples` puts them
         copy_shipped_inputs(str(comfyui_server.input_dir))
     prompt_id, _ = comfyui_server.run(workflow, timeout=300)
     got = saved_pngs(comfyui_server, prompt_id)
-    if EDIT_PICTURE in loads:
+    if shipped:
         expected = edit_reference(family, tiny_models[family], workflow, comfyui_server.input_dir)
     elif starts_from_image:
         expected = image_reference(family, tiny_models[family], workflow, comfyui_server.input_dir)

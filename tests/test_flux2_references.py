@@ -207,6 +207,21 @@ def test_memory_estimate_counts_the_reference_tokens(flux2_dir):
     assert estimate == expected > step_activations(flux2, folder, transformer.plan, sampling, TOKENS, torch.float32)
 
 
+def test_memory_estimate_counts_the_vae_only_when_it_encodes_references(flux2_dir):
+    """FLUX.2-dev's denoise loads its VAE beside the transformer only to encode reference images: the ranks' estimate
+    counts its weights (its parameters × 4 bytes in float32) then, and not for text alone."""
+    from safetensors import safe_open
+
+    from parallel_runtime.worker.memory import denoise_component_bytes
+
+    flux2, folder = family("flux2"), flux2_dir / MODEL
+    (weights,) = (folder / "vae").glob("*.safetensors")
+    with safe_open(str(weights), "pt") as f:
+        parameters = sum(f.get_tensor(key).numel() for key in f.keys())
+    assert denoise_component_bytes(flux2, str(folder), torch.float32, references=True) == parameters * 4 > 0
+    assert denoise_component_bytes(flux2, str(folder), torch.float32, references=False) == 0
+
+
 # -- in a real ComfyUI: LoadImage -> ParallelSampler's image and image_2, and the inputs refused by name (a 400) -------
 KONTEXT = "tiny-flux-kontext"
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import WAN_CLIP, wan_clip_latent, wan_latents
 from helpers import wan_start_image as start_image
+from PIL import Image
 
 from parallel_runtime import InvalidInput, default_spec, jobs
 from parallel_runtime.families import Placement
@@ -120,6 +121,82 @@ def test_the_start_image_runs_at_the_clips_size(wan_dir):
     assert reference.describe() == "start image 56×40, resized to 48×32"
     # Its 56×40 adds no tokens: 48×32 × 5 frames split over 2 ranks, with a start image of any size.
     _validate("wan22", references=(reference,))
+
+
+# -- the memory check, before anything loads ---------------------------------------------------------------------
+def _parameters(folder) -> int:
+    """Every tensor's elements in a folder's safetensors files, read with safetensors itself."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            count += sum(f.get_tensor(key).numel() for key in f.keys())
+    return count
+
+
+def _clip_tokens(folder) -> int:
+    """The tokens Wan 2.1 I2V's CLIP encoder gives one image, as the pipeline takes them (its hidden states before the
+    last layer), from running the folder's encoder on one picture."""
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    encoder = CLIPVisionModel.from_pretrained(folder / "image_encoder")
+    processor = CLIPImageProcessor.from_pretrained(folder / "image_processor")
+    pixels = processor(images=Image.new("RGB", (56, 40)), return_tensors="pt")
+    with torch.no_grad():
+        hidden = encoder(pixel_values=pixels["pixel_values"], output_hidden_states=True).hidden_states[-2]
+    return hidden.shape[1]
+
+
+@pytest.mark.parametrize("name, loaded", [("wan21", ("vae", "image_encoder")), ("wan22", ("vae",))])
+def test_the_memory_check_counts_what_the_denoise_loads_for_the_start_image(wan_dir, name, loaded):
+    """The VAE and (Wan 2.1) the CLIP image encoder load in the denoise beside the transformer on every rank: the
+    estimate counts their weights (their parameters × the dtype's size, whether the transformer is resident or not),
+    and the CLIP tokens beside Wan 2.1's text; Wan 2.2 I2V has no image encoder and no image tokens. Against the
+    same folder read as text-to-video (the ``wan`` family), which loads neither."""
+    from parallel_runtime.estimates import activation_bytes, hidden_size
+    from parallel_runtime.worker import memory
+
+    folder = wan_dir / MODELS[name]
+    transformer = jobs.plan_transformer(backend(), model=MODELS[name], strategy="cfg_parallel")
+    plan = transformer.plan
+    sampling = Sampling(seed=SEED, steps=STEPS, guidance_scale=1.0, width=WIDTH, height=HEIGHT, frames=FRAMES)
+    common = dict(local_ranks=1, loads_weights=False, freed_by_load=0)
+    args = (str(folder), plan, sampling, TOKENS, torch.float32, torch.device("cpu"))
+    started = memory.check_denoise(wan_i2v, *args, references=True, **common)
+    as_t2v = memory.check_denoise(family_adapter("wan"), *args, references=True, **common)
+    components = sum(_parameters(folder / c) for c in loaded) * 4  # fp32
+    assert started.components == started.weights == components > 0 and as_t2v.weights == as_t2v.components == 0
+    assert {c for c in ("vae", "image_encoder") if (folder / c).is_dir()} == set(loaded)
+    clip = _clip_tokens(folder) if name == "wan21" else 0
+    assert (clip > 0) == (name == "wan21")
+    video = ((FRAMES - 1) // 4 + 1) * (WIDTH // 16) * (HEIGHT // 16)
+    hidden = hidden_size(transformer.config)
+    assert started.activations == activation_bytes(plan, hidden, video + TOKENS + clip, 1, 4)
+    assert as_t2v.activations == activation_bytes(plan, hidden, video + TOKENS, 1, 4)
+
+
+def test_a_start_image_short_of_memory_is_refused_naming_what_loads(wan_dir, monkeypatch):
+    """A device whose free memory holds the transformer and its step (as the folder read as text-to-video needs) but
+    not the VAE and image encoder beside them: refused before anything loads, the message naming them and the fix."""
+    from parallel_runtime.wire import Memory
+    from parallel_runtime.worker import memory
+    from parallel_runtime.worker.ops import WidgetError
+
+    folder = str(wan_dir / MODELS["wan21"])
+    plan = jobs.plan_transformer(backend(), model=MODELS["wan21"], strategy="cfg_parallel").plan
+    sampling = Sampling(seed=SEED, steps=STEPS, guidance_scale=1.0, width=WIDTH, height=HEIGHT, frames=FRAMES)
+    args = (folder, plan, sampling, TOKENS, torch.float32, torch.device("cpu"))
+    common = dict(local_ranks=1, loads_weights=True, freed_by_load=0, references=True)
+    as_t2v = memory.check_denoise(family_adapter("wan"), *args, **common)
+    free = int((as_t2v.activations + as_t2v.weights) / memory.HEADROOM) + 1  # the transformer's step just fits
+    monkeypatch.setattr(memory, "memory_of", lambda device: Memory(kind="cpu", total_bytes=free, free_bytes=free))
+    assert memory.check_denoise(family_adapter("wan"), *args, **common) == as_t2v
+    with pytest.raises(WidgetError) as info:
+        memory.check_denoise(wan_i2v, *args, **common)
+    message = str(info.value)
+    assert info.value.widget == "width" and "the vae and image_encoder the denoise loads beside" in message
+    assert "tensor_parallel or device_map" in message and "context_parallel over more ranks" in message
 
 
 # -- the strategies on real ranks -----------------------------------------------------------------------------

@@ -241,6 +241,13 @@ class FamilyAdapter(abc.ABC):
         """The (width, height) the text encoder sees an image of this size at (families with ``encoder_images``)."""
         raise NotImplementedError(f"{self.name}'s text encoder reads no image")
 
+    def denoise_components(self, references: bool) -> tuple[str, ...]:
+        """The folder's components (subfolders) the denoise loads beside the transformer, on the transformer's device,
+        and lets go of after it: the VAE that encodes the reference images or a clip's start image, Wan 2.1 I2V's
+        CLIP image encoder. ``references``: the run has reference images. Their weights count in the denoise's memory
+        (``worker/memory.py``, the advisor); one the folder lacks (Wan 2.2 I2V's image encoder) counts nothing."""
+        return ()
+
     # -- stages (on the ranks) --------------------------------------------------------------------------------
     @abc.abstractmethod
     def load_text_encoders(self, model_dir: str, dtype: torch.dtype, placement: Placement) -> Any:
@@ -426,6 +433,15 @@ def reference_tokens(family: FamilyAdapter, width: int, height: int) -> int:
     if family.first_frame:
         return 0
     return image_tokens(family, *family.reference_size(width, height))
+
+
+def image_context_tokens(family: FamilyAdapter, image_encoder_config: dict | None) -> int:
+    """Tokens the denoise's image encoder (one of ``denoise_components``; its ``config.json``, None where the folder
+    has none) puts beside the text in the cross-attention's context: every position of a CLIP vision encoder's hidden
+    states, the patches and the class token (Wan 2.1 I2V's ViT-H/14 at 224²: 257)."""
+    if image_encoder_config is None or "image_encoder" not in family.denoise_components(True):
+        return 0
+    return (image_encoder_config["image_size"] // image_encoder_config["patch_size"]) ** 2 + 1
 
 
 def pil_images(image: torch.Tensor) -> list[Any]:

@@ -24,7 +24,7 @@ import torch
 
 from ..estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, weights_share
 from ..families import FamilyAdapter, tp_sharded_share
-from ..families.base import image_tokens
+from ..families.base import image_context_tokens, image_tokens
 from ..gguf_files import gguf_weights
 from ..strategy import StrategyPlan
 from ..wire import FLOAT8_DTYPES, FP8_SCALE_SUFFIX, Sampling
@@ -67,10 +67,33 @@ def weight_bytes_in(folder: str, dtype: torch.dtype, fp8_as_stored: bool) -> int
     )
 
 
+def _components_bytes(model_dir: str, names: list[str] | tuple[str, ...], dtype: torch.dtype) -> int:
+    """Bytes of the named components' weights in ``dtype``; a component the folder lacks counts nothing."""
+    folders = (os.path.join(model_dir, name) for name in names)
+    return sum(parameters_in(f) for f in folders if os.path.isdir(f)) * dtype.itemsize
+
+
 def text_encoder_bytes(model_dir: str, dtype: torch.dtype) -> int:
     """Bytes of the text encoders' weights in ``dtype`` (every ``text_encoder*`` folder of the model)."""
-    folders = [os.path.join(model_dir, n) for n in sorted(os.listdir(model_dir)) if n.startswith("text_encoder")]
-    return sum(parameters_in(f) for f in folders if os.path.isdir(f)) * dtype.itemsize
+    names = [n for n in sorted(os.listdir(model_dir)) if n.startswith("text_encoder")]
+    return _components_bytes(model_dir, names, dtype)
+
+
+def denoise_component_bytes(family: FamilyAdapter, model_dir: str, dtype: torch.dtype, references: bool) -> int:
+    """Bytes of what the denoise loads beside the transformer (``FamilyAdapter.denoise_components``: the VAE that
+    encodes the reference images or the start image, Wan 2.1 I2V's CLIP image encoder) in ``dtype``, the
+    transformer's, in which the family loads them. They load on every run, resident transformer or not."""
+    return _components_bytes(model_dir, family.denoise_components(references), dtype)
+
+
+def context_tokens(family: FamilyAdapter, model_dir: str) -> int:
+    """Tokens the folder's image encoder puts beside the text in the cross-attention's context
+    (``families.base.image_context_tokens``: Wan 2.1 I2V's 257 CLIP tokens)."""
+    path = os.path.join(model_dir, "image_encoder", "config.json")
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        return image_context_tokens(family, json.load(f))
 
 
 def room(device: torch.device, local_ranks: int, held: int) -> int:
@@ -114,7 +137,8 @@ class Estimate:
     """What a stage was estimated to need on this rank, before anything loaded: for the out-of-memory message."""
 
     activations: int
-    weights: int = 0
+    weights: int = 0  # what the stage loads: the transformer's (when not resident) and ``components``
+    components: int = 0  # of ``weights``, what the denoise loads beside the transformer (``denoise_component_bytes``)
 
     def __str__(self) -> str:
         if not self.weights:
@@ -139,9 +163,11 @@ def step_activations(
     reference_tokens: int = 0,
 ) -> int:
     """Bytes of activations one denoising step holds on a rank at its peak (``estimates.activation_bytes``), over
-    the image's tokens, the text's and the reference images' (``families.base.reference_tokens``)."""
+    the image's tokens, the text's (with an image encoder's beside it, ``context_tokens``) and the reference
+    images' (``families.base.reference_tokens``)."""
     with open(os.path.join(model_dir, "transformer", "config.json")) as f:
         config = json.load(f)
+    text_tokens += context_tokens(family, model_dir)
     tokens = image_tokens(family, sampling.width, sampling.height, sampling.frames) + text_tokens + reference_tokens
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     return activation_bytes(plan, hidden_size(config), tokens, images, dtype.itemsize)
@@ -169,10 +195,12 @@ def check_denoise(
     freed_by_load: int,
     fp8_as_stored: bool = False,
     reference_tokens: int = 0,
+    references: bool = False,
 ) -> Estimate:
     """What the denoise needs on this rank; WidgetError (``width``) when it cannot fit this rank's device. Weights
     stored in fp8 count 1 byte each when the rank holds them so (``fp8_as_stored``). ``reference_tokens``: the
-    reference images' tokens in the sequence."""
+    reference images' tokens in the sequence; ``references``: the run has reference images (or a start image), which
+    decides what the family loads beside the transformer (``denoise_component_bytes``, counted on every run)."""
     activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype, reference_tokens)
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     weights = 0
@@ -181,11 +209,16 @@ def check_denoise(
         experts = family.transformer_subfolders(model_dir)
         held = sum(weight_bytes_in(os.path.join(model_dir, subfolder), dtype, fp8_as_stored) for subfolder in experts)
         weights = held * weights_share(plan, _sharded_share(plan, os.path.join(model_dir, experts[0])))
+    components = denoise_component_bytes(family, model_dir, dtype, references)
+    weights += components
     free, sharing = _free(device, local_ranks if plan.spmd else 1)
     need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
     if need > have:
         split = f" (its tokens split over {plan.cp_degree} ranks)" if plan.splits_tokens else ""
         plus = f", plus {_gib(weights)} of weights" if weights else ""
+        if components:
+            loaded = " and ".join(family.denoise_components(references))
+            plus += f" ({_gib(components)} of them the {loaded} the denoise loads beside the transformer)"
         where = f"the {sharing} ranks on this machine's memory have" if sharing > 1 else f"{device} has"
         clip = f" × {sampling.frames} frames" if sampling.frames > 1 else ""
         size = f"{sampling.width}×{sampling.height}{clip} × {images} image(s)"
@@ -194,9 +227,11 @@ def check_denoise(
             f"{size} needs about {_gib(activations)} of activations per rank for {family.name} "
             f"under {plan.strategy.value}{split}{plus}; {where} {_gib(free)} free. Use a smaller "
             "width and height, length or batch_size, context_parallel over more ranks (it splits the "
-            "activations), or free memory",
+            "activations), "
+            + ("tensor_parallel or device_map (they split the transformer's weights), " if weights else "")
+            + "or free memory",
         )
-    return Estimate(activations, int(weights))
+    return Estimate(activations, int(weights), components)
 
 
 def default_budget(

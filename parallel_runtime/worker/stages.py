@@ -147,16 +147,17 @@ def _load_together(ctx: OpContext, models: ResidentModels, key: ModelKey, load: 
 
 
 def _device_map_budget(
-    adapter: FamilyAdapter, model_dir: str, sampling: Sampling, dtype: torch.dtype, activations: int
+    adapter: FamilyAdapter, model_dir: str, sampling: Sampling, dtype: torch.dtype, estimate: memory.Estimate
 ) -> dict[int | str, int]:
     """``max_memory`` for a ``device_map`` transformer the user left unbounded: what every GPU has free now, less the
-    step's activations and a margin, and on the first GPU less the VAE too (it decodes there next)."""
+    step's activations and a margin, and on the first GPU less the VAE too (it decodes there next) and what the
+    denoise loads there beside the transformer (``estimate.components``: the VAE and image encoder of I2V, ...)."""
     with open(os.path.join(model_dir, "vae", "config.json")) as f:
         vae_config = json.load(f)
     vae = memory.decode_need(adapter, vae_config, sampling.batch_size, sampling.width, sampling.height, dtype)
-    vae += memory.parameters_in(os.path.join(model_dir, "vae")) * dtype.itemsize
+    vae += memory.parameters_in(os.path.join(model_dir, "vae")) * dtype.itemsize + estimate.components
     free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
-    return memory.default_budget(free, vae, activations, memory_of(torch.device("cpu")).free_bytes)
+    return memory.default_budget(free, vae, estimate.activations, memory_of(torch.device("cpu")).free_bytes)
 
 
 def _on_step(ctx: OpContext, clock: speeds.BusyClock, images: int) -> Callable[[int, int], None]:
@@ -269,6 +270,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         strategies.check_attention(plan, ctx.device)
         estimate = memory.check_denoise(adapter, spec.model.path, plan, sampling, text_tokens, dtype, ctx.device,
                                         reference_tokens=references,
+                                        references=any(name in images for name in REFERENCE_INPUTS),
                                         local_ranks=ctx.local_world_size, loads_weights=not models.resident(key),
                                         freed_by_load=models.freed_by_loading(key),
                                         # device_map places the weights in the dtype before holding them in fp8
@@ -288,7 +290,7 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     else:
         if models.make_room(key) and spec.max_memory is None and ctx.device.type == "cuda":
             flush(ctx.device)  # what staged just freed counts as free for the budget
-            budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate.activations)
+            budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate)
             placement = dataclasses.replace(placement, max_memory=budget)
             budget_note = memory.describe_budget(budget)
         load_placed = functools.partial(_load_placed, adapter, spec, dtype, placement)

@@ -57,6 +57,9 @@ class Flux2(FamilyAdapter):
     # image's sequence four times as long, its attention about sixteen times the work.
     reference_images: ClassVar[int] = 3
 
+    def denoise_components(self, references: bool) -> tuple[str, ...]:
+        return ("vae",) if references else ()  # it encodes the references
+
     def reference_size(self, width: int, height: int) -> tuple[int, int]:
         """What ``Flux2Pipeline`` makes of a reference image: refused under 64 pixels a side or beyond 8:1
         (``Flux2ImageProcessor.check_image_input``), scaled down to a megapixel when larger (its sides truncated),

@@ -56,6 +56,9 @@ class Flux2Klein(Flux2):
             out["negative_prompt_embeds"] = _encode(pipe, prompts.negative_prompts, prompts.max_sequence_length)
         return out
 
+    def denoise_components(self, references: bool) -> tuple[str, ...]:
+        return ("vae",)  # also without references: its pipeline reads the VAE's batch-norm statistics
+
     def cfg_refusal(self, model_dir: str, true_cfg_scale: float) -> str | None:
         if not _distilled(model_dir):
             return None

@@ -28,6 +28,9 @@ class FluxKontext(Flux1):
     needs_reference: ClassVar[bool] = True
     reference_per_image: ClassVar[bool] = True
 
+    def denoise_components(self, references: bool) -> tuple[str, ...]:
+        return ("vae",)  # it encodes the picture to edit
+
     def reference_size(self, width: int, height: int) -> tuple[int, int]:
         """The size a ``width`` × ``height`` reference image is resized to before its VAE encode: the pipeline's
         ``_auto_resize``, Kontext's trained resolution nearest its aspect ratio (each about a megapixel), in whole

@@ -59,6 +59,9 @@ class QwenImageEdit(QwenImage):
     # read: the images come through EncodeOnBalancedGPUs.
     comfy_text_encoder = None
 
+    def denoise_components(self, references: bool) -> tuple[str, ...]:
+        return ("vae",)  # it encodes the pictures for the transformer
+
     def condition_size(self, width: int, height: int) -> tuple[int, int]:
         """The size the text encoder sees a ``width`` × ``height`` image at: about 384² at its aspect ratio (the
         pipeline's ``CONDITION_IMAGE_SIZE``), sides multiples of 32."""

@@ -12,7 +12,8 @@ Where the start image is encoded: in the denoise, on every rank, by the pipeline
 load there, in the transformer's dtype, as FLUX.1 Kontext's VAE does). The image enters at the sampler, not at the
 text encoders' node, and ComfyUI's own CONDITIONING never passes the pack's encode stage; the pipeline's own encode
 makes the clip diffusers' by construction. What it costs: loading the VAE and (Wan 2.1) CLIP ViT-H, 0.6B parameters,
-for each run — small beside a 14B transformer's 81-frame steps.
+for each run — small beside a 14B transformer's 81-frame steps; the memory check and the advisor count them
+(``denoise_components``), and CLIP's 257 tokens beside the text.
 
 Wan 2.1 I2V's transformer takes the image tokens as what precedes the last 512 of its cross-attention's context, so
 its text must be exactly 512 tokens (``jobs/sample.py`` refuses another length before anything loads): a shorter
@@ -37,6 +38,9 @@ class WanI2V(Wan):
     needs_reference: ClassVar[bool] = True
     first_frame: ClassVar[bool] = True
     not_text: ClassVar[tuple[str, ...]] = (*Wan.not_text, "image_encoder", "image_processor")
+
+    def denoise_components(self, references: bool) -> tuple[str, ...]:
+        return ("vae", "image_encoder")  # they read the start image (start_image); Wan 2.2 I2V has no image encoder
 
     def start_image(
         self, model_dir: str, transformer: torch.nn.Module, image: torch.Tensor | None

@@ -33,6 +33,9 @@ class WanTI2V(Wan):
     reference_images: ClassVar[int] = 1
     first_frame: ClassVar[bool] = True  # optional (needs_reference stays False): without it, text-to-video
 
+    def denoise_components(self, references: bool) -> tuple[str, ...]:
+        return ("vae",) if references else ()  # it encodes the start image, when there is one (start_image)
+
     def start_image(
         self, model_dir: str, transformer: torch.nn.Module, image: torch.Tensor | None
     ) -> tuple[type, dict[str, Any], dict[str, Any]]:
