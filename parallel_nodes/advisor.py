@@ -42,6 +42,19 @@ class ParallelAdvisor(io.ComfyNode):
                     ),
                 ),
                 backend_input(),
+                # Last: UI-format workflows store widget values by position, so saved graphs keep loading.
+                io.Int.Input(
+                    "length",
+                    default=1,
+                    min=1,
+                    max=4097,
+                    step=4,
+                    optional=True,
+                    tooltip=(
+                        "For a video model: the clip's frames, as ParallelSampler's length (4k + 1; 81 is Wan's 5 "
+                        "seconds), whose tokens every step holds. 1 for the image families."
+                    ),
+                ),
             ],
             outputs=[io.String.Output(display_name="advice", tooltip="The advice's text, also shown on the node.")],
             is_output_node=True,
@@ -58,5 +71,5 @@ class ParallelAdvisor(io.ComfyNode):
         w = comfy.execution_inputs(cls, inputs)
         declared = w["gpus"].strip()
         box = parse_gpus(declared, "gpus") if declared else backend_box(w["backend"] or default_spec())
-        text = advise(read_model(w["model"], "model"), box, w["width"], w["height"]).text()
+        text = advise(read_model(w["model"], "model"), box, w["width"], w["height"], w["length"]).text()
         return io.NodeOutput(text, ui=ui.PreviewText(text))

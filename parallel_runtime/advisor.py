@@ -35,6 +35,7 @@ from .estimates import HEADROOM, activation_bytes, decode_bytes, hidden_size, st
 from .families import FamilyAdapter
 from .families.base import image_context_tokens
 from .headers import DTYPE_BITS, read_header
+from .jobs.widgets import check_length
 from .spec import BackendSpec
 from .strategy import StrategyPlan, TransformerFacts
 
@@ -301,14 +302,16 @@ class Advice:
     options: list[Option]  # best first: what fits, by step time; then what does not
     refused: list[tuple[str, str]]  # (strategy, why the plan is not possible for this model or box)
     changes: list[str]  # what to change when nothing fits
+    length: int = 1  # a clip's frames (1: an image)
 
     def text(self) -> str:
         m, box = self.model, self.box
         stored = ", ".join(f"{c} {_gib(b)} {'/'.join(m.stored_dtypes[c])}" for c, b in m.stored_bytes.items())
         loaded = " and ".join(m.denoise_components)
         beside = f", {loaded} loaded in the denoise {_gib(m.denoise_bytes)}" if loaded else ""
+        clip = f" × {self.length} frames" if self.length > 1 else ""
         lines = [
-            f"{m.name} ({m.family.name}) at {self.width}×{self.height}: transformer {_gib(m.transformer_bytes)} "
+            f"{m.name} ({m.family.name}) at {self.width}×{self.height}{clip}: transformer {_gib(m.transformer_bytes)} "
             f"({m.transformer_parameters / 1e9:.2f} B parameters), text encoders {_gib(m.encoder_bytes)}, "
             f"VAE {_gib(m.vae_bytes)}{beside} in bf16 on the GPUs; stored as {stored}",
             f"box: {box.describe()}",
@@ -342,7 +345,7 @@ def basis(advice: Advice) -> list[str]:
     return [
         "memory: transformer weights in bf16, or as stored when they are fp8 (the weights widget's default), as the "
         "strategy places "
-        f"them (tensor parallel: the measured per-rank share; a "
+        f"them (tensor parallel: the per-rank share its plan splits; a "
         f"replica each under context / data / CFG parallelism; device_map: split evenly) + one step's bf16 "
         f"activations at {_text_tokens(m.family)} text tokens{image_encoder} (the ranks' own estimate){beside} + the "
         "VAE's weights, "
@@ -366,21 +369,25 @@ def step_flops(config: dict, parameters: int, tokens: int) -> float:
     return 2 * parameters * tokens + 4 * layers * tokens**2 * hidden_size(config)
 
 
-def advise(model: ModelSize, box: Box, width: int, height: int) -> Advice:
+def advise(model: ModelSize, box: Box, width: int, height: int, length: int = 1) -> Advice:
     """Every strategy of the box's GPUs for ``model`` at ``width`` × ``height``, best first, and what to change
     when none fits."""
-    options, refused = _options(model, box, width, height)
-    changes = [] if any(o.fits for o in options) else _changes(model, box, width, height, options)
-    return Advice(model, box, width, height, options, refused, changes)
+    check_length(model.family, length)
+    options, refused = _options(model, box, width, height, length)
+    changes = [] if any(o.fits for o in options) else _changes(model, box, width, height, length, options)
+    return Advice(model, box, width, height, options, refused, changes, length)
 
 
-def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[Option], list[tuple[str, str]]]:
+def _options(
+    model: ModelSize, box: Box, width: int, height: int, length: int = 1
+) -> tuple[list[Option], list[tuple[str, str]]]:
     """The strategies, best first (what fits, by step time; then what does not, by memory), and those refused."""
     family, config = model.family, model.transformer_config
     per_token = family.pixels_per_token
     if width % per_token or height % per_token or width <= 0 or height <= 0:
         raise InvalidInput("--width", f"width and height must be positive multiples of {per_token}")
-    image_tokens = (width // per_token) * (height // per_token)
+    # A clip's tokens: every latent frame's (Wan: the first frame alone, then one per 4).
+    image_tokens = (width // per_token) * (height // per_token) * family.latent.frames(length)
     text_tokens = _text_tokens(family) + model.context_tokens
     tokens = image_tokens + text_tokens
     hidden = hidden_size(config)
@@ -490,7 +497,7 @@ def _options(model: ModelSize, box: Box, width: int, height: int) -> tuple[list[
     return options, refused
 
 
-def _changes(model: ModelSize, box: Box, width: int, height: int, options: list[Option]) -> list[str]:
+def _changes(model: ModelSize, box: Box, width: int, height: int, length: int, options: list[Option]) -> list[str]:
     """What would make something fit: fewer pixels, more GPUs, smaller weights."""
     usable = box.memory * HEADROOM
     smallest = min(options, key=lambda o: o.peak)
@@ -499,7 +506,7 @@ def _changes(model: ModelSize, box: Box, width: int, height: int, options: list[
         scale = 0.875
         while width * scale >= 256 and height * scale >= 256:
             w, h = _round(width * scale, model.family), _round(height * scale, model.family)
-            if any(o.fits for o in _options(model, box, w, h)[0]):
+            if any(o.fits for o in _options(model, box, w, h, length)[0]):
                 changes.append(f"fewer pixels: {w}×{h} fits")
                 break
             scale -= 0.125

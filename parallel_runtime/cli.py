@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--length", type=int, default=1, help="a video model's clip in frames, 4k + 1 (Wan: 81)")
     p.add_argument("--gpus", help="declare the GPUs instead of measuring them: " + GPUS_SYNTAX)
     p = sub.add_parser("demo", help="generate an image with the nodes' steps on a tiny offline FLUX.1 model")
     p.add_argument("--ranks", type=int, default=2)
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 model = read_model(args.model)
             box = parse_gpus(args.gpus) if args.gpus else measured_box(doctor(0, "cuda"))
-            print(advise(model, box, args.width, args.height).text())
+            print(advise(model, box, args.width, args.height, args.length).text())
         except InvalidInput as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

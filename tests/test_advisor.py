@@ -308,6 +308,25 @@ def test_an_image_to_video_folder_counts_what_its_denoise_loads(tmp_path) -> Non
     assert "vae and image_encoder loaded in the denoise 1.4 GiB" in text and "257 image-encoder tokens" in text
 
 
+def test_a_clip_counts_every_latent_frames_tokens(tmp_path, flux1_dev: str) -> None:
+    """A video model's advice is for the clip ParallelSampler's length makes: 81 frames are 21 latent frames, each
+    with its 16-pixel patches, every one of them in every step's activations; a length the VAE cannot make, or a clip
+    of an image model, is refused by name."""
+    model = read_model(write_wan21_i2v(str(tmp_path / "Wan2.1-I2V-14B-480P")))
+    width, height, box = 832, 480, parse_gpus("8x80GB,nvlink")
+    per_token = 40 * 128 * BYTES * COPIES
+    text = 512 + 257
+    for length, latent_frames in ((1, 1), (81, 21)):
+        option = _by_name(advise(model, box, width, height, length))["context_parallel ulysses 8"]
+        tokens = (width // 16) * (height // 16) * latent_frames + text
+        assert option.activations == math.ceil(tokens / 8) * per_token, length
+    assert "at 832×480 × 81 frames:" in advise(model, box, width, height, 81).text()
+    with pytest.raises(InvalidInput, match=r"^length: 80 frames is not 4k \+ 1 .* use 77 or 81"):
+        advise(model, box, width, height, 80)
+    with pytest.raises(InvalidInput, match=r"^length: 5 frames, but FLUX.1 makes images; set length to 1"):
+        advise(read_model(flux1_dev), box, WIDTH, HEIGHT, 5)
+
+
 def test_fp8_files_are_held_as_stored(tmp_path, flux1_dev: str) -> None:
     """The pack holds a transformer's fp8 weights in fp8 (the weights widget's default, "as stored"), so on the GPUs an
     fp8 file takes its stored bytes, half of a bf16 model's, and fits where the bf16 one would not."""

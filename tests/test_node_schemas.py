@@ -71,6 +71,7 @@ GROWN_AFTER_0_1_0 = {
     "ParallelModelFromComfyFiles": ["diffusion_model_2", "clip_vision"],
     "EncodeOnBalancedGPUs": ["image", "image_2", "image_3"],  # the images Qwen-Image-Edit's text encoder reads
     "ParallelLoraLoader": ["expert"],  # which of Wan 2.2 A14B's experts a LoRA changes
+    "ParallelAdvisor": ["length"],  # a clip's frames
 }
 CONTRACT = {**CONTRACT_0_1_0, **ADDED_AFTER_0_1_0}
 for _node_id, _grown in GROWN_AFTER_0_1_0.items():

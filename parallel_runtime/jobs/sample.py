@@ -20,7 +20,7 @@ from ..wire import CacheReport, DenoiseArgs, DenoiseResult, Sampling
 from .conditioning import read_positive, with_negative
 from .encode import Conditioning
 from .transformer import TransformerHandle
-from .widgets import check_finite
+from .widgets import check_finite, check_length
 
 
 def _check_size(widget: str, value: int, multiple: int) -> None:
@@ -297,23 +297,6 @@ def _read_sampler(handle: TransformerHandle, sampler: str, scheduler: str) -> tu
     return chosen, schedule
 
 
-def _check_length(family: FamilyAdapter, length: int) -> None:
-    """A clip length the family's VAE makes: 4k + 1 frames for Wan (the first frame alone, then 4 per latent frame);
-    1 for an image family."""
-    step = family.latent.temporal_downscale
-    if step == 1:
-        if length != 1:
-            raise InvalidInput("length", f"{length} frames, but {family.name} makes images; set length to 1")
-        return
-    if length < 1 or (length - 1) % step:
-        lower = max(1, (length - 1) // step * step + 1)
-        raise InvalidInput(
-            "length",
-            f"{length} frames is not {step}k + 1 ({family.name}'s VAE keeps the first frame and then packs {step} "
-            f"frames into each latent frame); use {lower} or {lower + step}",
-        )
-
-
 def _check_guidance_scale_2(handle: TransformerHandle, guidance_scale_2: float, true_cfg_scale: float) -> None:
     """``guidance_scale_2`` guides a second expert (Wan 2.2 A14B) and only where CFG is on; 0 leaves it unset."""
     check_finite("guidance_scale_2", guidance_scale_2)
@@ -412,7 +395,7 @@ def validate_sample(
         _check_size("height", height, family.pixels_per_token)
     if batch_size < 1:
         raise InvalidInput("batch_size", f"{batch_size} makes no images; use at least 1")
-    _check_length(family, length)
+    check_length(family, length)
     _check_guidance_scale_2(handle, guidance_scale_2, true_cfg_scale)
     check_finite("guidance_scale", guidance_scale)
     check_finite("true_cfg_scale", true_cfg_scale)

@@ -1,13 +1,17 @@
-"""Widget values every step reads the same way: dtypes, device budgets, prompt text, finite numbers."""
+"""Widget values every step reads the same way: dtypes, device budgets, prompt text, finite numbers, clip lengths."""
 
 from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInput
 from ..spec import BackendSpec, cuda_device_count
 from ..wire import Dtype
+
+if TYPE_CHECKING:
+    from ..families import FamilyAdapter
 
 DTYPE_OPTIONS = ("auto", *(d.value for d in Dtype))  # the dtype widgets's choices
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KIB|MB|MIB|GB|GIB|TB|TIB)\s*$", re.IGNORECASE)
@@ -92,3 +96,20 @@ def check_finite(widget: str, value: float) -> None:
     """NaN and infinity pass ComfyUI's min/max checks (every comparison with NaN is false) and give a black image."""
     if not math.isfinite(value):
         raise InvalidInput(widget, f"{value} is not a number the sampler can use; give a finite value")
+
+
+def check_length(family: FamilyAdapter, length: int) -> None:
+    """A clip length the family's VAE makes: 4k + 1 frames for Wan (the first frame alone, then 4 per latent frame);
+    1 for an image family."""
+    step = family.latent.temporal_downscale
+    if step == 1:
+        if length != 1:
+            raise InvalidInput("length", f"{length} frames, but {family.name} makes images; set length to 1")
+        return
+    if length < 1 or (length - 1) % step:
+        lower = max(1, (length - 1) // step * step + 1)
+        raise InvalidInput(
+            "length",
+            f"{length} frames is not {step}k + 1 ({family.name}'s VAE keeps the first frame and then packs {step} "
+            f"frames into each latent frame); use {lower} or {lower + step}",
+        )
