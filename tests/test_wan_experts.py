@@ -3,9 +3,10 @@
 ``staged`` policy with a memory cap (``COMFY_PARALLEL_MEMORY_CAP_GB``) under which one expert fits beside the step but
 not both, device_map loads the high-noise expert, runs the steps before the boundary, frees it, loads the low-noise
 one and runs the rest, the scheduler's state carried across: the clip equals ``WanPipeline``'s one-shot (fp32,
-≤ 1e-4), each expert loads once per run, the node says it swapped, and a LoRA on the low-noise expert applies to it
-when it loads. The decision itself without a backend: ample memory changes nothing, ``resident`` is refused with the
-fix."""
+≤ 1e-4), each expert loads once per run, the node says it swapped; slow: a LoRA on the low-noise expert applies to
+it when it loads (device_map, Ulysses, tensor parallelism), and its blocks compile then. Without a backend: the
+decision (ample memory changes nothing, ``resident`` is refused with the fix), and an emptied expert's memory going
+while the pipeline's loop still holds the object."""
 
 from __future__ import annotations
 
@@ -64,6 +65,11 @@ def _cap(folder, plan: StrategyPlan) -> str:
     return memory.cap_for_one_expert(wan, str(folder), plan, sampling, tokens, torch.float32, _vae_bytes(folder))
 
 
+def _empty_latent() -> torch.Tensor:
+    """A clip's LATENT to decode first: the VAE then stays resident (``staged``), as after any earlier run."""
+    return torch.zeros(1, 16, 2, WAN_CLIP["height"] // 8, WAN_CLIP["width"] // 8)
+
+
 @pytest.fixture(scope="module")
 def lora(folder, loras_dir) -> str:
     """A LoRA for the low-noise expert, in diffusers' layout."""
@@ -80,8 +86,7 @@ def spec(folder):
         env.setenv(memory.CAP_ENV, _cap(folder, _device_map()))
         env.setenv(COMPILE_BACKEND_ENV, "aot_eager")  # inductor's code generation takes minutes on CPU ranks
         spec = default_spec(ranks=2, device="cpu", memory_policy="staged")
-        latent = torch.zeros(1, 16, 2, WAN_CLIP["height"] // 8, WAN_CLIP["width"] // 8)
-        jobs.decode(spec, model=MODEL, samples=latent)
+        jobs.decode(spec, model=MODEL, samples=_empty_latent())
         yield spec
         shutdown_backend()
 
@@ -182,6 +187,27 @@ def test_compiled_blocks_cover_the_expert_loaded_at_the_boundary(spec, folder):
         (transformer,) = [m for m in rank.resident if m.component.startswith("transformer")]
         assert transformer.component == "transformer_2"
         assert transformer.parallelism.get("compiled_blocks") == wan_layers(folder)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_tensor_parallel_swaps_the_experts_sliced(spec, folder, lora, loras_dir):
+    """Tensor parallelism, whose ranks hold 0.65 of each expert: a backend of its own, under a cap for that share (the
+    module's backend goes first and comes back with the module's cap after), the LoRA fused into each rank's slices of
+    the low-noise expert when it loads."""
+    tp = jobs.plan_transformer(spec, model=MODEL, strategy="tensor_parallel").plan
+    shutdown_backend()
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(memory.CAP_ENV, _cap(folder, tp))
+            jobs.decode(spec, model=MODEL, samples=_empty_latent())
+            frames, notes, _ = _run(spec, "tensor_parallel", loras=((lora, "low_noise"),))
+            assert (frames - _one_shot(folder, loras_dir / lora)).abs().max().item() <= 1e-4
+            assert any("held one at a time" in note for note in notes), notes
+            for rank in _load_counts(spec):
+                assert [rank.get(f"{expert}:{MODEL}") for expert in EXPERTS] == [1, 1]
+    finally:
+        shutdown_backend()
 
 
 def _decide(folder, policy: str, cap: str | None, monkeypatch) -> bool:
