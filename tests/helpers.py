@@ -311,6 +311,25 @@ def wan_clip_prompt(spec, model: str):
     )
 
 
+def wan_clip_sample(handle, positive, guidance_scale_2: float, **extra):
+    """``WAN_CLIP``'s clip through ParallelSampler's step (uni_pc, seed 3, true CFG at its ``guidance_scale``), its
+    LATENT; ``extra``: the step's other arguments (``on_result``, ``on_progress``)."""
+    return jobs.sample(
+        handle,
+        positive,
+        seed=3,
+        steps=WAN_CLIP["num_inference_steps"],
+        guidance_scale=1.0,
+        true_cfg_scale=WAN_CLIP["guidance_scale"],
+        width=WAN_CLIP["width"],
+        height=WAN_CLIP["height"],
+        sampler="uni_pc",
+        length=WAN_CLIP["num_frames"],
+        guidance_scale_2=guidance_scale_2,
+        **extra,
+    )
+
+
 def wan_one_shot(folder, seed: int = 3, batch_size: int = 1, output_type: str = "pt", **overrides):
     """diffusers' WanPipeline (its own UniPC scheduler) in one call on ``WAN_CLIP``: its ``frames`` output, clip i from
     a generator seeded seed + i; the pipeline of a folder is loaded once."""

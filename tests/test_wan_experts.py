@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from helpers import WAN_CLIP, wan_clip_prompt, wan_one_shot
+from helpers import WAN_CLIP, wan_clip_prompt, wan_clip_sample, wan_one_shot
 
 from parallel_runtime import default_spec, get_backend, jobs, shutdown_backend
 from parallel_runtime.families import family
@@ -102,18 +102,10 @@ def _run(spec, strategy: str = "device_map", loras=(), **widgets) -> tuple[torch
     for name, expert in loras:
         handle, _ = jobs.add_lora(handle, lora_name=name, expert=expert)
     notes, texts = [], []
-    latent = jobs.sample(
+    latent = wan_clip_sample(
         handle,
         positive,
-        seed=3,
-        steps=WAN_CLIP["num_inference_steps"],
-        guidance_scale=1.0,
-        true_cfg_scale=WAN_CLIP["guidance_scale"],
-        width=WAN_CLIP["width"],
-        height=WAN_CLIP["height"],
-        sampler="uni_pc",
-        length=WAN_CLIP["num_frames"],
-        guidance_scale_2=CFG_2,
+        CFG_2,
         on_result=lambda result: notes.extend(result.notes()),
         on_progress=lambda step, total, text: texts.append(text) if text else None,
     )
