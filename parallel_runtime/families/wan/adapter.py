@@ -258,7 +258,7 @@ def _swapping(step_end: Callable[..., dict], later: object, boundary_ratio: floa
     """The pipeline's step callback, which, when the second expert comes ``later``, loads it in the first one's place
     after the last step before the boundary: the pipeline reads ``transformer_2`` at each step, and its scheduler (with
     UniPC's history of the earlier steps) runs on untouched, so the clip is the one both experts resident make."""
-    if not isinstance(later, LaterExpert):
+    if not isinstance(later, LaterExpert) or boundary_ratio is None:  # no boundary: the first expert runs every step
         return step_end
 
     def swapped(pipeline: Any, step_index: int, timestep: torch.Tensor, callback_kwargs: dict) -> dict:
