@@ -313,21 +313,20 @@ def wan_clip_prompt(spec, model: str):
 
 def wan_clip_sample(handle, positive, guidance_scale_2: float, **extra):
     """``WAN_CLIP``'s clip through ParallelSampler's step (uni_pc, seed 3, true CFG at its ``guidance_scale``), its
-    LATENT; ``extra``: the step's other arguments (``on_result``, ``on_progress``)."""
-    return jobs.sample(
-        handle,
-        positive,
-        seed=3,
-        steps=WAN_CLIP["num_inference_steps"],
-        guidance_scale=1.0,
-        true_cfg_scale=WAN_CLIP["guidance_scale"],
-        width=WAN_CLIP["width"],
-        height=WAN_CLIP["height"],
-        sampler="uni_pc",
-        length=WAN_CLIP["num_frames"],
-        guidance_scale_2=guidance_scale_2,
-        **extra,
-    )
+    LATENT; ``extra``: the step's other arguments (``on_result``, ``on_progress``) or others than ``WAN_CLIP``'s
+    (``steps``)."""
+    settings = {
+        "seed": 3,
+        "steps": WAN_CLIP["num_inference_steps"],
+        "guidance_scale": 1.0,
+        "true_cfg_scale": WAN_CLIP["guidance_scale"],
+        "width": WAN_CLIP["width"],
+        "height": WAN_CLIP["height"],
+        "sampler": "uni_pc",
+        "length": WAN_CLIP["num_frames"],
+        "guidance_scale_2": guidance_scale_2,
+    }
+    return jobs.sample(handle, positive, **{**settings, **extra})
 
 
 def wan_one_shot(folder, seed: int = 3, batch_size: int = 1, output_type: str = "pt", **overrides):

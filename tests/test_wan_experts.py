@@ -4,7 +4,8 @@
 not both, device_map loads the high-noise expert, runs the steps before the boundary, frees it, loads the low-noise
 one and runs the rest, the scheduler's state carried across: the clip equals ``WanPipeline``'s one-shot (fp32,
 ≤ 1e-4), each expert loads once per run, the node says it swapped; slow: a LoRA on the low-noise expert applies to
-it when it loads (device_map, Ulysses, tensor parallelism), and its blocks compile then. Without a backend: the
+it when it loads (device_map, Ulysses, tensor parallelism), its blocks compile then, and its step cache starts from
+a state of its own. Without a backend: the
 decision (ample memory changes nothing, ``resident`` is refused with the fix), and an emptied expert's memory going
 while the pipeline's loop still holds the object."""
 
@@ -95,7 +96,9 @@ def wan_layers(folder) -> int:
     return json.loads((folder / "transformer" / "config.json").read_text())["num_layers"]
 
 
-def _run(spec, strategy: str = "device_map", loras=(), **widgets) -> tuple[torch.Tensor, list[str], list[str]]:
+def _run(
+    spec, strategy: str = "device_map", loras=(), steps: int = WAN_CLIP["num_inference_steps"], **widgets
+) -> tuple[torch.Tensor, list[str], list[str]]:
     """The clip's frames, the sampler node's notes and its progress texts."""
     positive = wan_clip_prompt(spec, MODEL)
     handle = jobs.plan_transformer(spec, model=MODEL, strategy=strategy, **widgets)
@@ -106,24 +109,30 @@ def _run(spec, strategy: str = "device_map", loras=(), **widgets) -> tuple[torch
         handle,
         positive,
         CFG_2,
+        steps=steps,
         on_result=lambda result: notes.extend(result.notes()),
         on_progress=lambda step, total, text: texts.append(text) if text else None,
     )
     return jobs.decode(spec, model=MODEL, samples=latent), notes, texts
 
 
-def _one_shot(folder, lora_path=None) -> torch.Tensor:
-    """WanPipeline in one call (both experts resident), with ``lora_path`` in the low-noise expert."""
+def _one_shot(folder, lora_path=None, cache=None, steps: int = WAN_CLIP["num_inference_steps"]) -> torch.Tensor:
+    """WanPipeline in one call (both experts resident), with ``lora_path`` in the low-noise expert, ``cache`` (a
+    diffusers cache config) on each expert."""
     from diffusers import WanPipeline
 
-    if lora_path is None:
+    if lora_path is None and cache is None and steps == WAN_CLIP["num_inference_steps"]:
         frames = wan_one_shot(folder, guidance_scale_2=CFG_2)
     else:
         pipe = WanPipeline.from_pretrained(folder, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        pipe.load_lora_weights(str(lora_path), adapter_name="low", load_into_transformer_2=True)
+        if lora_path is not None:
+            pipe.load_lora_weights(str(lora_path), adapter_name="low", load_into_transformer_2=True)
+        for expert in (pipe.transformer, pipe.transformer_2) if cache is not None else ():
+            expert.enable_cache(cache)
         generator = torch.Generator("cpu").manual_seed(3)
-        frames = pipe(**WAN_CLIP, guidance_scale_2=CFG_2, generator=generator, output_type="pt").frames
+        settings = {**WAN_CLIP, "num_inference_steps": steps, "guidance_scale_2": CFG_2}
+        frames = pipe(**settings, generator=generator, output_type="pt").frames
     return frames.permute(0, 1, 3, 4, 2).flatten(0, 1)
 
 
@@ -179,6 +188,25 @@ def test_compiled_blocks_cover_the_expert_loaded_at_the_boundary(spec, folder):
         (transformer,) = [m for m in rank.resident if m.component.startswith("transformer")]
         assert transformer.component == "transformer_2"
         assert transformer.parallelism.get("compiled_blocks") == wan_layers(folder)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_the_expert_loaded_at_the_boundary_caches_from_its_own_state(spec, folder):
+    """first_block_cache (a threshold that skips every pass it may) over 6 steps, 2 with the high-noise expert: the
+    low-noise expert, loaded at the boundary, computes its first step in full from a fresh state, the record and the
+    pass count go on across the swap, and the clip is WanPipeline's with a cache on each expert."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    steps, threshold = 6, 9.0
+    frames, notes, _ = _run(spec, steps=steps, cache="first_block_cache", cache_threshold=threshold)
+    assert any("held one at a time" in note for note in notes), notes
+    rank = get_backend(spec).status().ranks[0]
+    # each expert's first step (its conditional and unconditional pass) computes, every later one is skipped
+    assert rank.last_cache.passes == (True, True, False, False, True, True) + (False,) * 6
+    assert rank.last_passes == 2 * steps
+    expected = _one_shot(folder, cache=FirstBlockCacheConfig(threshold=threshold), steps=steps)
+    assert (frames - expected).abs().max().item() <= 1e-4
 
 
 @pytest.mark.multirank
