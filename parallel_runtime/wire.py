@@ -362,10 +362,18 @@ class DenoiseResult:
     compile: CompileReport | None = None  # rank 0's, when compile is regional
     split: BatchSplit | None = None  # data parallelism's share of the images
     devices: tuple[str, ...] = ()  # each rank's device name, when a run over unequal ones waited for the slowest
+    # A model's experts (their subfolders, in the order they ran) when they did not fit together and were held one at
+    # a time, each loaded when the steps reached it.
+    one_expert_at_a_time: tuple[str, ...] = ()
 
     def notes(self) -> list[str]:
         """What the sampler's node says about the run besides the image."""
         notes = [report.describe() for report in (self.cache, self.compile, self.split) if report is not None]
+        if self.one_expert_at_a_time:
+            notes.append(
+                f"the experts did not fit together: held one at a time, swapped at the boundary "
+                f"({' → '.join(self.one_expert_at_a_time)}), each loaded once per run"
+            )
         if self.devices:
             notes.append(
                 f"the ranks run on unequal devices ({', '.join(self.devices)}): every step waits for the slowest, "
@@ -454,7 +462,8 @@ class Memory:
 
 @dataclasses.dataclass(frozen=True)
 class ResidentModel:
-    """A model component resident on a rank, with the parallel degrees diffusers actually applied to it."""
+    """A model component resident on a rank (one of a model's experts held alone is named by its subfolder), with the
+    parallel degrees diffusers actually applied to it and its blocks that run compiled (``compiled_blocks``)."""
 
     model: str
     component: str

@@ -7,11 +7,13 @@ process.
 A CASE ``STRATEGY:DIR`` (``tensor_parallel`` over every rank, or ``tp_cp``: TP 2 × Ulysses over the rest) loads DIR's
 tiny ``WanTransformer3DModel`` split by that plan, and whole; its outcome on each rank is the largest absolute
 difference between the two forward passes on the same random inputs (with DIR's image tokens when its config has
-them). A CASE ``lora:DIR`` fuses a LoRA into the split model (``worker/lora``'s fused mode, each rank its slice of
-every delta) and into the whole one (W + B @ A), then compares them the same way. A CASE ``norms-alone:DIR`` is
-``tensor_parallel`` with the plan's one extra step undone: each rank normalises its own heads' columns of q and k by
-their own mean square, as a plan that splits q/k by heads and leaves the RMSNorm to each rank would. Rank 0 writes
-``{case: [each rank's outcome]}``; a case that raises is recorded as its traceback.
+them). A CASE ``second-expert:DIR`` is ``tensor_parallel`` of DIR's ``transformer_2`` (Wan 2.2 A14B's low-noise
+expert, from its own subfolder; its fp8 weights held as stored). A CASE ``lora:DIR`` fuses a LoRA into the split
+model (``worker/lora``'s fused mode, each rank its slice of every delta) and into the whole one (W + B @ A), then
+compares them the same way. A CASE ``norms-alone:DIR`` is ``tensor_parallel`` with the plan's one extra step undone:
+each rank normalises its own heads' columns of q and k by their own mean square, as a plan that splits q/k by heads
+and leaves the RMSNorm to each rank would. Rank 0 writes ``{case: [each rank's outcome]}``; a case that raises is
+recorded as its traceback.
 """
 
 import json
@@ -49,11 +51,11 @@ def forward_inputs(config) -> dict:
     return inputs
 
 
-def split(strategy: str, model_dir: str) -> torch.nn.Module:
-    config = WanTransformer3DModel.load_config(model_dir, subfolder="transformer")
+def split(strategy: str, model_dir: str, subfolder: str = "transformer") -> torch.nn.Module:
+    config = WanTransformer3DModel.load_config(model_dir, subfolder=subfolder)
     facts = TransformerFacts.from_config(config, families.tp_plan(config["_class_name"]))
     plan = StrategyPlan.from_widgets(facts, dist.get_world_size(), strategy=strategy, tp_degree=2)
-    return load_transformer(WanTransformer3DModel, model_dir, torch.float32, CPU, plan)
+    return load_transformer(WanTransformer3DModel, model_dir, torch.float32, CPU, plan, subfolder=subfolder)
 
 
 def norms_alone(model: torch.nn.Module) -> None:
@@ -91,10 +93,12 @@ def fuse_whole(model: torch.nn.Module, weights: LoraWeights) -> None:
 
 @torch.no_grad()
 def difference(check: str, model_dir: str) -> float:
-    whole = WanTransformer3DModel.from_pretrained(model_dir, subfolder="transformer", dtype=torch.float32)
+    # second-expert: Wan 2.2 A14B's low-noise expert, from its own subfolder (the tests store it in fp8, held so).
+    subfolder = "transformer_2" if check == "second-expert" else "transformer"
+    whole = WanTransformer3DModel.from_pretrained(model_dir, subfolder=subfolder, dtype=torch.float32)
     inputs = forward_inputs(whole.config)
     expected = whole(**inputs, return_dict=False)[0]
-    model = split(check if check in ("tensor_parallel", "tp_cp") else "tensor_parallel", model_dir)
+    model = split(check if check in ("tensor_parallel", "tp_cp") else "tensor_parallel", model_dir, subfolder)
     if check == "norms-alone":
         norms_alone(model)
     if check == "lora":

@@ -350,12 +350,30 @@ def wan_clip_prompt(spec, model: str):
     )
 
 
+def wan_clip_sample(handle, positive, guidance_scale_2: float = 0.0, **extra):
+    """``WAN_CLIP``'s clip through ParallelSampler's step (uni_pc, seed 3, true CFG at its ``guidance_scale``), its
+    LATENT; ``extra``: the step's other arguments (``on_result``, ``on_progress``) or other widgets than ``WAN_CLIP``'s
+    (``steps``, ``batch_size``, ``image``, ...)."""
+    settings = {
+        "seed": 3,
+        "steps": WAN_CLIP["num_inference_steps"],
+        "guidance_scale": 1.0,
+        "true_cfg_scale": WAN_CLIP["guidance_scale"],
+        "width": WAN_CLIP["width"],
+        "height": WAN_CLIP["height"],
+        "sampler": "uni_pc",
+        "length": WAN_CLIP["num_frames"],
+        "guidance_scale_2": guidance_scale_2,
+    }
+    return jobs.sample(handle, positive, **{**settings, **extra})
+
+
 def wan_clip_latent(
     spec, model: str, strategy: str, strategy_args: dict, max_sequence_length: int | None = None, **widgets
 ) -> torch.Tensor:
     """``WAN_CLIP``'s clip of ``model`` under ``strategy`` (``strategy_args``: LoadShardedTransformer's degrees) through
-    the nodes' steps (EncodeOnBalancedGPUs, LoadShardedTransformer, ParallelSampler with uni_pc, seed 3, CFG against
-    the negative prompt): its LATENT. ``widgets`` change ParallelSampler's (``batch_size``, ``image``, ...)."""
+    the nodes' steps (EncodeOnBalancedGPUs, LoadShardedTransformer, ``wan_clip_sample``): its LATENT. ``widgets``
+    change ParallelSampler's (``batch_size``, ``image``, ``guidance_scale_2``, ...)."""
     positive = jobs.encode_prompt(
         spec,
         model=model,
@@ -364,18 +382,7 @@ def wan_clip_latent(
         max_sequence_length=max_sequence_length or WAN_CLIP["max_sequence_length"],
     )
     transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
-    sampler = {
-        "seed": 3,
-        "steps": WAN_CLIP["num_inference_steps"],
-        "guidance_scale": 1.0,
-        "true_cfg_scale": WAN_CLIP["guidance_scale"],
-        "width": WAN_CLIP["width"],
-        "height": WAN_CLIP["height"],
-        "batch_size": 1,
-        "sampler": "uni_pc",
-        "length": WAN_CLIP["num_frames"],
-    }
-    return jobs.sample(transformer, positive, **{**sampler, **widgets})
+    return wan_clip_sample(transformer, positive, **widgets)
 
 
 def wan_one_shot(folder, seed: int = 3, batch_size: int = 1, output_type: str = "pt", **overrides):

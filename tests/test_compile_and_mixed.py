@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 from helpers import PROMPT, TOKENS
 
-from parallel_runtime import InvalidInput, default_spec, jobs, shutdown_backend
+from parallel_runtime import InvalidInput, default_spec, get_backend, jobs, shutdown_backend
 from parallel_runtime.families.tiny import make_tiny_lora, make_tiny_model, save_diffusers_lora
 from parallel_runtime.wire import COMPILE_BACKEND_ENV, RANK_SPEEDS_ENV
 from parallel_runtime.worker import speeds
 
 MODEL, STEPS = "tiny-flux", 2
+WAN22 = "tiny-wan22"
 SLOW_SECONDS = 0.5  # rank 1's sleep per denoising step: a slower GPU
 # aot_eager runs the eager ops through the traced graph: the same kernels, so the same bits; the tolerance leaves room
 # for a backend that fuses (inductor differs from eager by ~5e-7 on this model).
@@ -27,6 +28,15 @@ TOLERANCE = 1e-5
 def models_dir(models_root):
     make_tiny_model("flux", str(models_root / MODEL))
     return models_root
+
+
+@pytest.fixture(scope="module")
+def wan22(models_dir):
+    """A tiny Wan 2.2 A14B (two experts) beside the FLUX.1."""
+    from parallel_runtime.families.wan.tiny import make_tiny_model as make_tiny_wan
+
+    make_tiny_wan(str(models_dir / WAN22), 0, two_experts=True)
+    return models_dir / WAN22
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +177,28 @@ def test_device_map_budget_names_the_gpu_that_limits_the_split():
     note = memory.describe_budget(budget)
     assert "GPU 0 has the least room" in note and "GPU 1" in note
     assert memory.describe_budget({"cpu": 1 << 30}) == ""
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_regional_compile_covers_both_experts_of_wan22(spec, wan22):
+    """Wan 2.2 A14B under Ulysses: both experts' blocks run compiled (read back from the ranks' models), and the clip
+    is WanPipeline's. Last in the module: its encode frees the FLUX.1 transformer the tests above compiled."""
+    import json
+
+    from helpers import WAN_CLIP, wan_clip_prompt, wan_one_shot
+
+    positive = wan_clip_prompt(spec, WAN22)
+    handle = jobs.plan_transformer(spec, model=WAN22, strategy="context_parallel", ulysses_degree=2, compile="regional")
+    latent = jobs.sample(
+        handle, positive, seed=3, steps=WAN_CLIP["num_inference_steps"], guidance_scale=1.0,
+        true_cfg_scale=WAN_CLIP["guidance_scale"], width=WAN_CLIP["width"], height=WAN_CLIP["height"],
+        sampler="uni_pc", length=WAN_CLIP["num_frames"], guidance_scale_2=3.0,
+    )  # fmt: skip
+    frames = jobs.decode(spec, model=WAN22, samples=latent)
+    expected = wan_one_shot(wan22, guidance_scale_2=3.0).permute(0, 1, 3, 4, 2).flatten(0, 1)
+    assert (frames - expected).abs().max().item() <= 1e-4
+    layers = json.loads((wan22 / "transformer" / "config.json").read_text())["num_layers"]
+    for rank in get_backend(spec).status().ranks:
+        (transformer,) = [m for m in rank.resident if m.component == "transformer"]
+        assert transformer.parallelism.get("compiled_blocks") == 2 * layers  # each expert's blocks

@@ -190,8 +190,9 @@ CASES = [
     ("cfg_parallel_two_experts", "wan22", "cfg_parallel", {}, 1),
     ("data_parallel", "wan21", "data_parallel", {}, 2),
     ("device_map_two_experts", "wan22", "device_map", {}, 1),
-    # The pack's own plan (families/wan/tp_plan.py): q/k's RMSNorm over all heads reduced across the ranks.
-    ("tensor_parallel", "wan21", "tensor_parallel", {}, 1),
+    # The pack's own plan (families/wan/tp_plan.py): q/k's RMSNorm over all heads reduced across the ranks; each
+    # expert sliced from its own subfolder.
+    ("tensor_parallel_two_experts", "wan22", "tensor_parallel", {}, 1),
 ]
 
 
@@ -206,7 +207,9 @@ SLOW_CASES = [
     ("ring", "wan21", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 2),
     ("ulysses_two_experts", "wan22", "context_parallel", {"ulysses_degree": 2}, 2),
     ("cfg_x_ulysses", "wan21", "cfg_parallel", {"ulysses_degree": 2}, 4),
+    ("tensor_parallel", "wan21", "tensor_parallel", {}, 2),
     ("tp_cp", "wan21", "tp_cp", {"tp_degree": 2, "ulysses_degree": 2}, 4),
+    ("tp_cp_two_experts", "wan22", "tp_cp", {"tp_degree": 2, "ulysses_degree": 2}, 4),
 ]
 
 

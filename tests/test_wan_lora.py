@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from helpers import WAN_CLIP, wan_clip_prompt
+from helpers import WAN_CLIP, wan_clip_prompt, wan_clip_sample
 from safetensors.torch import load_file, save_file
 
 from parallel_runtime import InvalidInput, default_spec, jobs
@@ -128,19 +128,7 @@ def generate(model: str, strategy: str, stack, ranks: int = 2, **strategy_args) 
     transformer = jobs.plan_transformer(spec, model=model, strategy=strategy, **strategy_args)
     for name, strength, *expert in stack:
         transformer, _ = jobs.add_lora(transformer, lora_name=name, strength=strength, expert=(expert or ["both"])[0])
-    latent = jobs.sample(
-        transformer,
-        positive,
-        seed=3,
-        steps=WAN_CLIP["num_inference_steps"],
-        guidance_scale=1.0,
-        true_cfg_scale=WAN_CLIP["guidance_scale"],
-        width=WAN_CLIP["width"],
-        height=WAN_CLIP["height"],
-        sampler="uni_pc",
-        length=WAN_CLIP["num_frames"],
-        guidance_scale_2=CFG_2 if model == WAN22 else 0.0,
-    )
+    latent = wan_clip_sample(transformer, positive, CFG_2 if model == WAN22 else 0.0)
     return jobs.decode(spec, model=model, samples=latent)
 
 

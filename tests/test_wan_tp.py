@@ -5,10 +5,12 @@ fused into the slices, and the strategy's checks.
 On real CPU ranks (``tests/_wan_tp_check.py``, the pack's load through ``worker/strategies.load_transformer``): a
 tiny random Wan 2.1 T2V and I2V transformer split over 2 ranks gives the forward of one process within 1e-5 in
 float32; the same split with each rank normalising its own heads alone (what a plan that leaves Wan's RMSNorm over
-all heads to each rank does) does not; a LoRA fused into the slices equals it fused whole. And the refusals, by
+all heads to each rank does) does not; a LoRA fused into the slices equals it fused whole; Wan 2.2 A14B's second
+expert, sliced from its own subfolder with its fp8 weights held as stored, equals it whole. And the refusals, by
 widget and width, before anything loads.
 """
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,10 +56,31 @@ def _save_tiny_wan(folder: Path, config: dict, seed: int) -> str:
     return str(folder)
 
 
+def _save_fp8_expert(folder: str, seed: int) -> None:
+    """A second expert (Wan 2.2 A14B's ``transformer_2``) beside the first, its Linear layers' weights stored in fp8
+    (float8_e4m3fn, no scale), as ComfyUI's fp8 expert files convert."""
+    from safetensors.torch import load_file, save_file
+
+    expert = Path(folder) / "transformer_2"
+    _save_tiny_wan(expert / "whole", TINY, seed)
+    (expert / "whole" / "transformer" / "config.json").rename(expert / "config.json")
+    tensors = load_file(expert / "whole" / "transformer" / "diffusion_pytorch_model.safetensors")
+    modules = WanTransformer3DModel(**TINY).named_modules()
+    linear = {name for name, module in modules if isinstance(module, torch.nn.Linear)}
+    stored = {
+        key: tensor.to(torch.float8_e4m3fn) if key.rpartition(".")[0] in linear and key.endswith(".weight") else tensor
+        for key, tensor in tensors.items()
+    }
+    save_file(stored, expert / "diffusion_pytorch_model.safetensors")
+    shutil.rmtree(expert / "whole")
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("wan-tp")
-    return {"t2v": _save_tiny_wan(root / "t2v", TINY, 0), "i2v": _save_tiny_wan(root / "i2v", TINY_I2V, 1)}
+    folders = {"t2v": _save_tiny_wan(root / "t2v", TINY, 0), "i2v": _save_tiny_wan(root / "i2v", TINY_I2V, 1)}
+    _save_fp8_expert(folders["t2v"], 2)
+    return folders
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +90,7 @@ def results(folders, tmp_path_factory) -> dict:
         "t2v": f"tensor_parallel:{folders['t2v']}",
         "i2v": f"tensor_parallel:{folders['i2v']}",
         "norms-alone": f"norms-alone:{folders['t2v']}",
+        "second-expert": f"second-expert:{folders['t2v']}",
         "lora-t2v": f"lora:{folders['t2v']}",
         "lora-i2v": f"lora:{folders['i2v']}",
     }
@@ -84,6 +108,13 @@ def _differences(outcomes: list) -> list[float]:
 @pytest.mark.parametrize("model", ["t2v", "i2v"])
 def test_wan_split_over_two_ranks_equals_one_process(results, model):
     assert max(_differences(results[model])) <= TOLERANCE
+
+
+@pytest.mark.multirank
+def test_wan22s_second_expert_in_fp8_split_over_two_ranks_equals_one_process(results):
+    """Wan 2.2 A14B's low-noise expert sliced from its own subfolder (``transformer_2``), its fp8 weights held as
+    stored in each rank's slices."""
+    assert max(_differences(results["second-expert"])) <= TOLERANCE
 
 
 @pytest.mark.multirank

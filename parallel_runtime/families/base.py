@@ -383,6 +383,15 @@ def step_callback(on_step: OnStep | None) -> Callable[..., dict]:
     return step_end
 
 
+@dataclasses.dataclass(frozen=True)
+class LaterExpert:
+    """A model's later expert when the rank holds its experts one at a time (they do not fit together): the family's
+    ``denoise`` takes it in the expert's place and calls ``load(steps_done)`` once the steps reach that expert, which
+    frees the expert before it and returns this one, ready to run."""
+
+    load: Callable[[int], torch.nn.Module]
+
+
 def comfy_image(decoded: torch.Tensor) -> torch.Tensor:
     """A VAE's [B, 3, H, W] output in [-1, 1] as a ComfyUI IMAGE [B, H, W, 3] float32 in 0..1 on the CPU: the
     pipelines' own post-processing (clamped); only the layout is ComfyUI's."""

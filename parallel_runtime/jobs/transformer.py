@@ -98,7 +98,7 @@ def plan_transformer(
             f"{families.family(ref.family).name} has no true CFG (one transformer pass per step), so cfg_parallel "
             "has nothing to split; use context_parallel to make one image faster, or data_parallel for more images",
         )
-    _check_experts(ref, plan)
+    _check_experts(ref)
     resolved = resolve_dtype(dtype, spec)
     check_attention(plan, resolved.value, spec.device)
     return TransformerHandle(
@@ -187,8 +187,8 @@ def describe_weights(
     )
 
 
-def _check_experts(ref: ModelRef, plan: StrategyPlan) -> None:
-    """A model with several experts (Wan 2.2 A14B) has each one's folder, and runs what the pack can give both."""
+def _check_experts(ref: ModelRef) -> None:
+    """A model with several experts (Wan 2.2 A14B) has each one's folder."""
     family = families.family(ref.family)
     subfolders = family.transformer_subfolders(ref.path)
     for subfolder in subfolders[1:]:
@@ -199,14 +199,6 @@ def _check_experts(ref: ModelRef, plan: StrategyPlan) -> None:
                 f"boundary_ratio), but {subfolder}/ holds no model; copy the low-noise expert's folder there (from the "
                 "same Wan 2.2 download), or pick a Wan 2.1 model",
             )
-    if len(subfolders) < 2:
-        return
-    if plan.shards_weights:
-        raise InvalidInput(
-            "strategy",
-            f"{ref.name} has two experts, which tensor_parallel does not load yet; use context_parallel, "
-            "cfg_parallel, data_parallel or device_map",
-        )
 
 
 def _step_cache(cache: str, threshold: float) -> StepCache:

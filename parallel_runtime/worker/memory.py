@@ -7,8 +7,9 @@ and how it was measured, is ``parallel_runtime/estimates.py`` (the strategy advi
 
 Ranks of one machine on CPU share its memory, so there each rank counts what all of them need together.
 
-``COMFY_PARALLEL_MEMORY_CAP_GB`` declares a smaller memory per rank to the ``auto`` memory policy (``room``), so a test
-or a benchmark can make "the encoders and the transformer do not fit together" happen on a large machine.
+``COMFY_PARALLEL_MEMORY_CAP_GB`` declares a smaller memory per rank to the ``auto`` memory policy (``room``) and to the
+experts' check (``one_expert_at_a_time``), so a test or a benchmark can make "the encoders and the transformer do not
+fit together", or "the two experts do not", happen on a large machine.
 """
 
 from __future__ import annotations
@@ -102,14 +103,19 @@ def room(device: torch.device, local_ranks: int, held: int) -> int:
     ``held``, what this rank's resident models hold."""
     free, sharing = _free(device, local_ranks)
     mine = int(free * HEADROOM / sharing)
+    cap = _cap()
+    return mine if cap is None else min(mine, cap - held)
+
+
+def _cap() -> int | None:
+    """``CAP_ENV``'s bytes, None when it is not set."""
     cap = os.environ.get(CAP_ENV)
-    if cap:
-        try:
-            gib = float(cap)
-        except ValueError:
-            raise ValueError(f"{CAP_ENV} must be a number of GiB, got {cap!r}") from None
-        mine = min(mine, int(gib * 2**30) - held)
-    return mine
+    if not cap:
+        return None
+    try:
+        return int(float(cap) * 2**30)
+    except ValueError:
+        raise ValueError(f"{CAP_ENV} must be a number of GiB, got {cap!r}") from None
 
 
 def cap_without_room_for_encoders(
@@ -121,6 +127,23 @@ def cap_without_room_for_encoders(
     activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
     cap = transformer + activations + text_encoder_bytes(model_dir, dtype) // 2
     return f"{cap / 2**30:.12f}"
+
+
+def cap_for_one_expert(
+    family: FamilyAdapter,
+    model_dir: str,
+    plan: StrategyPlan,
+    sampling: Sampling,
+    text_tokens: int,
+    dtype: torch.dtype,
+    beside: int,
+) -> str:
+    """A ``CAP_ENV`` value (GiB) under which a rank holds one of the model's experts and its step's activations beside
+    ``beside`` bytes of other resident models, but not every expert: what a test or a benchmark declares to see the
+    experts held one at a time (``one_expert_at_a_time``), with a fifth of another expert's room to spare."""
+    experts = _expert_bytes(family, model_dir, plan, dtype, fp8_as_stored=False)
+    activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype)
+    return f"{(beside + activations + max(experts) + min(experts) / 5) / 2**30:.12f}"
 
 
 def _gib(n: float) -> str:
@@ -196,19 +219,21 @@ def check_denoise(
     fp8_as_stored: bool = False,
     reference_tokens: int = 0,
     references: bool = False,
+    one_expert: bool = False,
 ) -> Estimate:
     """What the denoise needs on this rank; WidgetError (``width``) when it cannot fit this rank's device. Weights
     stored in fp8 count 1 byte each when the rank holds them so (``fp8_as_stored``). ``reference_tokens``: the
     reference images' tokens in the sequence; ``references``: the run has reference images (or a start image), which
-    decides what the family loads beside the transformer (``denoise_component_bytes``, counted on every run)."""
+    decides what the family loads beside the transformer (``denoise_component_bytes``, counted on every run).
+    ``one_expert``: a model's experts are held one at a time (``one_expert_at_a_time``)."""
     activations = step_activations(family, model_dir, plan, sampling, text_tokens, dtype, reference_tokens)
     images = math.ceil(sampling.batch_size / plan.ranks) if plan.splits_batch else sampling.batch_size
     weights = 0
     if loads_weights:
-        # Every expert of a model with several (Wan 2.2 A14B) stays resident: the step switches between them.
-        experts = family.transformer_subfolders(model_dir)
-        held = sum(weight_bytes_in(os.path.join(model_dir, subfolder), dtype, fp8_as_stored) for subfolder in experts)
-        weights = held * weights_share(plan, _sharded_share(plan, os.path.join(model_dir, experts[0])))
+        # Every expert of a model with several (Wan 2.2 A14B) stays resident, the step switching between them, unless
+        # they are held one at a time.
+        experts = _expert_bytes(family, model_dir, plan, dtype, fp8_as_stored)
+        weights = max(experts) if one_expert else sum(experts)
     components = denoise_component_bytes(family, model_dir, dtype, references)
     weights += components
     free, sharing = _free(device, local_ranks if plan.spmd else 1)
@@ -232,6 +257,59 @@ def check_denoise(
             + "or free memory",
         )
     return Estimate(activations, int(weights), components)
+
+
+def _expert_bytes(
+    family: FamilyAdapter, model_dir: str, plan: StrategyPlan, dtype: torch.dtype, fp8_as_stored: bool
+) -> list[float]:
+    """Bytes of each of the model's transformers (its experts: Wan 2.2 A14B's two) on a rank of ``plan``."""
+    folders = [os.path.join(model_dir, subfolder) for subfolder in family.transformer_subfolders(model_dir)]
+    return [
+        weight_bytes_in(folder, dtype, fp8_as_stored) * weights_share(plan, _sharded_share(plan, folder))
+        for folder in folders
+    ]
+
+
+def one_expert_at_a_time(
+    family: FamilyAdapter,
+    model_dir: str,
+    plan: StrategyPlan,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    policy: str,
+    activations: int,
+    local_ranks: int,
+    held: int,
+    freed_by_load: int,
+    fp8_as_stored: bool = False,
+) -> bool:
+    """Whether this rank holds the model's experts (Wan 2.2 A14B's two) one at a time: they do not fit it together
+    beside the step's activations, but the largest does (counting what loading frees first, ``freed_by_load``, and
+    with ``CAP_ENV`` set no more than that cap less ``held``, what this rank's resident models hold). The ``staged``
+    and ``auto`` policies then load the next expert when the steps reach it, freeing the one before; ``resident``,
+    which keeps what it loads, is refused (WidgetError ``memory_policy``) with that fix."""
+    experts = _expert_bytes(family, model_dir, plan, dtype, fp8_as_stored)
+    if len(experts) < 2:
+        return False
+    free, sharing = _free(device, local_ranks if plan.spmd else 1)
+    if not plan.spmd and device.type == "cuda":  # device_map places the expert over every GPU
+        free = sum(torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count()))
+    have = (free / sharing + freed_by_load) * HEADROOM
+    cap = _cap()
+    if cap is not None:
+        have = min(have, cap - held + freed_by_load)
+    if activations + sum(experts) <= have or activations + max(experts) > have:
+        return False  # they fit together, or one does not fit either (check_denoise says so)
+    if policy == "resident":
+        raise WidgetError(
+            "memory_policy",
+            f"{family.name}'s {len(experts)} experts need {_gib(sum(experts))} together beside "
+            f"{_gib(activations)} of activations per rank, and the rank has room for {_gib(have)}: one fits, not "
+            "both; set memory_policy to staged or auto (they hold one expert at a time, loading the low-noise one "
+            "when the steps reach it), use tensor_parallel or more ranks, or free memory",
+        )
+    return True
 
 
 def default_budget(

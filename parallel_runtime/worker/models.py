@@ -42,31 +42,41 @@ class ModelKey:
     component: str
     placement: str  # a short, stable description: "cpu", "cuda:0", "device_map=auto", "tp=2", ...
     dtype: str
+    # One of a model's experts held alone (its subfolder: Wan 2.2 A14B's "transformer" or "transformer_2") when they
+    # do not fit together; "" for the transformer, or every expert together.
+    expert: str = ""
 
     def __str__(self) -> str:
-        return f"{self.component}:{self.model}"
+        return f"{self.expert or self.component}:{self.model}"
+
+
+def _modules(obj: Any) -> list[torch.nn.Module]:
+    """A resident object's models: itself, or a pipeline's (or a model's experts') components."""
+    if isinstance(obj, torch.nn.Module):
+        return [obj]
+    return [
+        getattr(obj, name)
+        for name in getattr(obj, "components", {})
+        if isinstance(getattr(obj, name, None), torch.nn.Module)
+    ]
 
 
 def _parameter_bytes(obj: Any) -> int:
     """Bytes of parameters this rank holds (a tensor-parallel DTensor counts only its local shard)."""
-    modules = (
-        [obj]
-        if isinstance(obj, torch.nn.Module)
-        else [
-            getattr(obj, name)
-            for name in getattr(obj, "components", {})
-            if isinstance(getattr(obj, name, None), torch.nn.Module)
-        ]
-    )
-    params = (p.to_local() if isinstance(p, DTensor) else p for m in modules for p in m.parameters())
+    params = (p.to_local() if isinstance(p, DTensor) else p for m in _modules(obj) for p in m.parameters())
     return sum(p.numel() * p.element_size() for p in params)
 
 
 def _parallelism(obj: Any) -> dict[str, int]:
-    """The degrees diffusers actually applied to a model (read back from it, not from the request): what the
-    status panel shows and what tests check a strategy against."""
+    """The degrees diffusers actually applied to a model (read back from it, not from the request), and its blocks
+    that run compiled (every expert's: ``compiled_blocks``): what the status panel shows and what tests check a
+    strategy against."""
     config = getattr(obj, "_parallel_config", None)
     applied = {"cfg_degree": cfg_parallel.cfg_degree(obj)} if cfg_parallel.cfg_degree(obj) > 1 else {}
+    blocks = (block for model in _modules(obj) for block in model.modules())
+    compiled = sum(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
+    if compiled:
+        applied["compiled_blocks"] = compiled
     if config is None:
         return applied
     if config.tensor_parallel_config is not None:
@@ -75,6 +85,24 @@ def _parallelism(obj: Any) -> dict[str, int]:
         applied["ring_degree"] = config.context_parallel_config.ring_degree
         applied["ulysses_degree"] = config.context_parallel_config.ulysses_degree
     return applied
+
+
+# What every torch module keeps in its __dict__ (its children, its hooks' dicts): what ``empty`` leaves.
+_MODULE_BOOKKEEPING = frozenset(torch.nn.Module().__dict__)
+
+
+def empty(module: torch.nn.Module) -> None:
+    """Drop what ``module`` holds, in place: its parameters and buffers, and every attribute it gained beyond a torch
+    module's bookkeeping, which is where the rest lives (diffusers' hooks: fp8 scales, step caches' states; fused
+    LoRAs' kept originals; accelerate's offloaded weights; the forward wrappers that close over them). For a model
+    that must go while a frame still holds the object (a pipeline's loop keeps the expert it ran last until its next
+    step): its memory returns at once, and the object, which nothing runs again, goes with the frame."""
+    for part in list(module.modules()):
+        for tensors in (part._parameters, part._buffers):
+            for name in tensors:
+                tensors[name] = None
+        for name in [name for name in part.__dict__ if name not in _MODULE_BOOKKEEPING]:
+            del part.__dict__[name]
 
 
 class ResidentModels:
@@ -179,7 +207,7 @@ class ResidentModels:
         return tuple(
             ResidentModel(
                 model=key.model,
-                component=key.component,
+                component=key.expert or key.component,
                 placement=key.placement,
                 dtype=key.dtype,
                 parameter_bytes=_parameter_bytes(obj),

@@ -11,6 +11,7 @@ rank, every rank frees it, so no rank keeps a transformer the others do not hold
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -21,7 +22,7 @@ import torch
 
 from ..arena import TORCH_DTYPES
 from ..families import ENCODER_IMAGES, IMAGE_INPUTS, FamilyAdapter, Placement, family, img2img_steps
-from ..families.base import REFERENCE_INPUTS, reference_tokens
+from ..families.base import REFERENCE_INPUTS, LaterExpert, reference_tokens
 from ..gguf_files import gguf_weights, load_gguf_transformer, spread_over_gpus
 from ..wire import (
     DecodeArgs,
@@ -41,7 +42,7 @@ from ..wire import (
 )
 from . import compiled, fp8_weights, lora, memory, speeds, step_cache, strategies, vae_tiles
 from .diagnostics import flush, memory_of, reset_peak
-from .models import ModelKey, ResidentModels
+from .models import ModelKey, ResidentModels, empty
 from .ops import OpContext, OpError, OpFn, OpResult, WidgetError, op
 from .tp_slices import fp8_files
 
@@ -265,19 +266,31 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         if name in images
     )
 
-    refused, estimate = None, None
+    refused, estimate, swap = None, None, False
+    fp8_as_stored = plan.spmd and spec.weights is Weights.AS_STORED  # device_map places them in the dtype first
     try:
         strategies.check_attention(plan, ctx.device)
+        if len(subfolders) > 1 and not models.resident(key):
+            activations = memory.step_activations(
+                adapter, spec.model.path, plan, sampling, text_tokens, dtype, references
+            )
+            swap = memory.one_expert_at_a_time(adapter, spec.model.path, plan, dtype, ctx.device,
+                                               policy=models.policy, activations=activations,
+                                               local_ranks=ctx.local_world_size, held=models.held_bytes(),
+                                               freed_by_load=models.freed_by_loading(key),
+                                               fp8_as_stored=fp8_as_stored)  # fmt: skip
         estimate = memory.check_denoise(adapter, spec.model.path, plan, sampling, text_tokens, dtype, ctx.device,
                                         reference_tokens=references,
                                         references=any(name in images for name in REFERENCE_INPUTS),
-                                        local_ranks=ctx.local_world_size, loads_weights=not models.resident(key),
-                                        freed_by_load=models.freed_by_loading(key),
-                                        # device_map places the weights in the dtype before holding them in fp8
-                                        fp8_as_stored=plan.spmd and spec.weights is Weights.AS_STORED)  # fmt: skip
+                                        local_ranks=ctx.local_world_size,
+                                        loads_weights=swap or not models.resident(key),
+                                        freed_by_load=models.freed_by_loading(key), fp8_as_stored=fp8_as_stored,
+                                        one_expert=swap)  # fmt: skip
     except WidgetError as e:
         refused = e
     ctx.agree(refused)  # one rank short of memory, or its GPU cannot run the attention: all refuse, before any loads
+    if plan.spmd:  # every rank holds the experts as the shortest of them must
+        swap = ctx.any_rank([swap])[0]
     ctx.state["estimate"] = estimate
     # device_map's rank 0 decides alone: only it holds models besides the transformer this load replaces everywhere.
     need = estimate.activations + estimate.weights
@@ -285,26 +298,29 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     _auto_room(ctx, key, lambda: need, ctx.device, ctx.local_world_size if plan.spmd else 1)
     ctx.progress(0, steps, "loading transformer")
     budget_note = ""  # device_map on GPUs: which GPU's free memory limits the split
-    if plan.spmd:
-        loaded = _load_together(ctx, models, key, lambda: Experts.load(load_one, subfolders))
-    else:
+    if not plan.spmd:
         if models.make_room(key) and spec.max_memory is None and ctx.device.type == "cuda":
             flush(ctx.device)  # what staged just freed counts as free for the budget
             budget = _device_map_budget(adapter, spec.model.path, sampling, dtype, estimate)
             placement = dataclasses.replace(placement, max_memory=budget)
             budget_note = memory.describe_budget(budget)
-        load_placed = functools.partial(_load_placed, adapter, spec, dtype, placement)
-        loaded = models.get(key, lambda: Experts.load(load_placed, subfolders))
-    transformer, experts = (loaded.first, loaded.others()) if isinstance(loaded, Experts) else (loaded, {})
+        load_one = functools.partial(_load_placed, adapter, spec, dtype, placement)
+
+    def load(key: ModelKey, make: Callable[[], object]) -> object:
+        """``make``'s model, resident as ``key``: loaded by every rank together, or by rank 0 alone (device_map)."""
+        return _load_together(ctx, models, key, make) if plan.spmd else models.get(key, make)
+
+    if swap:  # the first expert now, the next one when the steps reach it (``LaterExpert``), in its place
+        keys = [dataclasses.replace(key, expert=subfolder) for subfolder in subfolders]
+        transformer, experts = load(keys[0], functools.partial(load_one, subfolder=subfolders[0])), {}
+    else:
+        loaded = load(key, lambda: Experts.load(load_one, subfolders))
+        transformer, experts = (loaded.first, loaded.others()) if isinstance(loaded, Experts) else (loaded, {})
     every = [transformer, *experts.values()]
     # The LoRAs are not part of the key: changing them changes the resident transformer, never reloads it. Each
-    # expert takes the LoRAs that change it (ParallelLoraLoader's expert), in the order they were chained.
-    for index, one in enumerate(every):
-        mine = tuple(ref for ref in spec.loras if ref.expert.changes(index))
-        lora.apply_loras(ctx, one, dataclasses.replace(spec, loras=mine), adapter)
-
-    # Compiled after the LoRAs are merged, though merging later changes nothing compiled: the weights are its inputs.
-    first_compile = compiled.compile_blocks(transformer, spec.compile, plan)
+    # expert takes the LoRAs that change it (ParallelLoraLoader's expert), in the order they were chained; compiled
+    # after the LoRAs are merged, though merging later changes nothing compiled: the weights are its inputs.
+    first_compile = any([_ready(ctx, adapter, spec, index, one) for index, one in enumerate(every)])
 
     # Data parallelism gives each rank a consecutive slice of the images, as many as its speed earns it; otherwise
     # every rank (CP / TP) or rank 0 alone (device_map) runs the whole batch on identical inputs.
@@ -315,11 +331,30 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
     mine = dataclasses.replace(sampling, seed=(sampling.seed + start) % 2**64, batch_size=count)
     group = step_cache.agreement_group(plan, transformer)
     clock = speeds.BusyClock()
-    with (
-        step_cache.count_passes(every) as passes,
-        step_cache.step_cache(every, spec.cache, group, adapter.taylorseer_layers) as record,
-        compiled.watch(spec.compile, first_compile) as compile_record,
-    ):
+    with contextlib.ExitStack() as stack:
+        passes = stack.enter_context(step_cache.count_passes(every))
+        record = stack.enter_context(step_cache.step_cache(every, spec.cache, group, adapter.taylorseer_layers))
+        compile_record = stack.enter_context(compiled.watch(spec.compile, first_compile))
+
+        def swap_in(index: int, steps_done: int) -> torch.nn.Module:
+            """Expert ``index`` in place of the one before it, ready to run as that one was."""
+            ctx.progress(steps_done, steps, f"loading {subfolders[index]} (one expert at a time)")
+            empty(every[index - 1])  # the pipeline's loop still holds it until its next step
+            expert = load(keys[index], functools.partial(load_one, subfolder=subfolders[index]))
+            every.append(expert)
+            if _ready(ctx, adapter, spec, index, expert) and compile_record is not None:
+                compile_record.first = True
+            stack.enter_context(step_cache.count_passes([expert], passes))
+            stack.enter_context(
+                step_cache.step_cache([expert], spec.cache, group, adapter.taylorseer_layers, record=record)
+            )
+            return expert
+
+        if swap:
+            experts = {
+                subfolder: LaterExpert(functools.partial(swap_in, index))
+                for index, subfolder in enumerate(subfolders[1:], start=1)
+            }
         samples = adapter.denoise(
             spec.model.path,
             transformer,
@@ -345,8 +380,17 @@ def denoise(ctx: OpContext, args: DenoiseArgs, tensors: dict) -> OpResult:
         compile=compile_record.report() if compile_record is not None else None,
         split=split,
         devices=devices,
+        one_expert_at_a_time=subfolders if swap else (),
     )
     return result, {"samples": samples}
+
+
+def _ready(ctx: OpContext, adapter: FamilyAdapter, spec: TransformerSpec, index: int, expert: torch.nn.Module) -> bool:
+    """Expert ``index`` of the model (0: its transformer) as the run needs it: with the LoRAs that change it, its
+    blocks compiled when the spec asks for it. True when this call compiled them."""
+    mine = tuple(ref for ref in spec.loras if ref.expert.changes(index))
+    lora.apply_loras(ctx, expert, dataclasses.replace(spec, loras=mine), adapter)
+    return compiled.compile_blocks(expert, spec.compile, spec.plan)
 
 
 def _held_as(spec: TransformerSpec) -> str:
@@ -387,8 +431,9 @@ def _load_placed(
 class Experts:
     """A model's transformers when it has several (Wan 2.2 A14B's high- and low-noise experts), resident together as
     one transformer: each loaded and split by the same strategy, each with the LoRAs that change it
-    (``LoraRef.expert``) and a step cache of its own; the first the one compiled blocks and progress see.
-    ``components`` names them as a pipeline's, which is how the resident models count their parameters."""
+    (``LoraRef.expert``), its blocks compiled and a step cache of its own. ``components`` names them as a pipeline's,
+    which is how the resident models count their parameters. (Experts that do not fit together are held one at a
+    time instead, each resident alone under its own key: the denoise's ``LaterExpert``.)"""
 
     components: dict[str, torch.nn.Module]
 

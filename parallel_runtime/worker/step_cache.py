@@ -48,11 +48,12 @@ def agreement_group(plan: StrategyPlan, transformer: torch.nn.Module) -> dist.Pr
 
 
 @contextlib.contextmanager
-def count_passes(transformers: Sequence[torch.nn.Module]) -> Iterator[list[int]]:
+def count_passes(transformers: Sequence[torch.nn.Module], count: list[int] | None = None) -> Iterator[list[int]]:
     """Counts the passes that run on this rank inside the ``with`` block (``[count]``), of every transformer (a
     model's experts): calls of the first transformer block, which every pass runs, cached or not, and which a pass
-    another rank runs (true CFG's passes split) never reaches."""
-    count = [0]
+    another rank runs (true CFG's passes split) never reaches. ``count``: one to go on with (an expert loaded
+    mid-run)."""
+    count = count if count is not None else [0]
 
     def counted(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         count[0] += 1
@@ -79,16 +80,18 @@ def step_cache(
     cache: StepCache,
     group: dist.ProcessGroup | None,
     taylorseer_layers: tuple[str, ...] | None = None,
+    record: _Record | None = None,
 ) -> Iterator[_Record | None]:
     """``cache`` on each of ``transformers`` (a model's experts, each its own state) for the ``with`` block (None,
     and nothing changed, when it is off); the record fills in as the passes run, in their order. ``taylorseer_layers``:
-    the family's (``FamilyAdapter.taylorseer_layers``)."""
+    the family's (``FamilyAdapter.taylorseer_layers``). ``record``: one to go on filling (an expert loaded mid-run,
+    after the one before it)."""
     if cache.mode is CacheMode.OFF:
         yield None
         return
     enabled = []
     try:
-        record = _Record(cache.mode, len(_blocks(transformers[0])))
+        record = record if record is not None else _Record(cache.mode, len(_blocks(transformers[0])))
         for transformer in transformers:
             if cache.mode is CacheMode.FIRST_BLOCK_CACHE:
                 with _splits_outside(transformer):

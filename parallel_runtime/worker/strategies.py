@@ -116,12 +116,10 @@ def load_transformer(
     if plan.shards_weights:
         # Each rank reads only its slice of every planned weight, into the tensor it keeps: no rank ever holds the
         # whole model, not even while loading.
-        if subfolder != "transformer":
-            raise WidgetError("strategy", f"tensor_parallel does not load a second expert ({subfolder}) yet")
         if gguf:
-            transformer = load_gguf_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"])
+            transformer = load_gguf_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], subfolder)
         else:
-            transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], as_stored)
+            transformer = load_tensor_parallel(cls, model_dir, dtype, device, mesh["tp"], as_stored, subfolder)
     elif gguf:
         transformer = load_gguf_transformer(cls, model_dir, dtype, str(device), subfolder)
     elif fp8_files(model_dir, subfolder):

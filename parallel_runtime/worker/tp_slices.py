@@ -246,7 +246,7 @@ def load_tensor_parallel(
     if config.get("quantization_config") is not None:
         # What from_pretrained refuses too: a quantizer's packed layout cannot be cut into DTensor slices.
         raise OpError(
-            f"{os.path.join(model_dir, 'transformer')} holds quantized weights (quantization_config in its "
+            f"{os.path.join(model_dir, subfolder)} holds quantized weights (quantization_config in its "
             "config.json), which tensor parallelism cannot shard; use an unquantized (bf16 / fp16) folder, or "
             "another strategy"
         )

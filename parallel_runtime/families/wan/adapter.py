@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +34,7 @@ from ...wire import Prompts, Sampling
 from ..base import (
     FamilyAdapter,
     LatentLayout,
+    LaterExpert,
     OnStep,
     Placement,
     check_size,
@@ -164,14 +166,15 @@ class Wan(FamilyAdapter):
         *,
         latent_image: torch.Tensor | None = None,
         noise_mask: torch.Tensor | None = None,
-        transformer_2: torch.nn.Module | None = None,
+        transformer_2: torch.nn.Module | LaterExpert | None = None,
         image: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """LATENT samples [batch_size, 16, (frames - 1) / 4 + 1, height/8, width/8] (Wan 2.2 TI2V-5B: 48 channels,
         /16, its ``latent``). CFG runs when ``true_cfg_scale`` > 1 and the embeddings hold negative ones: two passes
         per step, at ``true_cfg_scale`` for the first expert and ``guidance_scale_2`` (default: the same) for Wan 2.2's
-        second, ``transformer_2``, which a Wan 2.2 A14B folder needs. ``guidance_scale`` (FLUX's distilled guidance)
-        is not Wan's. ``image``: the clip's first frame, for Wan I2V and Wan 2.2 TI2V only (``start_image``)."""
+        second, ``transformer_2``, which a Wan 2.2 A14B folder needs (a ``LaterExpert``: loaded at the boundary, in the
+        first's place). ``guidance_scale`` (FLUX's distilled guidance) is not Wan's. ``image``: the clip's first
+        frame, for Wan I2V and Wan 2.2 TI2V only (``start_image``)."""
         from diffusers import AutoencoderKLWan
 
         if latent_image is not None or noise_mask is not None:
@@ -189,7 +192,7 @@ class Wan(FamilyAdapter):
             text_encoder=None,
             scheduler=scheduler_for(model_dir, sampling),
             transformer=transformer,
-            transformer_2=transformer_2,
+            transformer_2=None if isinstance(transformer_2, LaterExpert) else transformer_2,
             boundary_ratio=boundary_ratio,
             expand_timesteps=bool(config.get("expand_timesteps")),
             **components,
@@ -217,7 +220,7 @@ class Wan(FamilyAdapter):
             max_sequence_length=batch["prompt_embeds"].shape[1],
             generator=generators(sampling.seed, sampling.batch_size),
             output_type="latent",
-            callback_on_step_end=step_callback(on_step),
+            callback_on_step_end=_swapping(step_callback(on_step), transformer_2, boundary_ratio),
         ).frames
         # What WanPipeline does before `vae.decode`, without the VAE's weights: undo the per-channel normalisation,
         # in float32 (ComfyUI's LATENT dtype) even for a bf16 transformer.
@@ -252,3 +255,23 @@ class Wan(FamilyAdapter):
 
     def decoder_channels(self, vae_config: dict) -> int:
         return vae_config["base_dim"]  # Wan 2.1's VAE: base_dim × dim_mult per level, the first level at × 1
+
+
+def _swapping(step_end: Callable[..., dict], later: object, boundary_ratio: float | None) -> Callable[..., dict]:
+    """The pipeline's step callback, which, when the second expert comes ``later``, loads it in the first one's place
+    after the last step before the boundary: the pipeline reads ``transformer_2`` at each step, and its scheduler (with
+    UniPC's history of the earlier steps) runs on untouched, so the clip is the one both experts resident make."""
+    if not isinstance(later, LaterExpert) or boundary_ratio is None:  # no boundary: the first expert runs every step
+        return step_end
+
+    def swapped(pipeline: Any, step_index: int, timestep: torch.Tensor, callback_kwargs: dict) -> dict:
+        out = step_end(pipeline, step_index, timestep, callback_kwargs)
+        timesteps = pipeline.scheduler.timesteps
+        following = step_index + 1
+        boundary = boundary_ratio * pipeline.scheduler.config.num_train_timesteps
+        if pipeline.transformer_2 is None and following < len(timesteps) and timesteps[following] < boundary:
+            pipeline.transformer = None
+            pipeline.transformer_2 = later.load(following)
+        return out
+
+    return swapped
