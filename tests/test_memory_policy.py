@@ -124,3 +124,42 @@ def test_auto_frees_the_least_recently_used_first_and_nothing_it_does_not_need()
     assert models.to_free(transformer, vae + 1) == ["text_encoders"]
     assert sorted(models.to_free(transformer, encoders + 1)) == ["text_encoders", "vae"]
     assert models.to_free(transformer, encoders + vae + 1) == ["vae", "text_encoders"]  # all, when even that is short
+
+
+@pytest.mark.parametrize("gpus, fits", [(4, True), (2, False)])
+def test_device_map_counts_every_gpu_its_weights_spread_over(tmp_path, monkeypatch, gpus, fits):
+    """device_map on GPUs spreads the transformer over every GPU (and the host what does not fit them): its memory
+    check counts all of them, so a model larger than one GPU is not refused for the first GPU's size, and a model
+    larger than them all is, by name. The GPUs' free memory is the only thing set here (this machine has none)."""
+    import json
+
+    from parallel_runtime.families import family, tp_plan
+    from parallel_runtime.strategy import StrategyPlan, TransformerFacts
+    from parallel_runtime.wire import Memory
+    from parallel_runtime.worker.ops import WidgetError
+
+    folder = make_tiny_flux(str(tmp_path / MODEL))
+    with open(f"{folder}/transformer/config.json") as f:
+        config = json.load(f)
+    plan = StrategyPlan.from_widgets(TransformerFacts.from_config(config, tp_plan(config["_class_name"])), 1,
+                                     strategy="device_map")  # fmt: skip
+    sampling = Sampling(seed=SEED, steps=STEPS, guidance_scale=3.5, width=SIZE, height=SIZE)
+    args = (family("flux"), folder, plan, sampling, 8, torch.float32, torch.device("cuda", 0))
+    common = dict(local_ranks=1, loads_weights=True, freed_by_load=0)
+    weights = memory.weight_bytes_in(f"{folder}/transformer", torch.float32, False)
+    activations = memory.step_activations(family("flux"), folder, plan, sampling, 8, torch.float32)
+    assert activations < weights / 3
+    # Each GPU has room for the step and a third of the weights: one is short, two are too, four are not.
+    gpu = int((activations + weights / 3) / memory.HEADROOM) + 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (gpu, gpu))
+    monkeypatch.setattr(
+        memory,
+        "memory_of",
+        lambda device: Memory(kind=device.type, total_bytes=gpu, free_bytes=gpu if device.type == "cuda" else 0),
+    )
+    if fits:
+        assert memory.check_denoise(*args, **common).weights == weights
+        return
+    with pytest.raises(WidgetError, match=r"the GPUs and the host's memory .* have"):
+        memory.check_denoise(*args, **common)

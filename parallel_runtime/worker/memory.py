@@ -176,6 +176,16 @@ def _free(device: torch.device, local_ranks: int) -> tuple[int, int]:
     return memory.free_bytes, local_ranks if device.type == "cpu" else 1
 
 
+def _room(plan: StrategyPlan, device: torch.device, local_ranks: int) -> tuple[int, int]:
+    """(bytes this rank's weights and a step may take, how many ranks share them). device_map on GPUs spreads the
+    weights over every GPU the rank sees and what does not fit them over the host (``default_budget``), so all of
+    that is its room, not the first GPU's alone: a model larger than one GPU is what device_map is for."""
+    if plan.spmd or device.type != "cuda":
+        return _free(device, local_ranks if plan.spmd else 1)
+    gpus = sum(torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count()))
+    return gpus + memory_of(torch.device("cpu")).free_bytes, 1
+
+
 def step_activations(
     family: FamilyAdapter,
     model_dir: str,
@@ -236,15 +246,17 @@ def check_denoise(
         weights = max(experts) if one_expert else sum(experts)
     components = denoise_component_bytes(family, model_dir, dtype, references)
     weights += components
-    free, sharing = _free(device, local_ranks if plan.spmd else 1)
+    free, sharing = _room(plan, device, local_ranks)
     need, have = (activations + weights) * sharing, (free + freed_by_load * sharing) * HEADROOM
-    if need > have:
+    if need > have or activations > _free(device, 1)[0] * HEADROOM:  # a step runs on one device at a time
         split = f" (its tokens split over {plan.cp_degree} ranks)" if plan.splits_tokens else ""
         plus = f", plus {_gib(weights)} of weights" if weights else ""
         if components:
             loaded = " and ".join(family.denoise_components(references))
             plus += f" ({_gib(components)} of them the {loaded} the denoise loads beside the transformer)"
         where = f"the {sharing} ranks on this machine's memory have" if sharing > 1 else f"{device} has"
+        if not plan.spmd and device.type == "cuda":
+            where = "the GPUs and the host's memory (device_map spreads the weights over them) have"
         clip = f" × {sampling.frames} frames" if sampling.frames > 1 else ""
         size = f"{sampling.width}×{sampling.height}{clip} × {images} image(s)"
         raise WidgetError(
@@ -292,9 +304,7 @@ def one_expert_at_a_time(
     experts = _expert_bytes(family, model_dir, plan, dtype, fp8_as_stored)
     if len(experts) < 2:
         return False
-    free, sharing = _free(device, local_ranks if plan.spmd else 1)
-    if not plan.spmd and device.type == "cuda":  # device_map places the expert over every GPU
-        free = sum(torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count()))
+    free, sharing = _room(plan, device, local_ranks)
     have = (free / sharing + freed_by_load) * HEADROOM
     cap = _cap()
     if cap is not None:
