@@ -141,16 +141,26 @@ class ModelSize:
     context_tokens: int = 0  # an image encoder's tokens beside the text (``families.base.image_context_tokens``)
 
     @property
+    def experts(self) -> tuple[str, ...]:
+        """The transformers the denoise holds: ``transformer``, and Wan 2.2 A14B's second expert ``transformer_2``."""
+        return tuple(c for c in ("transformer", "transformer_2") if c in self.parameters)
+
+    @property
     def transformer_parameters(self) -> int:
+        """One expert's parameters: what a step computes with."""
         return self.parameters["transformer"]
 
     @property
     def transformer_bytes(self) -> int:
+        """Every expert's weights on the GPUs: they stay resident together, the steps switching between them."""
+        return sum(self._held(c) for c in self.experts)
+
+    def _held(self, component: str) -> int:
         if self.gguf:
-            return self.stored_bytes["transformer"]  # the file's size: its packed blocks, held as they are
-        if any(dtype.startswith("F8") for dtype in self.stored_dtypes.get("transformer", ())):
-            return self.stored_bytes["transformer"]  # fp8 held as stored, the rest (norms, biases) in bf16 already
-        return self.transformer_parameters * LOADED_BYTES
+            return self.stored_bytes[component]  # the file's size: its packed blocks, held as they are
+        if any(dtype.startswith("F8") for dtype in self.stored_dtypes.get(component, ())):
+            return self.stored_bytes[component]  # fp8 held as stored, the rest (norms, biases) in bf16 already
+        return self.parameters[component] * LOADED_BYTES
 
     @property
     def encoder_bytes(self) -> int:
@@ -310,9 +320,10 @@ class Advice:
         loaded = " and ".join(m.denoise_components)
         beside = f", {loaded} loaded in the denoise {_gib(m.denoise_bytes)}" if loaded else ""
         clip = f" × {self.length} frames" if self.length > 1 else ""
+        experts = f" each, {len(m.experts)} experts resident together" if len(m.experts) > 1 else ""
         lines = [
             f"{m.name} ({m.family.name}) at {self.width}×{self.height}{clip}: transformer {_gib(m.transformer_bytes)} "
-            f"({m.transformer_parameters / 1e9:.2f} B parameters), text encoders {_gib(m.encoder_bytes)}, "
+            f"({m.transformer_parameters / 1e9:.2f} B parameters{experts}), text encoders {_gib(m.encoder_bytes)}, "
             f"VAE {_gib(m.vae_bytes)}{beside} in bf16 on the GPUs; stored as {stored}",
             f"box: {box.describe()}",
             "",
@@ -515,7 +526,7 @@ def _changes(model: ModelSize, box: Box, width: int, height: int, length: int, o
         gpus = math.ceil(model.transformer_bytes / room)
         if gpus > box.gpus:
             changes.append(f"more GPUs: device_map over {gpus} such GPUs holds the transformer")
-    fp8 = model.transformer_parameters / box.gpus + smallest.activations  # 1 byte a parameter
+    fp8 = model.transformer_parameters * len(model.experts) / box.gpus + smallest.activations  # 1 byte a parameter
     verdict = "would fit" if fp8 <= usable else "would still not fit"
     where = f"under device_map over {box.gpus} GPUs" if box.gpus > 1 else "on the GPU"
     changes.append(

@@ -327,6 +327,25 @@ def test_a_clip_counts_every_latent_frames_tokens(tmp_path, flux1_dev: str) -> N
         advise(read_model(flux1_dev), box, WIDTH, HEIGHT, 5)
 
 
+def test_two_experts_count_both(tmp_path) -> None:
+    """Wan 2.2 A14B's two experts stay resident together (the steps switch between them): the advisor counts both
+    experts' weights on the GPUs, and one expert's parameters in a step's compute."""
+    folder = write_wan21_i2v(str(tmp_path / "Wan2.2-I2V-A14B"))
+    one = read_model(folder)
+    expert = os.path.join(folder, "transformer_2")
+    os.makedirs(expert)
+    count = WAN21_I2V_PARAMETERS["transformer"]
+    write_sparse_safetensors(os.path.join(expert, "model.safetensors"), {"all": ("BF16", [count])})  # no disk
+    two = read_model(folder)
+    assert two.experts == ("transformer", "transformer_2") and one.experts == ("transformer",)
+    assert two.transformer_bytes == 2 * one.transformer_bytes == 2 * WAN21_I2V_PARAMETERS["transformer"] * BYTES
+    box = parse_gpus("8x80GB,nvlink")
+    ones, twos = (_by_name(advise(m, box, 832, 480, 81)) for m in (one, two))
+    assert twos["one GPU"].weights == 2 * ones["one GPU"].weights
+    assert twos["one GPU"].relative == ones["one GPU"].relative == 1.0  # a step runs one expert
+    assert "2 experts resident together" in advise(two, box, 832, 480, 81).text()
+
+
 def test_fp8_files_are_held_as_stored(tmp_path, flux1_dev: str) -> None:
     """The pack holds a transformer's fp8 weights in fp8 (the weights widget's default, "as stored"), so on the GPUs an
     fp8 file takes its stored bytes, half of a bf16 model's, and fits where the bf16 one would not."""
