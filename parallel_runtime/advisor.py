@@ -407,7 +407,7 @@ def _options(
     facts = TransformerFacts.from_config(config, families.tp_plan(config["_class_name"]))
     vae = model.vae_bytes  # small: it stays on its GPU through every stage
     beside = model.denoise_bytes  # loaded by the denoise on every GPU that runs the transformer
-    decode = vae + decode_bytes(model.decoder_channels, 1, width, height, ACTIVATION_BYTES)
+    decode = vae + decode_bytes(model.decoder_channels, 1, width, height, ACTIVATION_BYTES, family.decode_copies)
     usable = box.memory * HEADROOM
     n = box.gpus
     options, refused = [], []

@@ -60,10 +60,12 @@ def weights_share(plan: StrategyPlan, sharded: float) -> float:
     return 1.0
 
 
-def decode_bytes(decoder_channels: int, images: int, width: int, height: int, itemsize: int) -> int:
-    """Bytes a VAE decode of ``images`` of ``width`` × ``height`` holds at its peak (its first-level feature maps,
-    ``VAE_COPIES`` of them)."""
-    return images * height * width * decoder_channels * itemsize * VAE_COPIES
+def decode_bytes(
+    decoder_channels: int, images: int, width: int, height: int, itemsize: int, copies: int | None = None
+) -> int:
+    """Bytes a VAE decode of ``images`` of ``width`` × ``height`` (a clip's: one frame's) holds at its peak: its
+    first-level feature maps, ``copies`` of them (the family's ``decode_copies``; ``VAE_COPIES`` by default)."""
+    return images * height * width * decoder_channels * itemsize * (copies or VAE_COPIES)
 
 
 def step_bytes(config: dict, tokens: int, text_tokens: int, ranks: int) -> dict[str, float]:

@@ -187,6 +187,8 @@ class FamilyAdapter(abc.ABC):
         taylorseer_layers: the layers the ``taylorseer`` step cache predicts (regular expressions of module names,
             diffusers' ``cache_identifiers``); None: diffusers' defaults, which match FLUX's and Qwen-Image's
             attention modules (``transformer_blocks.N.attn``) but none of Wan's (``blocks.N.attn1``).
+        decode_copies: how many of its first-level feature maps (``decoder_channels`` × one frame's pixels) the VAE's
+            decode holds at its peak; None: ``estimates.VAE_COPIES``, measured on the image VAEs.
     """
 
     key: ClassVar[str]
@@ -217,6 +219,7 @@ class FamilyAdapter(abc.ABC):
         "num_single_layers": "single_transformer_blocks",
     }
     taylorseer_layers: ClassVar[tuple[str, ...] | None] = None
+    decode_copies: ClassVar[int | None] = None
 
     @classmethod
     def comfy_text_encoder_words(cls) -> str:

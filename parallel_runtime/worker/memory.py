@@ -356,7 +356,9 @@ def decode_need(
 ) -> int:
     """Bytes a VAE decode of ``images`` of ``width`` × ``height`` holds at its peak (its first-level feature maps,
     ``estimates.VAE_COPIES`` of them)."""
-    return decode_bytes(family.decoder_channels(vae_config), images, width, height, dtype.itemsize)
+    return decode_bytes(
+        family.decoder_channels(vae_config), images, width, height, dtype.itemsize, family.decode_copies
+    )
 
 
 def samples_size(family: FamilyAdapter, samples: torch.Tensor) -> tuple[int, int, int]:

@@ -76,6 +76,11 @@ class Wan(FamilyAdapter):
     samplers = (Sampler.UNI_PC, Sampler.EULER, Sampler.LCM)
     block_lists: ClassVar[dict[str, str]] = {"num_layers": "blocks"}
     taylorseer_layers = (r"blocks\.\d+\.attn[12]",)  # both attentions of every block, as FLUX's defaults hook
+    # A clip's decode holds far more than an image VAE's 8 maps: the causal decoder upsamples each latent frame into 4
+    # frames at full resolution and caches the frames before. Measured on random AutoencoderKLWan (Wan 2.1's layout,
+    # base_dim 32 and 64, 256² to 512², 3 to 21 latent frames; the peak resident set over the weights): 60 to 79
+    # maps of base_dim at one frame's size (tests/test_wan.py keeps it), 29 for a single frame.
+    decode_copies = 76
     # The pipeline's components that the text stage leaves out (Wan I2V's pipeline adds its image encoder's).
     not_text: ClassVar[tuple[str, ...]] = ("transformer", "transformer_2", "vae")
 

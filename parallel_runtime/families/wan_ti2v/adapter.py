@@ -32,6 +32,9 @@ class WanTI2V(Wan):
     pixels_per_token = 32  # the VAE's 16×, the transformer's 2 × 2 patches
     reference_images: ClassVar[int] = 1
     first_frame: ClassVar[bool] = True  # optional (needs_reference stays False): without it, text-to-video
+    # Wan 2.2's VAE decodes 2 × 2 patches, its last level at half the size: measured on random ones (decoder_base_dim
+    # 64 and 128, 512², 9 frames), 24 to 25 maps of decoder_base_dim at one frame's size (Wan 2.1's: 76).
+    decode_copies = 26
 
     def denoise_components(self, references: bool) -> tuple[str, ...]:
         return ("vae",) if references else ()  # it encodes the start image, when there is one (start_image)
