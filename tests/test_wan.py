@@ -307,3 +307,20 @@ def test_the_decode_estimate_holds_a_clips_decode():
         peak = vae_tiles.peak_above(cpu, held)
     print(f"Wan decode, 9 frames at 256²: peak {peak / 2**20:.0f} MiB, estimate {need / 2**20:.0f} MiB")
     assert 0.6 * need < peak < 1.2 * need
+
+
+def test_a_clip_too_large_to_decode_is_refused_naming_decode_over_ranks(monkeypatch):
+    """A 480p clip of 81 frames on a device with 4 GiB free (Wan 2.1's VAE in bf16 takes about 5.4 GiB): refused by
+    the decode's check with the frames it counted and the node's own fix first."""
+    from parallel_runtime.wire import Memory
+    from parallel_runtime.worker import memory
+    from parallel_runtime.worker.ops import WidgetError
+
+    free = 4 * 2**30
+    monkeypatch.setattr(memory, "memory_of", lambda device: Memory(kind="cuda", total_bytes=free, free_bytes=free))
+    samples = torch.zeros(1, 16, 21, 60, 104)
+    with pytest.raises(WidgetError) as info:
+        memory.check_decode(family_adapter("wan"), {"base_dim": 96}, samples, torch.bfloat16, torch.device("cuda", 0))
+    assert info.value.widget == "samples"
+    assert "1 image(s) of 832×480 × 81 frames needs about 5.4 GiB" in str(info.value)
+    assert "turn on decode_over_ranks" in str(info.value)

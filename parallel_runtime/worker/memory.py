@@ -380,12 +380,14 @@ def check_decode(
     need = decode_need(family, vae_config, count, width, height, dtype)
     free, _ = _free(device, 1)
     if need > free * HEADROOM:
-        images = f"{count} image(s) of {width}×{height}"
+        frames = samples.shape[2] if samples.ndim == 5 else 1
+        clip = f" × {family.latent.temporal_downscale * (frames - 1) + 1} frames" if frames > 1 else ""
+        images = f"{count} image(s) of {width}×{height}{clip}"
         raise WidgetError(
             "samples",
             f"decoding {images} needs about {_gib(need)} on {device}, which has {_gib(free)} "
-            "free; decode a smaller latent (or fewer images at once), or use ComfyUI's "
-            "VAEDecodeTiled",
+            "free; turn on decode_over_ranks (the VAE's tiles shared over the ranks: a GPU holds one tile's decode at "
+            "a time), decode a smaller latent (or fewer images at once), or use ComfyUI's VAEDecodeTiled",
         )
     return Estimate(need)
 
