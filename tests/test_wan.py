@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import WAN_CLIP, wan_clip_latent, wan_one_shot
 
-from parallel_runtime import InvalidInput, default_spec, jobs
+from parallel_runtime import InvalidInput, default_spec, get_backend, jobs
 from parallel_runtime.families import Placement
 from parallel_runtime.families import family as family_adapter
 from parallel_runtime.families.wan.tiny import make_tiny_model
@@ -169,6 +169,10 @@ def generate(name: str, strategy: str, *, batch_size: int = 1, ranks: int = 2, *
     second = CFG_2 if name == "wan22" else 0.0
     latent = wan_clip_latent(spec, model, strategy, strategy_args, batch_size=batch_size, guidance_scale_2=second)
     assert latent.shape == (batch_size, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
+    # The degrees the status panel reads back from the resident transformer (both experts' together).
+    applied = {"tensor_parallel": {"tp_degree": ranks}, "cfg_parallel": {"cfg_degree": 2}}.get(strategy, {})
+    held = [m.parallelism for r in get_backend(spec).status().ranks for m in r.resident if m.component == "transformer"]
+    assert held and all(applied.items() <= degrees.items() for degrees in held), held
     return jobs.decode(spec, model=model, samples=latent)
 
 

@@ -71,9 +71,12 @@ def _parallelism(obj: Any) -> dict[str, int]:
     """The degrees diffusers actually applied to a model (read back from it, not from the request), and its blocks
     that run compiled (every expert's: ``compiled_blocks``): what the status panel shows and what tests check a
     strategy against."""
-    config = getattr(obj, "_parallel_config", None)
-    applied = {"cfg_degree": cfg_parallel.cfg_degree(obj)} if cfg_parallel.cfg_degree(obj) > 1 else {}
-    blocks = (block for model in _modules(obj) for block in model.modules())
+    modules = _modules(obj)
+    # A model's experts are split alike (``stages.Experts``): the first one's degrees are every one's.
+    first = modules[0] if modules and not isinstance(obj, torch.nn.Module) else obj
+    config = getattr(first, "_parallel_config", None)
+    applied = {"cfg_degree": cfg_parallel.cfg_degree(first)} if cfg_parallel.cfg_degree(first) > 1 else {}
+    blocks = (block for model in modules for block in model.modules())
     compiled = sum(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
     if compiled:
         applied["compiled_blocks"] = compiled
