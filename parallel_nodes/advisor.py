@@ -6,7 +6,7 @@ from parallel_runtime import default_spec
 from parallel_runtime.advisor import GPUS_SYNTAX, advise, backend_box, parse_gpus, read_model
 
 from . import comfy
-from .types import CATEGORY, backend_input, model_input
+from .types import CATEGORY, backend_input, length_input, model_input
 
 
 class ParallelAdvisor(io.ComfyNode):
@@ -43,17 +43,9 @@ class ParallelAdvisor(io.ComfyNode):
                 ),
                 backend_input(),
                 # Last: UI-format workflows store widget values by position, so saved graphs keep loading.
-                io.Int.Input(
-                    "length",
-                    default=1,
-                    min=1,
-                    max=4097,
-                    step=4,
-                    optional=True,
-                    tooltip=(
-                        "For a video model: the clip's frames, as ParallelSampler's length (4k + 1; 81 is Wan's 5 "
-                        "seconds), whose tokens every step holds. 1 for the image families."
-                    ),
+                length_input(
+                    "For a video model: the clip's frames, as ParallelSampler's length (4k + 1; 81 is Wan's 5 "
+                    "seconds), whose tokens every step holds. 1 for the image families."
                 ),
             ],
             outputs=[io.String.Output(display_name="advice", tooltip="The advice's text, also shown on the node.")],

@@ -8,7 +8,7 @@ from parallel_runtime.families.base import REFERENCE_INPUTS
 from parallel_runtime.samplers import SAMPLERS, SCHEDULERS, Sampler, Scheduler, describe
 
 from . import comfy
-from .types import CATEGORY, Conditioning, Transformer
+from .types import CATEGORY, Conditioning, Transformer, length_input
 
 FAMILY_ENCODERS = "; ".join(f"{f.name}: {f.comfy_text_encoder_words()}" for f in REGISTRY)
 # How far back through ComfyUI's nodes a CONDITIONING's text-encoder loader is looked for (a graph is finite, but a
@@ -260,19 +260,12 @@ class ParallelSampler(io.ComfyNode):
                         f"{names(lambda f: not f.true_cfg)}."
                     ),
                 ),
-                io.Int.Input(
-                    "length",
-                    default=1,
-                    min=1,
-                    max=4097,
-                    step=4,
-                    optional=True,
-                    tooltip=(
-                        f"Frames of the clip, 4k + 1 (81 is Wan's 5 seconds at 16 fps), for "
-                        f"{names(lambda f: f.latent.temporal_downscale > 1)}; 1 for the image families. The LATENT "
-                        "is [B, 16, (length - 1) / 4 + 1, H/8, W/8]; the decode gives B × length frames, which "
-                        "ComfyUI's CreateVideo and SaveAnimatedWEBP take."
-                    ),
+                length_input(
+                    f"Frames of the clip, 4k + 1 (81 is Wan's 5 seconds at 16 fps), for "
+                    f"{names(lambda f: f.latent.temporal_downscale > 1)}; 1 for the image families. The LATENT "
+                    "is [B, 16, (length - 1) / 4 + 1, H/8, W/8] (Wan 2.2 TI2V: 48 channels, H/16, W/16); the decode "
+                    "gives B × length frames, which "
+                    "ComfyUI's CreateVideo and SaveAnimatedWEBP take."
                 ),
                 io.Float.Input(
                     "guidance_scale_2",

@@ -53,3 +53,8 @@ def model_input(tooltip: str) -> io.Input:
         shown = "; ".join(f"{name} ({why})" for name, why in skipped[:5])
         tooltip += f" Not listed: {shown}" + (f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "")
     return io.Combo.Input("model", options=model_folders.list_models(), tooltip=tooltip)
+
+
+def length_input(tooltip: str) -> io.Input:
+    """A clip's length in frames, 4k + 1 as Wan's VAE makes them (ComfyUI's own Wan nodes step by 4 the same way)."""
+    return io.Int.Input("length", default=1, min=1, max=4097, step=4, optional=True, tooltip=tooltip)
