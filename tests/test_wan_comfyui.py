@@ -174,3 +174,41 @@ def test_a_ti2v_width_that_is_not_a_multiple_of_32_is_a_400_naming_it(comfyui_se
     assert rejected.value.status == 400 and list(rejected.value.node_errors) == ["4"], rejected.value.node_errors
     (error,) = rejected.value.node_errors["4"]["errors"]
     assert "width: 48 is not a multiple of 32" in error["details"] and "use 32 or 64" in error["details"], error
+
+
+def webp_frames(path: Path) -> np.ndarray:
+    """A SaveAnimatedWEBP file's frames, [frames, H, W, 3] uint8."""
+    with Image.open(path) as webp:
+        frames = []
+        for index in range(webp.n_frames):
+            webp.seek(index)
+            frames.append(np.asarray(webp.convert("RGB")))
+    return np.stack(frames)
+
+
+@pytest.mark.multirank
+def test_comfyuis_own_vae_decode_of_the_packs_clip(comfyui_server, comfyui_files_dir, tmp_path):
+    """The pack's Wan LATENT (5-D, ComfyUI's Wan 2.1 convention: un-normalised) from ComfyUI's own Wan files, decoded
+    by ComfyUI's VAELoader + VAEDecode of the same wan_2.1_vae file, gives VAEDecodeSingleGPU's frames: both into
+    SaveAnimatedWEBP, losslessly, every frame within one 8-bit level (measured 1: the same float32 VAE in ComfyUI's
+    and diffusers' implementations)."""
+    from parallel_runtime.families.wan.comfy_tiny import make_tiny_wan_files
+
+    ((names, _),) = make_tiny_wan_files(str(comfyui_files_dir), str(tmp_path / "reference"), formats=("bf16",)).values()
+    nodes = workflow()
+    nodes["9"] = {"class_type": "ParallelModelFromComfyFiles", "inputs": names}
+    for node_id in ("2", "3", "5"):
+        nodes[node_id]["inputs"]["model"] = ["9", 0]
+    nodes["6"]["inputs"]["filename_prefix"] = "wan_pack"
+    nodes["10"] = {"class_type": "VAELoader", "inputs": {"vae_name": names["vae"]}}
+    nodes["11"] = {"class_type": "VAEDecode", "inputs": {"samples": ["4", 0], "vae": ["10", 0]}}
+    nodes["12"] = {"class_type": "SaveAnimatedWEBP", "inputs": {**nodes["6"]["inputs"], "images": ["11", 0]}}
+    nodes["12"]["inputs"]["filename_prefix"] = "wan_comfy"
+    comfyui_server.run(nodes, timeout=600)
+    (pack,) = comfyui_server.output_dir.glob("wan_pack_*.webp")
+    (comfy,) = comfyui_server.output_dir.glob("wan_comfy_*.webp")
+    ours, theirs = webp_frames(pack), webp_frames(comfy)
+    assert ours.shape == theirs.shape == (FRAMES, HEIGHT, WIDTH, 3)
+    diff = np.abs(ours.astype(int) - theirs.astype(int)).max()
+    print(f"Wan clip, ComfyUI's VAEDecode vs VAEDecodeSingleGPU: max |diff| {diff} levels")
+    assert diff <= 1
