@@ -138,6 +138,7 @@ class ModelSize:
     stored_bytes: dict[str, int]
     stored_dtypes: dict[str, tuple[str, ...]]
     gguf: bool = False  # a GGUF transformer: held packed as stored (under tensor parallelism, a rank's slices)
+    passes: int = 1  # transformer passes a step: 2 under true CFG (not for a step-distilled [klein])
     context_tokens: int = 0  # an image encoder's tokens beside the text (``families.base.image_context_tokens``)
 
     @property
@@ -247,7 +248,9 @@ def read_model(model: str, widget: str = "--model") -> ModelSize:
             image_encoder = json.load(f)
     name = os.path.basename(os.path.normpath(model))
     context = image_context_tokens(family, image_encoder)
-    return ModelSize(name, family, config, channels, parameters, sizes, dtypes, context_tokens=context)
+    with open(os.path.join(path, "model_index.json")) as f:
+        passes = 2 if family.takes_cfg(json.load(f)) else 1
+    return ModelSize(name, family, config, channels, parameters, sizes, dtypes, passes=passes, context_tokens=context)
 
 
 def read_files(
@@ -285,6 +288,7 @@ def read_files(
         stored,
         dtypes,
         gguf=plan.transformer.is_gguf,
+        passes=2 if family.takes_cfg(plan.contents.model_index) else 1,
         context_tokens=image_context_tokens(family, plan.configs.get("image_encoder")),
     )
 
@@ -350,7 +354,7 @@ def _gib(n: float) -> str:
 def basis(advice: Advice) -> list[str]:
     """How the numbers were estimated, in the output's words."""
     m = advice.model
-    passes = " × 2 passes (true CFG)" if m.family.true_cfg else ""
+    passes = " × 2 passes (true CFG)" if m.passes == 2 else ""
     image_encoder = f" and {m.context_tokens} image-encoder tokens" if m.context_tokens else ""
     beside = f" + the {' and '.join(m.denoise_components)} the denoise loads" if m.denoise_components else ""
     return [
@@ -402,7 +406,7 @@ def _options(
     text_tokens = _text_tokens(family) + model.context_tokens
     tokens = image_tokens + text_tokens
     hidden = hidden_size(config)
-    passes = 2 if family.true_cfg else 1
+    passes = model.passes
     one_gpu = passes * step_flops(config, model.transformer_parameters, tokens) / (box.tflops * 1e12)
     facts = TransformerFacts.from_config(config, families.tp_plan(config["_class_name"]))
     vae = model.vae_bytes  # small: it stays on its GPU through every stage
@@ -481,7 +485,7 @@ def _options(
                 passes * (tp_bytes + cp_bytes),
                 "TP in pairs of GPUs, the tokens split across the pairs",
             )
-        if family.true_cfg and n % 2 == 0:
+        if passes == 2 and n % 2 == 0:
             half = n // 2
             if p := plan("cfg_parallel", ring_degree=1, ulysses_degree=half):
                 # Each half runs one pass; the halves exchange the noise prediction once per step.

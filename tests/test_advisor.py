@@ -233,6 +233,19 @@ def test_tiny_model_folders(tmp_path) -> None:
         assert ("cfg_parallel (ulysses 1 per half)" in names) == (key == "qwenimage")
 
 
+@pytest.mark.parametrize("distilled", [True, False])
+def test_a_step_distilled_klein_runs_one_pass_a_step(tmp_path, distilled) -> None:
+    """FLUX.2 [klein] 4B / 9B are step-distilled (model_index.json's is_distilled): one transformer pass a step, no
+    cfg_parallel; their base models run true CFG, two passes, and cfg_parallel splits them."""
+    from parallel_runtime.families.flux2_klein.tiny import make_tiny_model as make_tiny_klein
+
+    model = read_model(make_tiny_klein(str(tmp_path / "klein"), distilled=distilled))
+    assert model.passes == (1 if distilled else 2)
+    advice = advise(model, parse_gpus("2x24GB,pcie"), 512, 512)
+    assert ("cfg_parallel (ulysses 1 per half)" in {o.name for o in advice.options}) is not distilled
+    assert ("× 2 passes (true CFG)" in advice.text()) is not distilled
+
+
 # Wan 2.1 I2V 14B, as its diffusers folder is published (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers): the transformer's
 # config, and the parameters of each component (counted on the meta device from the published configs: the transformer,
 # UMT5-XXL's encoder, the CLIP ViT-H/14 image encoder, the VAE), stored in bf16.

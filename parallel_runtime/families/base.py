@@ -229,6 +229,11 @@ class FamilyAdapter(abc.ABC):
         loader, clip_type, prompt_nodes = cls.comfy_text_encoder
         return f"{loader} (type {clip_type}) into {prompt_nodes}"
 
+    def takes_cfg(self, model_index: dict) -> bool:
+        """Whether the model whose ``model_index.json`` this is runs true CFG (two passes a step): the family's
+        ``true_cfg``, unless the checkpoint is step-distilled (FLUX.2 [klein]'s ``is_distilled``)."""
+        return self.true_cfg
+
     def cfg_refusal(self, model_dir: str, true_cfg_scale: float) -> str | None:
         """Why the model in ``model_dir`` takes no true CFG at ``true_cfg_scale`` although its family does (a
         step-distilled checkpoint), with the fix; None when it takes it. Read from the folder's configs only, so the

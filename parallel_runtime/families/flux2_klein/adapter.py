@@ -59,6 +59,9 @@ class Flux2Klein(Flux2):
     def denoise_components(self, references: bool) -> tuple[str, ...]:
         return ("vae",)  # also without references: its pipeline reads the VAE's batch-norm statistics
 
+    def takes_cfg(self, model_index: dict) -> bool:
+        return not _is_distilled(model_index)
+
     def cfg_refusal(self, model_dir: str, true_cfg_scale: float) -> str | None:
         if not _distilled(model_dir):
             return None
@@ -150,4 +153,8 @@ def _encode(pipe: Any, prompts: tuple[str, ...], max_sequence_length: int) -> to
 def _distilled(model_dir: str) -> bool:
     """The folder's ``is_distilled`` (``Flux2KleinPipeline``'s flag: a step-distilled model takes no guidance)."""
     with open(os.path.join(model_dir, "model_index.json")) as f:
-        return bool(json.load(f).get("is_distilled", False))
+        return _is_distilled(json.load(f))
+
+
+def _is_distilled(model_index: dict) -> bool:
+    return bool(model_index.get("is_distilled", False))
