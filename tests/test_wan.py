@@ -37,11 +37,17 @@ def wan_dir(models_root):
 
 
 def one_shot(
-    folder, seed: int = 3, batch_size: int = 1, guidance_scale_2: float | None = None, output_type: str = "pt"
+    folder,
+    seed: int = 3,
+    batch_size: int = 1,
+    guidance_scale_2: float | None = None,
+    output_type: str = "pt",
+    **overrides,
 ) -> torch.Tensor:
-    """WanPipeline's clips as an IMAGE [B·frames, H, W, 3] (with ``output_type="latent"``: its latents)."""
+    """WanPipeline's clips as an IMAGE [B·frames, H, W, 3] (with ``output_type="latent"``: its latents); ``overrides``
+    of ``WAN_CLIP``'s pipeline arguments (``width``, ``num_frames``, ...)."""
     second = {"guidance_scale_2": guidance_scale_2} if guidance_scale_2 is not None else {}
-    frames = wan_one_shot(folder, seed, batch_size, output_type, **second)
+    frames = wan_one_shot(folder, seed, batch_size, output_type, **second, **overrides)
     return frames if output_type == "latent" else frames.permute(0, 1, 3, 4, 2).flatten(0, 1)
 
 
@@ -211,6 +217,7 @@ SLOW_CASES = [
     ("ring", "wan21", "context_parallel", {"ring_degree": 2, "ulysses_degree": 1}, 2),
     ("ulysses_two_experts", "wan22", "context_parallel", {"ulysses_degree": 2}, 2),
     ("cfg_x_ulysses", "wan21", "cfg_parallel", {"ulysses_degree": 2}, 4),
+    ("unified", "wan21", "context_parallel", {"ring_degree": 2, "ulysses_degree": 2}, 4),
     ("tensor_parallel", "wan21", "tensor_parallel", {}, 2),
     ("tp_cp", "wan21", "tp_cp", {"tp_degree": 2, "ulysses_degree": 2}, 4),
     ("tp_cp_two_experts", "wan22", "tp_cp", {"tp_degree": 2, "ulysses_degree": 2}, 4),
@@ -222,6 +229,32 @@ SLOW_CASES = [
 @pytest.mark.parametrize("name, strategy, args, ranks", [c[1:] for c in SLOW_CASES], ids=[c[0] for c in SLOW_CASES])
 def test_more_strategies_match_one_shot(wan_dir, name, strategy, args, ranks):
     check(wan_dir, name, strategy, ranks=ranks, **args)
+
+
+ODD = {"width": 48, "height": 48, "length": 9}  # 3 latent frames of 3 × 3 patches: 27 tokens, odd
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [{"ulysses_degree": 2, "anything": True}, {"ring_degree": 2, "ulysses_degree": 1, "anything": True}],
+    ids=["ulysses_anything", "ring_anything"],
+)
+def test_anything_splits_a_clip_whose_tokens_do_not_divide(wan_dir, args):
+    """A clip whose video tokens do not divide over the ranks: refused by name without ``anything``, and with it split
+    unevenly (diffusers' ulysses_anything / ring_anything), equal to WanPipeline's clip."""
+    spec, model = backend(2), MODELS["wan21"]
+    with pytest.raises(InvalidInput, match="anything"):
+        wan_clip_latent(spec, model, "context_parallel", {**args, "anything": False}, **ODD)
+    latent = wan_clip_latent(spec, model, "context_parallel", args, **ODD)
+    frames = jobs.decode(spec, model=model, samples=latent)
+    sizes = {"width": ODD["width"], "height": ODD["height"], "num_frames": ODD["length"]}
+    reference = one_shot(wan_dir / model, **sizes)
+    assert frames.shape == reference.shape == (ODD["length"], ODD["height"], ODD["width"], 3)
+    diff = (frames - reference).abs().max().item()
+    print(f"wan21 context_parallel {args} on 27 tokens: max |diff| vs one-shot {diff:.3g}")
+    assert diff <= 1e-4
 
 
 # -- the decode over the ranks --------------------------------------------------------------------------------------
