@@ -261,8 +261,22 @@ def test_wan_transformer_constants_are_wan_videos_own(published, name):
     assert wan.MAX_SEQUENCE_LENGTH == published["shared"]["text_len"]
 
 
-def test_wan_sizes_are_named_by_wan21s_widths():
-    assert {WAN21["configs"][name]["dim"]: name.split("-")[1] for name in ("t2v-14B", "t2v-1.3B")} == wan.SIZES
+def test_wan_sizes_are_named_by_the_authors_widths():
+    sizes = [(WAN21, "t2v-14B"), (WAN21, "t2v-1.3B"), (WAN22, "ti2v-5B")]
+    assert {authors["configs"][name]["dim"]: name.split("-")[1] for authors, name in sizes} == wan.SIZES
+
+
+def test_wan22_ti2v_is_wan22s_own():
+    """TI2V-5B's shift, its VAE's strides (16× spatially, 4× in time) and 32-pixel tokens, and its transformer's
+    widths: the authors' config's."""
+    from parallel_runtime.families import family
+
+    config = WAN22["configs"]["ti2v-5B"]
+    ti2v = family("wan_ti2v")
+    assert wan.WAN22_TI2V_SHIFT == config["sample_shift"]
+    assert (ti2v.latent.temporal_downscale, ti2v.latent.downscale, ti2v.latent.downscale) == tuple(config["vae_stride"])
+    assert ti2v.pixels_per_token == config["vae_stride"][1] * config["patch_size"][1]
+    assert config["dim"] == wan.HEAD_DIM * config["num_heads"]
 
 
 def _wan_vae_shapes(vae: dict) -> dict[str, tuple[int, ...]]:
@@ -286,7 +300,7 @@ def test_wan_vae_config_is_wan21s_own():
     """Wan 2.1's VAE (Wan 2.2 A14B's too, and the VAE Qwen-Image's layout reads: ``families/qwenimage/files.py``):
     its shape and per-channel latent statistics, which diffusers' config needs and the file does not carry."""
     vae = WAN21["vae"]
-    assert all(WAN22["configs"][name]["vae_checkpoint"] == "Wan2.1_VAE.pth" for name in WAN22["configs"])
+    assert all(WAN22["configs"][name]["vae_checkpoint"] == "Wan2.1_VAE.pth" for name in ("t2v-A14B", "i2v-A14B"))
     ours = wan.vae_config(_wan_vae_shapes(vae))
     published = {
         "base_dim": vae["dim"],
